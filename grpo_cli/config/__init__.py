@@ -1,0 +1,1 @@
+"""Pydantic configuration: the only home of defaults, preset loading, overrides, plans."""

@@ -1,0 +1,77 @@
+"""Cross-field rules of `GRPOConfig`: each failure names the field and the fix, before any model loads."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grpo_cli.config.schema import GRPOConfig
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_batch(cfg: GRPOConfig) -> None:
+    t, world = cfg.train, cfg.distributed.num_processes * cfg.distributed.num_machines
+    if t.prompts_per_step % world:
+        valid = [p for p in range(world, 4 * world + 1, world)]
+        raise ValueError(
+            f"train.prompts_per_step={t.prompts_per_step} is not divisible by the {world} training processes, "
+            f"so prompt groups cannot be split evenly; use a multiple of {world}, e.g. {valid}."
+        )
+    per_rank = t.prompts_per_step // world * t.generations_per_prompt
+    if per_rank % t.micro_batch_size:
+        raise ValueError(
+            f"train.micro_batch_size={t.micro_batch_size} does not divide the {per_rank} sequences each process "
+            f"trains per step (prompts_per_step/processes x generations_per_prompt); valid values: "
+            f"{_divisors(per_rank)}."
+        )
+
+
+def _check_rollout(cfg: GRPOConfig) -> None:
+    r = cfg.rollout
+    if r.mode == "server" and not r.server.urls:
+        raise ValueError(
+            "rollout.server.urls is empty but rollout.mode is 'server': give the rollout server's address, "
+            "e.g. --set rollout.server.urls='[\"http://127.0.0.1:8000\"]' (start one with `grpo serve-rollout`)."
+        )
+    if r.mode != "server" and r.server.urls:
+        raise ValueError(
+            f"rollout.server.urls is set but rollout.mode is '{r.mode}': server URLs are used only in server "
+            "mode; set rollout.mode=server or remove the URLs."
+        )
+    if r.engine == "sglang" and r.mode != "server":
+        raise ValueError(
+            f"rollout.engine 'sglang' cannot run in mode '{r.mode}': SGLang runs as a separate server; "
+            "set rollout.mode=server and point rollout.server.urls at it (or use engine vllm for colocate)."
+        )
+    world = cfg.distributed.num_processes
+    tp = r.vllm.tensor_parallel_size
+    if r.engine == "vllm" and r.mode == "colocate" and world % tp:
+        raise ValueError(
+            f"rollout.vllm.tensor_parallel_size={tp} must divide distributed.num_processes={world} in colocate "
+            f"mode (each TP group is made of training processes); valid values: {_divisors(world)}."
+        )
+    if r.vllm.sleep_level and not (r.engine == "vllm" and r.mode == "colocate"):
+        raise ValueError(
+            "rollout.vllm.sleep_level applies only to rollout.engine=vllm in colocate mode; set it to 0."
+        )
+
+
+def _check_distributed(cfg: GRPOConfig) -> None:
+    d = cfg.distributed
+    if any(d.offload.model_dump().values()) and cfg.rollout.mode != "colocate":
+        raise ValueError(
+            "distributed.offload moves training state off the device while a colocated engine generates; "
+            f"with rollout.mode '{cfg.rollout.mode}' nothing shares the device, so turn the offload flags off."
+        )
+    if d.deepspeed.offload_params and d.deepspeed.zero_stage != 3:
+        raise ValueError("distributed.deepspeed.offload_params needs zero_stage 3; set zero_stage=3 or turn it off.")
+
+
+def check_rules(cfg: GRPOConfig) -> None:
+    """Raise ValueError (naming the field and the fix) when fields contradict each other."""
+    _check_batch(cfg)
+    _check_rollout(cfg)
+    _check_distributed(cfg)

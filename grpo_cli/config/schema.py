@@ -1,0 +1,245 @@
+"""The `GRPOConfig` model tree: every default and every field's documentation lives here."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from grpo_cli.config.algorithm import AlgorithmConfig
+from grpo_cli.config.base import Section
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ModelConfig(Section):
+    name_or_path: str = "builtin:tiny"
+    """Policy checkpoint: a local folder in Hugging Face format, a hub id already in the local cache, or
+    `builtin:tiny`, a 2-layer model and word-level tokenizer that grpo-cli builds on first use (no network)."""
+    dtype: DType = "float32"
+    """Training dtype of the policy (and reference) weights. Use float32 on CPU."""
+    attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    """Attention kernel used by the trainer's forward passes."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+
+
+class DataConfig(Section):
+    source: str = "builtin:words"
+    """Prompts: a `.jsonl` or `.parquet` file, a `datasets` folder saved with `save_to_disk`, or `builtin:NAME`
+    (`builtin:words`, `builtin:arith`)."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages ({role, content}) rendered with the
+    tokenizer's chat template."""
+    max_prompt_length: int = Field(128, ge=1)
+    """Longest prompt in tokens; longer prompts are handled per `overlong_prompts`."""
+    overlong_prompts: Literal["filter", "error"] = "filter"
+    """`filter` drops prompts longer than `max_prompt_length` (the count is printed); `error` stops."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (seeded by `train.seed`)."""
+
+
+class RewardFunctionConfig(Section):
+    name: str
+    """A built-in (`length`, `format`, `exact_match`, `math`) or a user function `module:function` /
+    `path/to/file.py:function` with signature `f(prompts, completions, **columns) -> list[float | None]`."""
+    weight: float = 1.0
+    """Weight of this function in the summed reward."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to the function (e.g. `target` for `length`, `pattern` for `format`)."""
+
+
+class RewardsConfig(Section):
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=lambda: [RewardFunctionConfig(name="length", kwargs={"target": 4})]
+    )
+    """Reward functions; their weighted sum is the reward that advantages normalise."""
+    on_error: Literal["raise", "skip"] = "raise"
+    """A reward function that raises: `raise` stops with the function and sample named; `skip` scores that
+    batch of the function as missing (None) and counts it in `rewards/errors`."""
+
+
+class VLLMConfig(Section):
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """Fraction of device memory vLLM may take (weights + KV cache) in colocate mode."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel size of each vLLM instance; must divide the number of training processes."""
+    sleep_level: Literal[0, 1, 2] = 0
+    """0: vLLM keeps its memory; 1: offload weights to host and free KV cache while training; 2: free both
+    (weights reloaded from the trainer at each sync). CUDA only; on CPU a notice is printed and 0 is used."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs (faster start, slower decode)."""
+    max_num_seqs: int | None = None
+    """Concurrent sequences in vLLM's scheduler; default: the sequences one rank generates per step."""
+    max_model_len: int | None = None
+    """Context length vLLM allocates for; default: `data.max_prompt_length + rollout.max_completion_length`."""
+    kv_cache_space_gib: float = Field(1.0, gt=0)
+    """CPU only: KV-cache size per process in GiB (sets VLLM_CPU_KVCACHE_SPACE)."""
+    verify_sync: bool = True
+    """After every weight sync, check the engine holds the new weights (checksum of probe tensors)."""
+
+
+class ServerConfig(Section):
+    urls: list[str] = Field(default_factory=list)
+    """Rollout servers (`grpo serve-rollout` or SGLang); generation is split across them round-robin."""
+    connect_timeout_s: float = Field(60.0, gt=0)
+    """How long to wait for `/health` at start before stopping with a message."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of one generate or weight-update call."""
+    retries: int = Field(3, ge=0)
+    """Retries (with exponential backoff) of idempotent calls."""
+    on_failure: Literal["stop", "wait"] = "stop"
+    """A server that dies mid-run: `stop` saves a checkpoint and exits; `wait` waits up to
+    `wait_for_recovery_s` for it to come back, then re-syncs weights and continues."""
+    wait_for_recovery_s: float = Field(300.0, gt=0)
+    """With `on_failure: wait`, how long to wait for a dead server."""
+    token_env: str = "GRPO_ROLLOUT_TOKEN"
+    """Environment variable holding the bearer token sent to the server (unset: no token)."""
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    """`hf`: transformers generate on the policy itself; `vllm`: vLLM; `sglang`: an SGLang server."""
+    mode: Literal["colocate", "server", "async"] = "colocate"
+    """`colocate`: the engine runs inside the training processes; `server`: a separate HTTP rollout server;
+    `async`: rollouts for step k+1 are generated while step k trains (Ray actors)."""
+    max_completion_length: int = Field(16, ge=1)
+    """Most tokens generated per completion."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer's logprobs use the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling; below 1 the sampler and trainer distributions differ (a warning is printed)."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling; 0 disables."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Rollout engine dtype; `auto` uses `model.dtype`."""
+    max_staleness: int = Field(1, ge=0)
+    """Async mode: how many optimizer steps a batch may lag behind the weights it is trained on."""
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """vLLM engine settings."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """Server mode settings."""
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=1)
+    """Optimizer steps to run (each on a freshly generated batch)."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts per optimizer step, over all processes."""
+    generations_per_prompt: int = Field(8, ge=2)
+    """Completions sampled per prompt (the group size G); at least 2."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward pass on one process; gradient accumulation covers the rest."""
+    learning_rate: float = Field(1e-6, gt=0)
+    """Peak AdamW learning rate."""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps from 0 to `learning_rate`."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this value; null disables clipping."""
+    seed: int = 0
+    """Seed of sampling, shuffling and initialisation."""
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A non-finite loss or gradient: `skip` the optimizer step (counted), or `stop`."""
+    max_consecutive_nonfinite: int = Field(3, ge=1)
+    """Stop after this many non-finite steps in a row, even with `skip`."""
+
+
+class DeepSpeedConfig(Section):
+    zero_stage: Literal[1, 2, 3] = 2
+    """ZeRO stage."""
+    offload_optimizer: bool = False
+    """Keep optimizer state on the CPU (ZeRO-Offload)."""
+    offload_params: bool = False
+    """ZeRO-3 only: keep parameters on the CPU."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with the backward pass."""
+    contiguous_gradients: bool = True
+    """Copy gradients into a contiguous buffer to avoid fragmentation."""
+
+
+class OffloadConfig(Section):
+    optimizer: bool = False
+    """Move optimizer state to host memory while the engine generates (colocate mode)."""
+    grads: bool = False
+    """Move gradients to host memory while the engine generates."""
+    params: bool = False
+    """Move policy parameters to host memory while the engine generates."""
+
+
+class DistributedConfig(Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`cuda` requires GPUs (and says how many are missing); `auto` uses CUDA when present."""
+    num_processes: int = Field(1, ge=1)
+    """Training processes per machine (one per GPU); >1 relaunches through `launcher`."""
+    num_machines: int = Field(1, ge=1)
+    """Machines in the job."""
+    rollout_gpus: int = Field(0, ge=0)
+    """GPUs per machine reserved for rollout actors (async mode, disaggregated)."""
+    launcher: Literal["accelerate", "torchrun"] = "accelerate"
+    """How multi-process runs are launched."""
+    backend: Literal["ddp", "deepspeed", "fsdp2"] = "ddp"
+    """Data/model parallel backend."""
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    """DeepSpeed settings (backend: deepspeed)."""
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    """Training-state offload while generating."""
+    weight_sync_bucket_mb: int = Field(512, ge=1)
+    """Size cap of one bucket of gathered parameters during weight sync."""
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Save every N steps (0: only at the end and on SIGINT/SIGTERM)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept; older ones are deleted after a new one is complete."""
+    resume: str | None = None
+    """`auto` (latest checkpoint in the output dir) or a checkpoint path."""
+
+
+class LoggingConfig(Section):
+    output_dir: str | None = None
+    """Run directory; default `runs/<preset>-<timestamp>`."""
+    progress: Literal["auto", "rich", "plain"] = "auto"
+    """Live rich view, plain lines, or `auto` (rich on a terminal, plain otherwise)."""
+    log_completions: int = Field(4, ge=0)
+    """Completions per step written to completions.jsonl."""
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    """Extra trackers (through accelerate)."""
+    stall_warning_minutes: float = Field(10.0, gt=0)
+    """Warn (and dump stacks) when one phase makes no progress for this long."""
+
+
+class GRPOConfig(Section):
+    preset: str | None = None
+    """Name of the preset this config started from (recorded for the run directory)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Prompt data."""
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    """Reward functions."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generation engine and sampling."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantages, objective, aggregation, KL and importance-sampling correction."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Batch sizes, optimizer, schedule."""
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """Processes, devices, parallelism and offload."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Progress display and logs."""
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> GRPOConfig:
+        from grpo_cli.config.rules import check_rules
+
+        check_rules(self)
+        return self

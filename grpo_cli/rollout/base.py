@@ -1,0 +1,67 @@
+"""The `RolloutEngine` protocol and the data every engine returns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to sample: `n` completions per prompt of at most `max_tokens` tokens; `top_k=0` disables top-k."""
+
+    n: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass
+class RolloutBatch:
+    """Completions of P prompts × n samples, group-contiguous: completion j belongs to prompt j // n.
+
+    `completion_ids` include the stop token when the sequence stopped (finish reason `stop`);
+    `sampler_logprobs[j][t]` is the engine's logprob of `completion_ids[j][t]` after temperature/top-k/top-p
+    processing (None when the engine cannot report them); `weight_version` is the version of the weights that
+    sampled the batch.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    finish_reasons: list[str]
+    sampler_logprobs: list[list[float]] | None = None
+    weight_version: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutError(RuntimeError):
+    """A rollout engine failed in a way the user can act on (message says how)."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from any engine (hf, vllm, server client, sglang client)."""
+
+    weight_version: int
+    shares_policy_weights: bool
+    """True when the engine generates with the trainer's own parameters (no sync needed)."""
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch: ...
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Temperature-1 logprob of each token after the first, given the tokens before it (weight-sync probes)."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def close(self) -> None: ...

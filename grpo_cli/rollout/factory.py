@@ -1,0 +1,72 @@
+"""Pick and build the rollout engine named by the config; heavy clients are imported only in their branch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from grpo_cli.rollout.base import RolloutEngine, SamplingParams
+
+if TYPE_CHECKING:
+    from grpo_cli.config.schema import GRPOConfig
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine needs to know about the training side."""
+
+    model_path: str
+    eos_token_ids: list[int]
+    pad_token_id: int
+    rank: int = 0
+    world_size: int = 1
+
+
+def sampling_params(cfg: GRPOConfig, *, seed: int | None) -> SamplingParams:
+    """Sampling parameters of one rollout step, from `rollout.*` and the group size."""
+    r = cfg.rollout
+    return SamplingParams(
+        n=cfg.train.generations_per_prompt,
+        max_tokens=r.max_completion_length,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        seed=seed,
+    )
+
+
+def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None) -> RolloutEngine:
+    """Build the engine for `cfg.rollout` (engine × mode). `policy` is the trainer's model (hf engine)."""
+    r = cfg.rollout
+    if r.mode == "server":
+        if r.engine == "sglang":
+            from grpo_cli.rollout.sglang_client import SGLangEngine
+
+            return SGLangEngine.from_config(cfg, ctx)
+        from grpo_cli.rollout.server_client import ServerEngine
+
+        return ServerEngine.from_config(cfg, ctx)
+    if r.engine == "vllm":
+        from grpo_cli.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_config(cfg, ctx)
+    return make_hf_engine(cfg, ctx, policy=policy)
+
+
+def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy) -> RolloutEngine:
+    """The hf engine shares the policy's weights unless `rollout.dtype` asks for a copy in another dtype."""
+    import torch
+
+    from grpo_cli.rollout.hf import HFEngine
+
+    dtype = cfg.rollout.dtype
+    if dtype == "auto" or getattr(torch, dtype) == next(policy.parameters()).dtype:
+        return HFEngine(policy, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
+                        shares_policy_weights=True)
+    import copy
+
+    copy_model = copy.deepcopy(policy).to(getattr(torch, dtype)).eval()
+    for p in copy_model.parameters():
+        p.requires_grad_(False)
+    return HFEngine(copy_model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
+                    shares_policy_weights=False)

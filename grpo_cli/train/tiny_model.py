@@ -1,0 +1,97 @@
+"""The built-in tiny checkpoint: a 2-layer Llama and a word-level tokenizer, built locally, never downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_NAME = "builtin:tiny"
+TINY_VERSION = 1
+SPECIAL = ["<pad>", "<eos>", "<unk>", "<system>", "<user>", "<assistant>"]
+WORDS = (
+    "zero one two three four five six seven eight nine ten plus minus times is what the a cat dog sun moon "
+    "red blue green big small run jump sing write count say hello world yes no and or to of in on up down "
+    "left right fast slow word words story tell me please answer number = ? . , !"
+).split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where built-in artefacts live: $GRPO_CLI_CACHE or ~/.cache/grpo-cli."""
+    return Path(os.environ.get("GRPO_CLI_CACHE", Path.home() / ".cache" / "grpo-cli"))
+
+
+def build_tokenizer(path: Path):
+    """Write a word-level fast tokenizer (whitespace split, space-joined decode) with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + WORDS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return tok
+
+
+def build_tiny_checkpoint(
+    path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, head_dim: int = 32, seed: int = 0
+) -> Path:
+    """Build a random-init Llama (fp32, head_dim 32 so vLLM accepts it) and its tokenizer at `path`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(path)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // head_dim,
+        num_key_value_heads=hidden_size // head_dim,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "grpo_cli_tiny.json").write_text(json.dumps({"version": TINY_VERSION, "seed": seed}))
+    return path
+
+
+def resolve_model_path(name: str) -> str:
+    """Map `builtin:tiny` to its cached folder (built once, atomically); other names pass through."""
+    if name != TINY_NAME:
+        return name
+    target = cache_dir() / f"tiny-v{TINY_VERSION}"
+    if (target / "grpo_cli_tiny.json").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        build_tiny_checkpoint(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
