@@ -1,1 +1,1 @@
-"""algo package."""
+"""Pure tensor math of GRPO: advantages, objectives, aggregation, KL, IS correction, mismatch metrics."""

@@ -22,6 +22,8 @@ LossPreset = Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo"]
 
 
 class AdvantageConfig(Section):
+    """Group-relative advantage A = (R - mean_group) / (std + epsilon) (outcome and process rewards)."""
+
     scale_rewards: ScaleRewards = "group"
     """How centred rewards are scaled: `group` divides by the group's std (Bessel) + epsilon, `batch` by the std
     of all rewards of the step (mean still per group), `none` does not divide (Dr. GRPO)."""
@@ -30,6 +32,8 @@ class AdvantageConfig(Section):
 
 
 class ObjectiveConfig(Section):
+    """Per-token policy objective and its clip ranges."""
+
     kind: ObjectiveKind = "clip"
     """Policy objective: `clip` (PPO clipped surrogate per token), `gspo` (clipped surrogate on the sequence
     ratio, geometric mean of token ratios), `gspo_token` (GSPO value with per-token gradients, allows token
@@ -54,6 +58,8 @@ class ObjectiveConfig(Section):
 
 
 class KLConfig(Section):
+    """KL penalty to the reference model, added per token (not IS-weighted)."""
+
     beta: float = Field(0.0, ge=0)
     """Weight of the per-token KL penalty to the reference model; 0 means no reference model is loaded."""
     estimator: KLEstimator = "k3"
@@ -69,6 +75,10 @@ _MODE_ALIASES: dict[str, tuple[str, str]] = {
 
 
 class ISCorrectionConfig(Section):
+    """Training/inference mismatch correction. Also accepts `mode:` token_truncate | token_mask |
+    sequence_truncate | sequence_mask (names used by TRL/ms-swift; sequence_* = sequence_product), which sets
+    `level` and `action`."""
+
     enabled: bool = True
     """Weight the per-token surrogate by the training/inference IS weight pi_old/pi_sampler when the engine
     reports sampler logprobs. Mismatch metrics are logged either way."""
@@ -90,6 +100,8 @@ class ISCorrectionConfig(Section):
             return data
         data = dict(data)
         mode = data.pop("mode")
+        if mode is None:
+            return data
         if mode not in _MODE_ALIASES:
             raise ValueError(f"is_correction.mode must be one of {sorted(_MODE_ALIASES)}, got {mode!r}")
         for key, value in zip(("level", "action"), _MODE_ALIASES[mode], strict=True):
@@ -145,11 +157,14 @@ def _merge(preset: dict[str, Any], user: dict[str, Any]) -> dict[str, Any]:
 
 
 class AlgorithmConfig(Section):
+    """The GRPO algorithm: advantages, objective, aggregation, KL and IS correction (DESIGN.md section 5)."""
+
     loss: LossPreset | None = None
     """Named loss preset filling the fields below that are not set explicitly:
     `grpo` = seq_mean_token_mean + clip (DeepSeekMath); `bnpo` = token_mean_local (mean over the micro-batch's
     tokens); `dr_grpo` = seq_mean_token_sum_norm + scale_rewards none (Dr. GRPO); `dapo` = token_mean +
-    epsilon_high 0.28 (clip-higher); `gspo` = objective gspo + seq_mean_token_mean + epsilon 3e-4/4e-4."""
+    epsilon_high 0.28 (clip-higher); `gspo` = objective gspo + seq_mean_token_mean + epsilon 3e-4/4e-4.
+    The other four also set objective.kind clip."""
     aggregation: Aggregation = "token_mean"
     """How per-token losses become the step loss: `token_mean` = sum / valid tokens of the whole step (all
     micro-batches and ranks); `token_mean_local` = mean over each micro-batch's valid tokens (bnpo);

@@ -1,1 +1,1 @@
-"""data package."""
+"""Prompt datasets: files, saved `datasets` folders, built-in tasks; tokenisation and length policy."""

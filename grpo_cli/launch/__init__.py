@@ -1,1 +1,1 @@
-"""launch package."""
+"""Launching: accelerate/torchrun command lines, process groups, device capability checks."""

@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from grpo_cli.config.errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
@@ -40,7 +42,7 @@ class RolloutBatch:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-class RolloutError(RuntimeError):
+class RolloutError(UserError, RuntimeError):
     """A rollout engine failed in a way the user can act on (message says how)."""
 
 

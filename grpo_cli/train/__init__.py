@@ -1,1 +1,1 @@
-"""train package."""
+"""Training orchestration: the loop, the policy, weight sync, offload, checkpoints."""

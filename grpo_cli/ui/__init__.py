@@ -1,1 +1,1 @@
-"""ui package."""
+"""Terminal output; the only package that imports rich."""

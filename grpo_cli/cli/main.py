@@ -1,0 +1,153 @@
+"""The `grpo` command. Each command parses, loads the config and calls one function; torch loads only inside."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from grpo_cli import __version__
+from grpo_cli.config.errors import UserError
+
+app = typer.Typer(
+    name="grpo", help="Post-train language models with GRPO.", no_args_is_help=True,
+    pretty_exceptions_show_locals=False, add_completion=False,
+)
+presets_app = typer.Typer(help="List and show the shipped presets.", no_args_is_help=True)
+config_app = typer.Typer(help="Check config files.", no_args_is_help=True)
+app.add_typer(presets_app, name="presets")
+app.add_typer(config_app, name="config")
+
+PresetArg = Annotated[Optional[str], typer.Argument(help="Preset name (default tiny-cpu); see `grpo presets list`.")]
+PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="Preset name (same as the argument).")]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML file merged over the preset.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override: --set train.learning_rate=1e-5")]
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Print user errors as one paragraph on stderr and exit 2; programming errors keep their traceback."""
+    try:
+        yield
+    except UserError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _load(preset_arg, preset_opt, config, overrides):
+    from grpo_cli.config.load import ConfigError, build_config
+
+    if preset_arg and preset_opt and preset_arg != preset_opt:
+        raise ConfigError(f"two presets given ('{preset_arg}' and --preset '{preset_opt}'); give one.")
+    return build_config(preset_opt or preset_arg, config, overrides or [])
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"grpo-cli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show version.")] = False,
+) -> None:
+    """grpo: GRPO post-training — colocated vLLM, rollout servers, async, mismatch correction."""
+
+
+@app.command()
+def train(
+    preset: PresetArg = None,
+    preset_opt: PresetOpt = None,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Run directory.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print config, plan and launch command; run nothing.")] = False,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Processes per machine (= distributed.num_processes).")] = None,
+    worker: Annotated[bool, typer.Option("--worker", hidden=True, help="Internal: run as a launched worker.")] = False,
+) -> None:
+    """Train with GRPO. With no arguments, runs the built-in tiny-cpu preset (no download, a few minutes on CPU)."""
+    with user_errors():
+        extra = [f"distributed.num_processes={nproc}"] if nproc else []
+        cfg = _load(preset, preset_opt, config, [*(overrides or []), *extra])
+        from grpo_cli.cli.train_cmd import run_train
+
+        code = run_train(cfg, output_dir=output_dir, dry_run=dry_run, worker=worker,
+                         argv=sys.argv[1:])
+    raise typer.Exit(code)
+
+
+@app.command()
+def plan(
+    preset: PresetArg = None,
+    preset_opt: PresetOpt = None,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory to check the plan against, e.g. 80GiB.")] = None,
+) -> None:
+    """Print the batch plan and a per-GPU memory estimate for the chosen mode."""
+    with user_errors():
+        cfg = _load(preset, preset_opt, config, overrides)
+        from grpo_cli.config.plan import parse_size, render_plan
+
+        typer.echo(render_plan(cfg, gpu_mem=parse_size(gpu_mem) if gpu_mem else None))
+
+
+@presets_app.command("list")
+def presets_list() -> None:
+    """Shipped presets with a one-line description each."""
+    from grpo_cli.config.load import list_presets
+
+    for name, desc in list_presets().items():
+        typer.echo(f"{name:28s} {desc}")
+
+
+@presets_app.command("show")
+def presets_show(name: Annotated[str, typer.Argument(help="Preset name.")]) -> None:
+    """The resolved config of a preset as YAML, each field with its documentation."""
+    with user_errors():
+        from grpo_cli.config.docs import documented_yaml
+        from grpo_cli.config.load import build_config
+
+        typer.echo(documented_yaml(build_config(name)))
+
+
+@config_app.command("validate")
+def config_validate(
+    file: Annotated[Path, typer.Argument(help="YAML config file.")],
+    preset: PresetOpt = None,
+    overrides: SetOpt = None,
+) -> None:
+    """Validate a config file (merged over a preset); exit 0 when valid, 2 with the reason otherwise."""
+    with user_errors():
+        cfg = _load(None, preset, file, overrides)
+        typer.echo(f"{file}: valid (preset {cfg.preset})")
+
+
+def _register_optional_commands() -> None:
+    """Commands whose modules other packages provide; each module imports nothing heavy at load time."""
+    from importlib import import_module
+
+    for module, attr, name in [
+        ("grpo_cli.cli.serve", "serve_rollout", "serve-rollout"),
+        ("grpo_cli.cli.diagnose", "diagnose_mismatch", "diagnose-mismatch"),
+        ("grpo_cli.cli.doctor", "doctor", "doctor"),
+        ("grpo_cli.cli.report", "report", "report"),
+    ]:
+        try:
+            fn = getattr(import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        app.command(name)(fn)
+
+
+_register_optional_commands()
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,53 @@
+"""Body of `grpo train`: dry-run printout, relaunch through accelerate/torchrun, or run in this process."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import typer
+
+from grpo_cli.config.errors import UserError
+from grpo_cli.config.load import dump_config
+from grpo_cli.config.plan import render_plan, required_gpus
+from grpo_cli.config.schema import GRPOConfig
+from grpo_cli.launch.command import launch_command
+
+
+def check_gpus(cfg: GRPOConfig) -> None:
+    """Stop at once when the preset needs CUDA GPUs this machine lacks."""
+    needed = required_gpus(cfg)
+    if not needed:
+        return
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < needed:
+        raise UserError(
+            f"preset '{cfg.preset}' needs {needed} CUDA GPUs, found {found}. Run it on a machine with the GPUs, "
+            "use `--dry-run` to see its plan and launch command, or start with the CPU preset `grpo train tiny-cpu`."
+        )
+
+
+def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker: bool, argv: list[str]) -> int:
+    """Exit code of the training command."""
+    cmd = launch_command(cfg, argv)
+    if dry_run:
+        typer.echo("# resolved config\n" + dump_config(cfg))
+        typer.echo(render_plan(cfg, gpu_mem=None))
+        typer.echo("\n# launch command\n" + (" ".join(cmd) if cmd else "(single process: runs in this process)"))
+        return 0
+    check_gpus(cfg)
+    if cmd and not worker:
+        typer.echo("launching: " + " ".join(cmd))
+        return subprocess.call(cmd)
+    from grpo_cli.train.run import run_training
+    from grpo_cli.ui.progress import ProgressView
+
+    with ProgressView(cfg.train.steps, mode=cfg.logging.progress) as view:
+        summary = run_training(cfg, output_dir=str(output_dir) if output_dir else None, reporter=view)
+        view.message(
+            f"done: {summary['steps']} steps; mean reward first 10% = {summary['reward_first_10pct']:.3f}, "
+            f"last 10% = {summary['reward_last_10pct']:.3f}; run dir {summary['output_dir']}"
+        )
+    return 0

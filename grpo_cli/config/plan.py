@@ -1,0 +1,130 @@
+"""`grpo plan`: the resolved batch plan and a per-GPU memory estimate, computed from the config alone."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_cli.config.errors import UserError
+from grpo_cli.config.schema import GRPOConfig
+
+GIB = 1024**3
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def parse_size(text: str) -> float:
+    """'80GiB' / '80GB' / '80G' / '81920MiB' → bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise UserError(f"--gpu-mem '{text}' is not a size; write it like 80GiB or 24GB.")
+    unit = {"": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}[m.group(2).upper()]
+    return float(m.group(1)) * unit
+
+
+def required_gpus(cfg: GRPOConfig) -> int:
+    """CUDA GPUs one machine needs: training processes plus reserved rollout GPUs (0 on `device: cpu/auto`)."""
+    d = cfg.distributed
+    return d.num_processes + d.rollout_gpus if d.device == "cuda" else 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: float
+    hidden: int
+    layers: int
+    kv_dim: int
+
+
+def model_shape(name: str) -> ModelShape:
+    """From a local config.json when there is one; otherwise from the size in the name ('7B') with typical
+    Qwen2.5 shapes; the built-in tiny model is known."""
+    cfg_path = Path(name) / "config.json"
+    if cfg_path.exists():
+        c = json.loads(cfg_path.read_text())
+        h, n_layers, v, inter = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
+        head = c.get("head_dim") or h // c["num_attention_heads"]
+        kv = head * c.get("num_key_value_heads", c["num_attention_heads"])
+        per_layer = h * h * 2 + 2 * h * kv + 3 * h * inter + 2 * h
+        emb = v * h * (1 if c.get("tie_word_embeddings") else 2)
+        return ModelShape(n_layers * per_layer + emb, h, n_layers, kv)
+    if name == "builtin:tiny":
+        return ModelShape(9.1e4, 64, 2, 64)
+    m = re.search(r"(\d+(?:\.\d+)?)B", name, re.IGNORECASE)
+    billions = float(m.group(1)) if m else 1.0
+    known = {0.5: (896, 24, 128), 1.5: (1536, 28, 256), 3: (2048, 36, 256), 7: (3584, 28, 512),
+             14: (5120, 48, 1024), 32: (5120, 64, 1024), 72: (8192, 80, 1024)}
+    h, n_layers, kv = known.get(billions, min(known.items(), key=lambda kv_: abs(kv_[0] - billions))[1])
+    return ModelShape(billions * 1e9, h, n_layers, kv)
+
+
+def batch_plan(cfg: GRPOConfig) -> dict[str, int]:
+    t, d = cfg.train, cfg.distributed
+    world = d.num_processes * d.num_machines
+    per_rank = t.prompts_per_step // world * t.generations_per_prompt
+    return {
+        "processes": world,
+        "prompts_per_step": t.prompts_per_step,
+        "generations_per_prompt": t.generations_per_prompt,
+        "sequences_per_step": t.prompts_per_step * t.generations_per_prompt,
+        "prompts_per_process": t.prompts_per_step // world,
+        "sequences_per_process": per_rank,
+        "micro_batch_size": t.micro_batch_size,
+        "gradient_accumulation": per_rank // t.micro_batch_size,
+        "optimizer_steps_per_step": cfg.algorithm.num_iterations,
+        "max_sequence_length": cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
+    }
+
+
+def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
+    """Bytes per GPU for each item of the training and generation phases (rough; activations are an estimate)."""
+    shape, d = model_shape(cfg.model.name_or_path), cfg.distributed
+    p, world, wbytes = shape.params, d.num_processes * d.num_machines, BYTES[cfg.model.dtype]
+    zero = d.deepspeed.zero_stage if d.backend == "deepspeed" else (3 if d.backend == "fsdp2" else 0)
+    master = 4 if wbytes < 4 else 0
+    out = {
+        "weights": p * wbytes / (world if zero >= 3 else 1),
+        "gradients": p * wbytes / (world if zero >= 2 else 1),
+        "optimizer": 0.0 if d.deepspeed.offload_optimizer and zero else p * (8 + master) / (world if zero >= 1 else 1),
+    }
+    if cfg.algorithm.kl.beta > 0:
+        out["reference"] = p * wbytes / (world if zero >= 3 else 1)
+    seq = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
+    factor = 2 if cfg.model.gradient_checkpointing else 16
+    out["activations"] = cfg.train.micro_batch_size * seq * shape.hidden * shape.layers * wbytes * factor
+    if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate":
+        tp = cfg.rollout.vllm.tensor_parallel_size
+        budget = cfg.rollout.vllm.gpu_memory_utilization * (gpu_mem or 80 * GIB)
+        out["vllm_weights"] = p * wbytes / tp
+        out["vllm_kv_cache"] = max(0.0, budget - out["vllm_weights"])
+    return out
+
+
+def _peak(cfg: GRPOConfig, mem: dict[str, float]) -> float:
+    """Sleep level 0: training and vLLM memory add up. Sleep ≥ 1: vLLM releases its memory while training, so
+    the peak is the larger of training and (vLLM + the training state left on the device while generating)."""
+    vllm = mem.get("vllm_weights", 0.0) + mem.get("vllm_kv_cache", 0.0)
+    train = sum(v for k, v in mem.items() if not k.startswith("vllm"))
+    if cfg.rollout.vllm.sleep_level == 0:
+        return train + vllm
+    off = cfg.distributed.offload
+    resident = {"weights": not off.params, "gradients": not off.grads, "optimizer": not off.optimizer,
+                "reference": True}
+    static = sum(mem.get(k, 0.0) for k, keep in resident.items() if keep)
+    return max(train, vllm + static)
+
+
+def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None) -> str:
+    lines = ["# batch plan"]
+    lines += [f"  {k:28s} {v}" for k, v in batch_plan(cfg).items()]
+    mem = memory_plan(cfg, gpu_mem)
+    lines.append(f"# memory per GPU (estimate; mode {cfg.rollout.mode}, engine {cfg.rollout.engine}, "
+                 f"backend {cfg.distributed.backend})")
+    lines += [f"  {k:28s} {v / GIB:8.2f} GiB" for k, v in mem.items()]
+    peak = _peak(cfg, mem)
+    lines.append(f"  {'peak':28s} {peak / GIB:8.2f} GiB")
+    if gpu_mem:
+        verdict = "fits" if peak <= gpu_mem * 0.95 else "does NOT fit"
+        lines.append(f"# verdict: {verdict} in {gpu_mem / GIB:.0f} GiB (5% headroom)")
+    return "\n".join(lines)

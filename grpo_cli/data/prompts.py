@@ -1,0 +1,86 @@
+"""Tokenised prompts with a resumable, seeded cursor over epochs."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from grpo_cli.data.sources import DataError
+
+
+@dataclass
+class Prompt:
+    """One prompt: its text (as the reward functions see it), token ids and the row's other columns."""
+
+    text: str
+    ids: list[int]
+    columns: dict
+
+
+def render(tokenizer, value, column: str) -> str:
+    """Chat messages through the tokenizer's chat template; plain strings as they are."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+        return tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
+    raise DataError(f"data.prompt_column '{column}' must hold a string or a list of chat messages "
+                    f"({{role, content}}); got {type(value).__name__}.")
+
+
+def tokenize_prompts(rows: list[dict], tokenizer, *, prompt_column: str, max_prompt_length: int,
+                     overlong_prompts: str) -> tuple[list[Prompt], int]:
+    """Tokenise every row; prompts longer than `max_prompt_length` are dropped (`filter`) or rejected (`error`).
+    Returns the prompts kept and the number dropped."""
+    if rows and prompt_column not in rows[0]:
+        raise DataError(f"data.prompt_column '{prompt_column}' is not a column of the data (columns: "
+                        f"{sorted(rows[0])}); set data.prompt_column to the one holding the prompt.")
+    kept, dropped = [], 0
+    for i, row in enumerate(rows):
+        text = render(tokenizer, row[prompt_column], prompt_column)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_length:
+            if overlong_prompts == "error":
+                raise DataError(f"prompt {i} has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}; "
+                                "raise the limit or set data.overlong_prompts=filter.")
+            dropped += 1
+            continue
+        kept.append(Prompt(text=text, ids=ids, columns={k: v for k, v in row.items() if k != prompt_column}))
+    if not kept:
+        raise DataError(f"no prompt fits data.max_prompt_length={max_prompt_length} ({dropped} dropped); raise it.")
+    return kept, dropped
+
+
+@dataclass
+class PromptCursor:
+    """Yields `take(k)` prompts in a per-epoch shuffled order; (epoch, index) is all its state (checkpointed)."""
+
+    prompts: list[Prompt]
+    seed: int
+    shuffle: bool
+    epoch: int = 0
+    index: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def _epoch_order(self) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[Prompt]:
+        out = []
+        while len(out) < k:
+            if not self._order:
+                self._order = self._epoch_order()
+            if self.index >= len(self._order):
+                self.epoch, self.index, self._order = self.epoch + 1, 0, []
+                continue
+            out.append(self.prompts[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index, self._order = state["epoch"], state["index"], []

@@ -1,0 +1,60 @@
+"""The exact accelerate/torchrun command a multi-process `grpo train` relaunches itself with."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from grpo_cli.config.schema import GRPOConfig
+
+
+def deepspeed_config(cfg: GRPOConfig) -> dict:
+    """DeepSpeed JSON for `distributed.deepspeed` (batch sizes filled by accelerate: "auto")."""
+    ds = cfg.distributed.deepspeed
+    zero: dict = {"stage": ds.zero_stage, "overlap_comm": ds.overlap_comm,
+                  "contiguous_gradients": ds.contiguous_gradients}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if ds.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "fp16": {"enabled": cfg.model.dtype == "float16"},
+        "gradient_clipping": cfg.train.max_grad_norm or 0.0,
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+    }
+
+
+def _worker_args(argv: list[str]) -> list[str]:
+    """The user's `grpo ...` arguments, minus --dry-run, plus --worker."""
+    args = [a for a in argv if a != "--dry-run"]
+    return [*args, "--worker"]
+
+
+def launch_command(cfg: GRPOConfig, argv: list[str]) -> list[str]:
+    """[] for a single process; otherwise the accelerate or torchrun command running `python -m grpo_cli`."""
+    d = cfg.distributed
+    if d.num_processes * d.num_machines == 1:
+        return []
+    worker = ["-m", "grpo_cli", *_worker_args(argv)]
+    if d.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.num_processes}",
+                f"--nnodes={d.num_machines}", *worker]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes",
+           str(d.num_processes * d.num_machines), "--num_machines", str(d.num_machines)]
+    if d.device != "cuda":
+        cmd.append("--cpu")
+    cmd += ["--mixed_precision", {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.model.dtype, "no")]
+    if d.backend == "deepspeed":
+        cmd += ["--use_deepspeed", "--deepspeed_config_file", "deepspeed.json"]
+    elif d.backend == "fsdp2":
+        cmd += ["--use_fsdp", "--fsdp_version", "2"]
+    return [*cmd, *worker]
+
+
+def deepspeed_json(cfg: GRPOConfig) -> str:
+    return json.dumps(deepspeed_config(cfg), indent=2)

@@ -1,0 +1,97 @@
+"""Resolve reward names to callables and score a batch, with errors that name the function and the sample."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math as _math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_cli.config.errors import UserError
+from grpo_cli.rewards.builtin import BUILTIN_REWARDS
+
+
+class RewardError(UserError):
+    """A reward function is missing, raised, or returned the wrong thing; the message says which and where."""
+
+
+@dataclass(frozen=True)
+class RewardFn:
+    """A resolved reward function with its configured name, weight and keyword arguments."""
+
+    name: str
+    fn: Callable
+    weight: float
+    kwargs: dict
+
+
+def resolve(name: str) -> Callable:
+    """`length` → built-in; `pkg.mod:fn` → imported; `path/to/file.py:fn` → loaded from the file."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    target, sep, attr = name.rpartition(":")
+    if not sep or not target or not attr:
+        raise RewardError(f"reward '{name}' is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor of the form "
+                          "module:function or path/to/file.py:function.")
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.exists():
+                raise RewardError(f"reward '{name}': file {path} does not exist.")
+            spec = importlib.util.spec_from_file_location(f"grpo_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except RewardError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code failing at import is a user error
+        raise RewardError(f"reward '{name}': importing {target} failed: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardError(f"reward '{name}': {target} has no function '{attr}'.")
+    return fn
+
+
+def build_reward_fns(functions) -> list[RewardFn]:
+    """Resolve every `rewards.functions` entry (fails before training starts)."""
+    return [RewardFn(f.name, resolve(f.name), f.weight, dict(f.kwargs)) for f in functions]
+
+
+def _check_output(rf: RewardFn, values, n: int, completions: list[str]) -> list[float]:
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+        raise RewardError(f"reward '{rf.name}' returned {got} for {n} completions; it must return one float "
+                          f"(or None) per completion. First completion: {completions[0]!r}")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(_math.nan)
+        elif isinstance(v, (int, float)) and _math.isfinite(v):
+            out.append(float(v))
+        else:
+            raise RewardError(f"reward '{rf.name}' returned {v!r} for sample {i} ({completions[i]!r}); "
+                              "rewards must be finite numbers or None.")
+    return out
+
+
+def score(fns: list[RewardFn], prompts: list[str], completions: list[str], columns: dict[str, list],
+          *, on_error: str) -> tuple[list[list[float]], int]:
+    """Rewards (B, F) as nested lists with NaN for None, and the number of function calls that raised and were
+    skipped (`on_error: skip`)."""
+    table, errors = [], 0
+    for rf in fns:
+        try:
+            values = rf.fn(prompts, completions, **columns, **rf.kwargs)
+        except Exception as exc:  # noqa: BLE001 - user code: report which function and sample
+            if on_error == "skip":
+                errors += 1
+                table.append([_math.nan] * len(completions))
+                continue
+            raise RewardError(f"reward '{rf.name}' raised {type(exc).__name__}: {exc} while scoring a batch of "
+                              f"{len(completions)} completions (first prompt: {prompts[0]!r}, first completion: "
+                              f"{completions[0]!r}). Fix the function or set rewards.on_error=skip.") from exc
+        table.append(_check_output(rf, values, len(completions), completions))
+    return [list(row) for row in zip(*table)], errors

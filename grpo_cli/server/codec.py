@@ -1,0 +1,207 @@
+"""Weight frames: named tensors as a stream of safetensors blobs, each framed with its length and SHA-256.
+
+Never pickle: a frame's header is JSON (names, dtypes, shapes, offsets) and its data raw little-endian bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+MAGIC = b"GRW1"
+_PREFIX = struct.Struct("<4sQ32s")  # magic, blob length, sha256(blob)
+MAX_HEADER_BYTES = 100 << 20  # the safetensors spec's own limit
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_CODES = {v: k for k, v in DTYPES.items()}
+
+
+class FrameError(ValueError):
+    """A weight stream that does not decode: the message says which frame and what is wrong."""
+
+
+def _blob_header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors:
+        if t.dtype not in _CODES:
+            raise FrameError(f"tensor {name!r}: dtype {t.dtype} cannot be sent (supported: {sorted(_CODES.values(), key=str)})")
+        header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # 8-byte alignment of the data section, as safetensors writers do
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def encode_frame(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> list[memoryview | bytes]:
+    """One frame as pieces to send in order (no copy of tensor data): prefix, safetensors header, tensor bytes."""
+    header = _blob_header(tensors, metadata)
+    pieces = [header, *(_as_bytes(t) for _, t in tensors)]
+    digest = hashlib.sha256()
+    for p in pieces:
+        digest.update(p)
+    length = sum(len(p) for p in pieces)
+    return [_PREFIX.pack(MAGIC, length, digest.digest()), *pieces]
+
+
+def _prepare(name: str, t: torch.Tensor, seen: set[int]) -> torch.Tensor:
+    t = t.detach().to("cpu").contiguous()
+    if t.data_ptr() in seen and t.numel():  # tied weights: send a copy, the receiver loads both names
+        t = t.clone()
+    seen.add(t.data_ptr())
+    return t
+
+
+def encode_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int, version: int
+) -> Iterator[list[memoryview | bytes]]:
+    """Frames of at most ~`chunk_bytes` each (a bigger tensor gets a frame of its own), then an end frame
+    whose metadata carries the counts the receiver checks."""
+    batch: list[tuple[str, torch.Tensor]] = []
+    size = count = frames = 0
+    seen: set[int] = set()
+    for name, tensor in named_tensors:
+        t = _prepare(name, tensor, seen)
+        if batch and size + t.nbytes > chunk_bytes:
+            yield encode_frame(batch, {"grpo_frame": "data", "index": str(frames), "version": str(version)})
+            frames, batch, size = frames + 1, [], 0
+        batch.append((name, t))
+        size += t.nbytes
+        count += 1
+    if batch:
+        yield encode_frame(batch, {"grpo_frame": "data", "index": str(frames), "version": str(version)})
+        frames += 1
+    yield encode_frame([], {"grpo_frame": "end", "frames": str(frames), "tensors": str(count), "version": str(version)})
+
+
+@dataclass
+class Frame:
+    metadata: dict[str, str]
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def is_end(self) -> bool:
+        return self.metadata.get("grpo_frame") == "end"
+
+
+def decode_blob(blob: bytearray, *, index: int) -> Frame:
+    """Parse one safetensors blob strictly (dtype whitelist, contiguous in-bounds offsets); tensors view `blob`."""
+    where = f"weight frame {index}"
+    if len(blob) < 8:
+        raise FrameError(f"{where}: {len(blob)} bytes is too short for a safetensors header")
+    (hlen,) = struct.unpack_from("<Q", blob)
+    if hlen > min(MAX_HEADER_BYTES, len(blob) - 8):
+        raise FrameError(f"{where}: header length {hlen} exceeds the frame")
+    try:
+        header = json.loads(bytes(blob[8 : 8 + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FrameError(f"{where}: header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise FrameError(f"{where}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise FrameError(f"{where}: __metadata__ must map strings to strings")
+    data_start, end = 8 + hlen, 0
+    frame = Frame(metadata=metadata)
+    for name, info in sorted(header.items(), key=lambda kv: _offsets(kv, where)[0]):
+        begin, stop = _offsets((name, info), where)
+        dtype = DTYPES.get(info.get("dtype"))
+        shape = info.get("shape")
+        if dtype is None:
+            raise FrameError(f"{where}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise FrameError(f"{where}: tensor {name!r} has invalid shape {shape!r}")
+        numel = 1
+        for s in shape:
+            numel *= s
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if begin != end or stop - begin != numel * itemsize:
+            raise FrameError(f"{where}: tensor {name!r} offsets [{begin}, {stop}) do not match its shape/dtype")
+        end = stop
+        if numel:
+            flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=data_start + begin)
+        else:
+            flat = torch.empty(0, dtype=dtype)
+        frame.tensors.append((name, flat.view(shape)))
+    if data_start + end != len(blob):
+        raise FrameError(f"{where}: {len(blob) - data_start - end} trailing bytes after the last tensor")
+    return frame
+
+
+def _offsets(item: tuple[str, object], where: str) -> tuple[int, int]:
+    name, info = item
+    offs = info.get("data_offsets") if isinstance(info, dict) else None
+    if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs) and 0 <= offs[0] <= offs[1]):
+        raise FrameError(f"{where}: tensor {name!r} has invalid data_offsets {offs!r}")
+    return offs[0], offs[1]
+
+
+class FrameReader:
+    """Incremental decoder: `feed(bytes)` returns the frames completed so far; `finish()` checks nothing is left.
+
+    Holds at most one frame in memory; rejects a frame longer than `max_frame_bytes` before buffering it."""
+
+    def __init__(self, *, max_frame_bytes: int) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._prefix = bytearray()
+        self._blob: bytearray | None = None
+        self._filled = 0
+        self._expect: tuple[int, bytes] = (0, b"")
+        self.frames = 0
+        self.bytes = 0
+
+    def feed(self, data: bytes) -> list[Frame]:
+        out: list[Frame] = []
+        view = memoryview(data)
+        self.bytes += len(data)
+        while len(view):
+            if self._blob is None:
+                take = min(_PREFIX.size - len(self._prefix), len(view))
+                self._prefix += view[:take]
+                view = view[take:]
+                if len(self._prefix) == _PREFIX.size:
+                    self._start_blob()
+            if self._blob is not None:
+                take = min(len(self._blob) - self._filled, len(view))
+                self._blob[self._filled : self._filled + take] = view[:take]
+                self._filled += take
+                view = view[take:]
+                if self._filled == len(self._blob):
+                    out.append(self._finish_blob())
+        return out
+
+    def _start_blob(self) -> None:
+        magic, length, digest = _PREFIX.unpack(bytes(self._prefix))
+        if magic != MAGIC:
+            raise FrameError(f"weight frame {self.frames}: bad magic {magic!r} (expected {MAGIC!r}); "
+                             "the body must be a grpo weight stream")
+        if length > self.max_frame_bytes:
+            raise FrameError(f"weight frame {self.frames}: {length} bytes exceeds the server limit of "
+                             f"{self.max_frame_bytes} bytes (lower the client's chunk size or raise --max-frame-mb)")
+        self._blob, self._filled, self._expect = bytearray(length), 0, (length, digest)
+        self._prefix.clear()
+
+    def _finish_blob(self) -> Frame:
+        blob, self._blob = self._blob, None
+        if hashlib.sha256(blob).digest() != self._expect[1]:
+            raise FrameError(f"weight frame {self.frames}: checksum mismatch (corrupted in transit)")
+        frame = decode_blob(blob, index=self.frames)
+        self.frames += 1
+        return frame
+
+    def finish(self) -> None:
+        if self._blob is not None or self._prefix:
+            raise FrameError(f"weight stream ended inside frame {self.frames} (client disconnected or truncated body)")

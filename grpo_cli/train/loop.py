@@ -1,0 +1,167 @@
+"""The GRPO loop: rollout → reward → advantage → old/ref logprobs → loss → optimizer step → weight sync."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo_cli.config.schema import GRPOConfig
+from grpo_cli.data.prompts import PromptCursor
+from grpo_cli.launch.dist import DistInfo, all_reduce_sum, mean_metrics
+from grpo_cli.rewards.resolve import RewardFn
+from grpo_cli.rollout.base import RolloutEngine
+from grpo_cli.rollout.factory import sampling_params
+from grpo_cli.train.batch import TrainBatch, build_batch
+from grpo_cli.train.policy import Policy
+from grpo_cli.train.rewards_phase import decode_completions, reward_step
+from grpo_cli.train.step import NonFiniteStep, batch_logprobs, optimizer_step
+from grpo_cli.train.timing import PhaseTimer, peak_rss_mb
+
+StepCallback = Callable[[int, dict[str, float], list[dict]], None]
+
+
+@dataclass
+class LoopState:
+    """What advances every step (checkpointed with the policy)."""
+
+    step: int = 0
+    weight_version: int = 0
+    nonfinite_streak: int = 0
+    skipped_steps: int = 0
+    reward_history: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Trainer:
+    """The parts the loop drives. `on_step(step, metrics, samples)` renders and logs (rank 0)."""
+
+    cfg: GRPOConfig
+    policy: Policy
+    engine: RolloutEngine
+    cursor: PromptCursor
+    reward_fns: list[RewardFn]
+    dist: DistInfo
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    sync: Callable[[int], dict[str, float]] | None = None
+    offload: object | None = None
+
+
+class TrainingStopped(Exception):
+    """Too many non-finite steps in a row (or `train.on_nonfinite: stop`)."""
+
+
+def step_seed(cfg: GRPOConfig, step: int) -> int:
+    """Sampling seed of a step: a function of (seed, step) only, so a resumed run samples the same batches."""
+    return cfg.train.seed * 1_000_003 + step
+
+
+def rollout_phase(tr: Trainer, step: int):
+    """Take this rank's prompts and sample G completions of each."""
+    cfg, world = tr.cfg, tr.dist.world_size
+    per_rank = cfg.train.prompts_per_step // world
+    prompts = tr.cursor.take(cfg.train.prompts_per_step)[tr.dist.rank * per_rank : (tr.dist.rank + 1) * per_rank]
+    with tr.timer.phase("generate"):
+        if tr.offload is not None:
+            tr.offload.offload()
+        rollout = tr.engine.generate([p.ids for p in prompts], sampling_params(cfg, seed=step_seed(cfg, step)))
+        if tr.offload is not None:
+            tr.offload.reload()
+    return prompts, rollout
+
+
+def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:
+    """Old-policy logprobs only when μ > 1 (at μ = 1 they equal the first forward, detached); reference only
+    when β > 0."""
+    cfg, micro, temp = tr.cfg, tr.cfg.train.micro_batch_size, tr.cfg.rollout.temperature
+    with tr.timer.phase("logprobs"):
+        if cfg.algorithm.num_iterations > 1:
+            batch.old_logprobs = batch_logprobs(tr.policy.model, batch, micro_batch_size=micro, temperature=temp)
+        if tr.policy.ref_model is not None:
+            batch.ref_logprobs = batch_logprobs(tr.policy.ref_model, batch, micro_batch_size=micro, temperature=temp)
+
+
+def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, float]:
+    """μ optimizer steps on the batch; non-finite steps are skipped (counted) or stop the run."""
+    cfg = tr.cfg
+    num_items = all_reduce_sum(float(batch.completion_mask.sum()), tr.dist)
+    out: dict[str, float] = {}
+    with tr.timer.phase("train"):
+        for _ in range(cfg.algorithm.num_iterations):
+            try:
+                out = optimizer_step(tr.policy, batch, cfg, num_items=num_items,
+                                     num_sequences=len(batch) * tr.dist.world_size)
+                state.nonfinite_streak = 0
+            except NonFiniteStep as exc:
+                state.nonfinite_streak += 1
+                state.skipped_steps += 1
+                if cfg.train.on_nonfinite == "stop" or state.nonfinite_streak >= cfg.train.max_consecutive_nonfinite:
+                    raise TrainingStopped(
+                        f"{exc} at step {state.step} ({state.nonfinite_streak} in a row); stopping. Lower "
+                        "train.learning_rate or check the reward scale; the last checkpoint is intact."
+                    ) from exc
+    out["train/skipped_steps"] = float(state.skipped_steps)
+    return out
+
+
+def sync_phase(tr: Trainer, state: LoopState) -> dict[str, float]:
+    """Push the new weights to the engine (no-op when it generates with the policy's own parameters)."""
+    state.weight_version += 1
+    with tr.timer.phase("sync"):
+        if tr.engine.shares_policy_weights or tr.sync is None:
+            tr.engine.weight_version = state.weight_version
+            return {}
+        return tr.sync(state.weight_version)
+
+
+def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict]]:
+    """One full GRPO step; returns rank-averaged metrics and a few sample completions."""
+    cfg, start = tr.cfg, time.perf_counter()
+    prompts, rollout = rollout_phase(tr, state.step)
+    completions = decode_completions(tr.policy.tokenizer, rollout)
+    with tr.timer.phase("reward"):
+        advantages, rewards, metrics = reward_step(cfg, tr.reward_fns, prompts, completions, rollout)
+    batch = build_batch(rollout, group_size=cfg.train.generations_per_prompt,
+                        pad_token_id=tr.policy.tokenizer.pad_token_id)
+    batch.advantages = advantages
+    batch = batch.to(tr.policy.device)
+    logprob_phase(tr, batch)
+    metrics.update(train_phase(tr, state, batch))
+    metrics.update(sync_phase(tr, state))
+    metrics.update(tr.timer.pop())
+    elapsed = time.perf_counter() - start
+    metrics["time/step"] = elapsed
+    metrics["tokens_per_second"] = float(batch.completion_mask.sum()) * tr.dist.world_size / elapsed
+    metrics["memory/peak_rss_mb"] = peak_rss_mb()
+    metrics["weight_version"] = float(state.weight_version)
+    metrics["staleness"] = float(state.weight_version - 1 - rollout.weight_version)
+    samples = [
+        {"step": state.step, "prompt": prompts[j // cfg.train.generations_per_prompt].text,
+         "completion": completions[j], "reward": float(rewards[j]), "advantage": float(advantages[j])}
+        for j in range(min(cfg.logging.log_completions, len(completions)))
+    ]
+    return mean_metrics(metrics, tr.dist), samples
+
+
+def run_loop(tr: Trainer, state: LoopState, on_step: StepCallback, on_checkpoint: Callable[[LoopState], None]
+             | None = None) -> LoopState:
+    """Run steps `state.step .. train.steps-1`, calling `on_step` after each and `on_checkpoint` when due."""
+    every = tr.cfg.checkpoint.every_steps
+    while state.step < tr.cfg.train.steps:
+        metrics, samples = run_step(tr, state)
+        state.reward_history.append(metrics["reward/mean"])
+        state.step += 1
+        on_step(state.step, metrics, samples)
+        if on_checkpoint is not None and every and state.step % every == 0 and state.step < tr.cfg.train.steps:
+            on_checkpoint(state)
+    return state
+
+
+def reward_rise(history: list[float]) -> tuple[float, float]:
+    """Mean reward of the first and of the last 10% of steps (at least one step each)."""
+    k = max(1, len(history) // 10)
+    first = torch.tensor(history[:k]).nanmean()
+    last = torch.tensor(history[-k:]).nanmean()
+    return float(first), float(last)
