@@ -11,7 +11,7 @@ from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.plan import render_plan, required_gpus
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.launch.command import launch_command
+from grpo_cli.launch.command import deepspeed_json, launch_command
 
 
 def check_gpus(cfg: GRPOConfig) -> None:
@@ -31,14 +31,21 @@ def check_gpus(cfg: GRPOConfig) -> None:
 
 def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker: bool, argv: list[str]) -> int:
     """Exit code of the training command."""
-    cmd = launch_command(cfg, argv)
+    ds_file = Path(output_dir or cfg.logging.output_dir or ".") / "deepspeed.json"
+    cmd = launch_command(cfg, argv, deepspeed_file=str(ds_file))
+    uses_ds = cfg.distributed.backend == "deepspeed" and bool(cmd)
     if dry_run:
         typer.echo("# resolved config\n" + dump_config(cfg))
         typer.echo(render_plan(cfg, gpu_mem=None))
+        if uses_ds:
+            typer.echo(f"\n# {ds_file} (written at launch)\n" + deepspeed_json(cfg))
         typer.echo("\n# launch command\n" + (" ".join(cmd) if cmd else "(single process: runs in this process)"))
         return 0
     check_gpus(cfg)
     if cmd and not worker:
+        if uses_ds:
+            ds_file.parent.mkdir(parents=True, exist_ok=True)
+            ds_file.write_text(deepspeed_json(cfg))
         typer.echo("launching: " + " ".join(cmd))
         return subprocess.call(cmd)
     from grpo_cli.train.run import run_training

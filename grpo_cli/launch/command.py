@@ -35,7 +35,7 @@ def _worker_args(argv: list[str]) -> list[str]:
     return [*args, "--worker"]
 
 
-def launch_command(cfg: GRPOConfig, argv: list[str]) -> list[str]:
+def launch_command(cfg: GRPOConfig, argv: list[str], *, deepspeed_file: str = "deepspeed.json") -> list[str]:
     """[] for a single process; otherwise the accelerate or torchrun command running `python -m grpo_cli`."""
     d = cfg.distributed
     if d.num_processes * d.num_machines == 1:
@@ -50,7 +50,7 @@ def launch_command(cfg: GRPOConfig, argv: list[str]) -> list[str]:
         cmd.append("--cpu")
     cmd += ["--mixed_precision", {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.model.dtype, "no")]
     if d.backend == "deepspeed":
-        cmd += ["--use_deepspeed", "--deepspeed_config_file", "deepspeed.json"]
+        cmd += ["--use_deepspeed", "--deepspeed_config_file", deepspeed_file]
     elif d.backend == "fsdp2":
         cmd += ["--use_fsdp", "--fsdp_version", "2"]
     return [*cmd, *worker]

@@ -92,7 +92,8 @@ def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, f
         for _ in range(cfg.algorithm.num_iterations):
             try:
                 out = optimizer_step(tr.policy, batch, cfg, num_items=num_items,
-                                     num_sequences=len(batch) * tr.dist.world_size)
+                                     num_sequences=len(batch) * tr.dist.world_size,
+                                     world_size=tr.dist.world_size)
                 state.nonfinite_streak = 0
             except NonFiniteStep as exc:
                 state.nonfinite_streak += 1

@@ -37,11 +37,12 @@ class NonFiniteStep(Exception):
 
 
 def optimizer_step(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, *, num_items: float,
-                   num_sequences: int) -> dict[str, float]:
+                   num_sequences: int, world_size: int = 1) -> dict[str, float]:
     """Accumulate gradients over micro-batches of `batch` (already on device), clip, step, schedule.
 
-    Each micro-batch loss is scaled by `compute_loss` so that the sum is the whole step's loss; DDP all-reduces
-    gradients only on the last micro-batch. Raises `NonFiniteStep` (gradients zeroed, no step) on NaN/inf.
+    Each micro-batch loss is scaled by `compute_loss` so that the sum over micro-batches and ranks is the whole
+    step's loss; DDP averages gradients over ranks, so the backward pass uses loss × world_size to make that
+    average the gradient of the sum. DDP all-reduces gradients only on the last micro-batch. Raises `NonFiniteStep` (gradients zeroed, no step) on NaN/inf.
     """
     micro = cfg.train.micro_batch_size
     starts = list(range(0, len(batch), micro))
@@ -62,7 +63,7 @@ def optimizer_step(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, *, num_it
             if not torch.isfinite(loss):
                 policy.optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteStep(f"non-finite loss {loss.item()}")
-            loss.backward()
+            (loss * world_size if world_size > 1 else loss).backward()
         for name, value in metrics.items():
             sums[name] += float(value)
     out = {name: (v if name == "loss" else v / len(starts)) for name, v in sums.items()}

@@ -1,0 +1,46 @@
+"""Generate README's config reference (markdown) from the schema: `python -m grpo_cli.config.reference`."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from grpo_cli.config.schema import GRPOConfig
+
+BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+
+
+def _default(field) -> str:
+    if field.default is not PydanticUndefined:
+        value = field.default
+    elif field.default_factory is not None:
+        value = field.default_factory()
+    else:
+        return "required"
+    if isinstance(value, BaseModel):
+        return "(section)"
+    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
+        value = [v.model_dump() for v in value]
+    return f"`{value!r}`".replace("|", "\\|")
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        doc = " ".join((field.description or "").split()).replace("|", "\\|")
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += _rows(ann, f"{prefix}{name}.")
+        else:
+            rows.append(f"| `{prefix}{name}` | {_default(field)} | {doc} |")
+    return rows
+
+
+def reference_markdown() -> str:
+    """One table of every leaf field: dotted key (as used by --set), default, documentation."""
+    lines = [BEGIN, "| key | default | meaning |", "|---|---|---|", *_rows(GRPOConfig, ""), END]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

