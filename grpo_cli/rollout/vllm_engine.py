@@ -41,7 +41,7 @@ def _startup_error(exc: BaseException, *, model_path: str, max_model_len: int) -
     text = str(exc)
     if "Unsupported CPU attention configuration" in text or "head_dim" in text or "head size" in text.lower():
         return RolloutError(
-            f"vLLM cannot run attention for {model_path}: {text.splitlines()[0]} The vLLM kernels of this platform "
+            f"vLLM cannot run attention for {model_path} ({text.splitlines()[0].rstrip('.')}). The vLLM kernels of this platform "
             "support only some head dimensions (on CPU e.g. 32, 64, 80, 96, 112, 128, 256; 16 is refused). Use a "
             "model whose head_dim (hidden_size / num_attention_heads) is supported, or use `rollout.engine: hf`."
         )
@@ -53,7 +53,8 @@ def _startup_error(exc: BaseException, *, model_path: str, max_model_len: int) -
             "`rollout.max_completion_length`, or set `rollout.vllm.max_model_len` to at most the model's limit."
         )
     return RolloutError(
-        f"vLLM could not start for {model_path}: {type(exc).__name__}: {text[:800]} Check the model path, "
+        f"vLLM could not start for {model_path} ({type(exc).__name__}: {' '.join(text.split())[:800]}). Check "
+        "the model path, "
         "`rollout.vllm.*` (memory utilisation, max_model_len, kv_cache_space_gib) and that the installed vllm "
         "build matches the device, or use `rollout.engine: hf`."
     )
@@ -134,12 +135,13 @@ class VLLMEngine:
         self._setup_groups(distributed)
         self.is_cpu = current_platform.is_cpu()
         self.sleep_level = sleep_level
+        self.notices: list[str] = []
         if sleep_level and not current_platform.is_sleep_mode_available():
-            print(
+            self.notices.append(
                 f"notice: vLLM sleep mode is not available on {current_platform.device_name or 'this platform'};"
-                f" rollout.vllm.sleep_level={sleep_level} ignored (engine keeps its memory, level 0).",
-                file=sys.stderr,
+                f" rollout.vllm.sleep_level={sleep_level} ignored (engine keeps its memory, level 0)."
             )
+            print(self.notices[-1], file=sys.stderr)
             self.sleep_level = 0
         self._asleep: set[str] = set()
         self._weights_discarded = False
@@ -162,14 +164,16 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        self._owns_process_group = not torch.distributed.is_initialized()
         try:
             with _preserve_rng():
                 self.llm = vllm.LLM(**kwargs)
                 # Some refusals (e.g. an unsupported CPU attention head dim) only surface at the first forward.
                 self._run([[self._warmup_token()]], [vllm.SamplingParams(max_tokens=1, detokenize=False)])
-        except RolloutError:
-            raise
         except Exception as exc:
+            self.close()  # a half-started engine must not keep vLLM's process group alive
+            if isinstance(exc, RolloutError):
+                raise
             raise _startup_error(exc, model_path=model_path, max_model_len=max_model_len) from exc
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
 
@@ -361,18 +365,18 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Free the engine and vLLM's parallel state (and the process group vLLM created when single-process)."""
-        if getattr(self, "llm", None) is None:
-            return
         import gc
 
         from vllm.distributed import parallel_state
 
-        del self.llm
         self.llm = None
         gc.collect()
         parallel_state.destroy_model_parallel()
-        if self.world_size == 1:
-            parallel_state.destroy_distributed_environment()
+        if getattr(self, "_owns_process_group", False):
+            parallel_state.destroy_distributed_environment()  # vLLM created it (single process)
+        elif parallel_state._WORLD is not None:  # keep the trainer's default group; drop vLLM's wrappers of it
+            parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
 
 
 def _cuda() -> bool:

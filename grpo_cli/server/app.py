@@ -103,24 +103,26 @@ class Guard:
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             return await _send_json(send, 413, f"request body over the server limit of {self.max_body} bytes")
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        body = bytearray()  # small JSON bodies: read (bounded) before the app sees them, then replay
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_body:
-                raise _TooLarge
-            return message
+            if message["type"] != "http.request":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                return await _send_json(send, 413, f"request body over the server limit of {self.max_body} bytes")
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await _send_json(send, 413, f"request body over the server limit of {self.max_body} bytes")
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
 
-
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, replay, send)
 
 
 async def _send_json(send, status: int, message: str, extra=()) -> None:

@@ -12,7 +12,7 @@ from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor
 from grpo_cli.launch.dist import DistInfo, all_reduce_sum, mean_metrics
 from grpo_cli.rewards.resolve import RewardFn
-from grpo_cli.rollout.base import RolloutEngine
+from grpo_cli.rollout.base import RolloutEngine, RolloutError
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
 from grpo_cli.train.policy import Policy
@@ -63,13 +63,27 @@ def rollout_phase(tr: Trainer, step: int):
     cfg, world = tr.cfg, tr.dist.world_size
     per_rank = cfg.train.prompts_per_step // world
     prompts = tr.cursor.take(cfg.train.prompts_per_step)[tr.dist.rank * per_rank : (tr.dist.rank + 1) * per_rank]
-    with tr.timer.phase("generate"):
-        if tr.offload is not None:
+    if tr.offload is not None:
+        with tr.timer.phase("offload"):
             tr.offload.offload()
-        rollout = tr.engine.generate([p.ids for p in prompts], sampling_params(cfg, seed=step_seed(cfg, step)))
-        if tr.offload is not None:
+    with tr.timer.phase("generate"):
+        rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling_params(cfg, seed=step_seed(cfg, step)))
+    if tr.offload is not None:
+        with tr.timer.phase("offload"):
             tr.offload.reload()
     return prompts, rollout
+
+
+def generate_with_recovery(tr: Trainer, prompt_ids: list[list[int]], sampling):
+    """Generate; when a rollout server died and came back (`recovered`), push the weights again and retry once."""
+    try:
+        return tr.engine.generate(prompt_ids, sampling)
+    except RolloutError as exc:
+        if not getattr(exc, "recovered", False):
+            raise
+        if tr.sync is not None:
+            tr.sync(tr.engine.weight_version)
+        return tr.engine.generate(prompt_ids, sampling)
 
 
 def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:
@@ -147,10 +161,11 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
 
 
 def run_loop(tr: Trainer, state: LoopState, on_step: StepCallback, on_checkpoint: Callable[[LoopState], None]
-             | None = None) -> LoopState:
-    """Run steps `state.step .. train.steps-1`, calling `on_step` after each and `on_checkpoint` when due."""
+             | None = None, should_stop: Callable[[], bool] = lambda: False) -> LoopState:
+    """Run steps `state.step .. train.steps-1`, calling `on_step` after each and `on_checkpoint` when due;
+    `should_stop()` (a signal arrived) ends the loop between steps."""
     every = tr.cfg.checkpoint.every_steps
-    while state.step < tr.cfg.train.steps:
+    while state.step < tr.cfg.train.steps and not should_stop():
         metrics, samples = run_step(tr, state)
         state.reward_history.append(metrics["reward/mean"])
         state.step += 1

@@ -1,20 +1,26 @@
-"""`grpo train` in one process (or one worker of a launched job): build the parts, run the loop, summarise."""
+"""`grpo train` in one process (or one worker of a launched job): build the parts, resume, run, checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
 from pathlib import Path
 
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
 from grpo_cli.data.sources import load_rows
-from grpo_cli.launch.dist import DistInfo, init_from_env
+from grpo_cli.launch.dist import DistInfo, barrier, init_from_env
 from grpo_cli.rewards.resolve import build_reward_fns
 from grpo_cli.rollout.factory import EngineContext, make_engine
+from grpo_cli.train import checkpoint as ckpt
+from grpo_cli.train.alarms import step_alarms
 from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop
+from grpo_cli.train.offload import TrainingStateOffload
 from grpo_cli.train.policy import eos_token_ids, load_policy, pick_device
 from grpo_cli.train.run_dir import RunDir, default_output_dir
 from grpo_cli.train.tiny_model import resolve_model_path
+from grpo_cli.train.watchdog import StallWatchdog
 
 
 def _wrap_ddp(info: DistInfo):
@@ -42,7 +48,8 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, *, log=print) -> Trainer:
     ctx = EngineContext(model_path, eos_token_ids(policy.tokenizer, policy.module), policy.tokenizer.pad_token_id,
                         info.rank, info.world_size)
     engine = make_engine(cfg, ctx, policy=policy.module)
-    trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info)
+    offload = TrainingStateOffload.from_config(cfg.distributed.offload, policy.module, policy.optimizer)
+    trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload)
     if not engine.shares_policy_weights:
         from grpo_cli.train.weight_sync import sync_weights
 
@@ -51,6 +58,48 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, *, log=print) -> Trainer:
             verify=cfg.rollout.vllm.verify_sync, probe=[prompts[0].ids],
         )
     return trainer
+
+
+def _trainer_state(tr: Trainer, state: LoopState) -> dict:
+    return {**dataclasses.asdict(state), "cursor": tr.cursor.state_dict()}
+
+
+def _resume(tr: Trainer, path: Path, state: LoopState, log) -> None:
+    """Restore everything, then push the restored weights to the engine before its first generation."""
+    saved = ckpt.load_checkpoint(path, cfg=tr.cfg, policy=tr.policy)
+    tr.cursor.load_state_dict(saved["cursor"])
+    for f in dataclasses.fields(LoopState):
+        setattr(state, f.name, saved[f.name])
+    resynced = "engine shares the policy weights"
+    if tr.sync is not None:
+        tr.sync(state.weight_version)
+        resynced = f"engine re-synced to weight version {state.weight_version}"
+    else:
+        tr.engine.weight_version = state.weight_version
+    log(f"resumed from {path}: step {state.step}, optimizer + scheduler + RNG + data cursor (epoch "
+        f"{tr.cursor.epoch}, index {tr.cursor.index}) restored; {resynced}")
+
+
+class _SignalFlag:
+    """SIGINT/SIGTERM ask the loop to stop after the current step (and save a checkpoint)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old = {}
+
+    def __enter__(self) -> _SignalFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signum is not None:  # second signal: stop now
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=None) -> dict:
@@ -62,26 +111,51 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
     transformers.utils.logging.set_verbosity_error()
     info = init_from_env("cuda" if cfg.distributed.device == "cuda" else "cpu")
     path = Path(output_dir or cfg.logging.output_dir or default_output_dir(cfg))
-    run_dir = RunDir(path, cfg) if info.is_main else None
     log = reporter.message if reporter is not None and info.is_main else (lambda *_: None)
+    resume = ckpt.resolve_resume(cfg.checkpoint.resume, path) if cfg.checkpoint.resume else None
+    if resume is not None:
+        ckpt.verify_checkpoint(resume)  # a corrupt checkpoint fails before anything is loaded or written
     trainer = build_trainer(cfg, info, log=log)
     state = LoopState()
+    if resume is not None:
+        _resume(trainer, resume, state, log)
+    run_dir = RunDir(path, cfg) if info.is_main else None
+
+    def save(st: LoopState) -> None:
+        if info.is_main:
+            saved = ckpt.save_checkpoint(path, step=st.step, cfg=cfg, policy=trainer.policy,
+                                         trainer_state=_trainer_state(trainer, st), keep_last=cfg.checkpoint.keep_last)
+            log(f"checkpoint saved: {saved}")
+        barrier(info)
 
     def on_step(step, metrics, samples):
         if run_dir is not None:
             run_dir.log_step(step, metrics, samples)
         if reporter is not None and info.is_main:
             reporter.update(step, metrics)
+            for alarm in step_alarms(metrics):
+                reporter.message(f"alarm (step {step}): {alarm}")
 
     try:
-        run_loop(trainer, state, on_step)
+        with _SignalFlag() as flag, StallWatchdog(trainer.timer, minutes=cfg.logging.stall_warning_minutes,
+                                                  warn=log, dump_path=path / "stacks.log"):
+            try:
+                run_loop(trainer, state, on_step, save, should_stop=lambda: flag.signum is not None)
+            except Exception as exc:
+                if getattr(exc, "recovered", None) is False and state.step > 0:
+                    save(state)  # rollout server gone: keep what was trained
+                raise
+            save(state)
+            if flag.signum is not None:
+                log(f"stopped by signal {flag.signum} after step {state.step}; resume with "
+                    f"--set checkpoint.resume=auto --output-dir {path}")
     finally:
         trainer.engine.close()
         if run_dir is not None:
             run_dir.close()
     first, last = reward_rise(state.reward_history)
     summary = {"steps": state.step, "reward_first_10pct": first, "reward_last_10pct": last,
-               "skipped_steps": state.skipped_steps, "output_dir": str(path)}
+               "skipped_steps": state.skipped_steps, "output_dir": str(path), "interrupted": flag.signum is not None}
     if run_dir is not None:
         run_dir.write_summary(summary)
     return summary

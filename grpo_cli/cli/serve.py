@@ -1,0 +1,52 @@
+"""`grpo serve-rollout`: a rollout server for `rollout.mode: server` (also `python -m grpo_cli.cli.serve`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal
+
+import typer
+
+
+def serve_rollout(
+    model: Annotated[str, typer.Option(help="Checkpoint folder (Hugging Face format) to serve; `builtin:tiny` works.")],
+    engine: Annotated[Literal["hf", "vllm", "sglang"], typer.Option(
+        help="hf: transformers generate; vllm: vLLM in-process; sglang: launch "
+             "`python -m sglang.launch_server` (SGLang's native API).")] = "hf",
+    host: Annotated[str, typer.Option(help="Interface to listen on; anything but loopback should set a token.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port; 0 picks a free one (the URL is printed).")] = 8000,
+    tensor_parallel_size: Annotated[int, typer.Option(min=1, help="vllm/sglang tensor-parallel size.")] = 1,
+    gpu_memory_utilization: Annotated[float, typer.Option(min=0.01, max=1.0,
+                                                          help="vllm/sglang share of device memory.")] = 0.5,
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], typer.Option(
+        help="Engine dtype; auto uses the checkpoint's.")] = "auto",
+    max_model_len: Annotated[int | None, typer.Option(min=1, help="Longest prompt+completion served.")] = None,
+    sleep_level: Annotated[int, typer.Option(min=0, max=2, help="vllm sleep mode (0 off, 1, 2); sglang: memory saver.")] = 0,
+    token_env: Annotated[str, typer.Option(help="Environment variable holding the bearer token every call but "
+                                                "/health must carry (unset: no token).")] = "GRPO_ROLLOUT_TOKEN",
+    max_request_mb: Annotated[float, typer.Option(min=0.001, help="Largest JSON request body.")] = 16.0,
+    max_frame_mb: Annotated[float, typer.Option(min=1.0, help="Largest weight frame of /update_weights.")] = 4096.0,
+    seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+) -> None:
+    """Serve rollouts over HTTP: /health, /info, /generate, /score, /update_weights (streamed safetensors
+    frames), /update_weights_from_disk, /sleep, /wake_up, /reset_prefix_cache."""
+    from grpo_cli.server.engines import ServeError, ServeOptions
+    from grpo_cli.server.launch import run_server
+    from grpo_cli.train.tiny_model import resolve_model_path
+
+    opts = ServeOptions(engine=engine, model=resolve_model_path(model), host=host, port=port,
+                        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+                        dtype=dtype, max_model_len=max_model_len, sleep_level=sleep_level, seed=seed,
+                        token=os.environ.get(token_env) or None, max_request_mb=max_request_mb,
+                        max_frame_mb=max_frame_mb)
+    try:
+        run_server(opts)
+    except ServeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    typer.run(serve_rollout)

@@ -1,0 +1,250 @@
+"""`sglang` engine: a client of SGLang's native HTTP API (`/generate` with `return_logprob`,
+`/update_weights_from_disk`, `/update_weights_from_tensor`, `/flush_cache`, `/release_memory_occupation`,
+`/resume_memory_occupation`, `/model_info`), written from sglang 0.5.x's `http_server.py` and `io_struct.py`.
+
+SGLang's returned logprobs are log_softmax(logits / temperature); top-p/top-k are not renormalised into them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.rollout.server_client import model_identity
+from grpo_cli.server.transport import Policy, Transport, split_groups
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.rollout.factory import EngineContext
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def sglang_serializer(named_tensors: list) -> str:
+    """SGLang's own wire format for `/update_weights_from_tensor` (its MultiprocessingSerializer, which passes
+    CUDA IPC handles: same machine only). Imported from sglang because the format is sglang's."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as e:
+        raise RolloutError("weight transport 'tensor' needs the sglang package on the trainer (same machine as "
+                           "the server); use the 'disk' transport otherwise") from e
+    return MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+
+
+class SGLangEngine:
+    """RolloutEngine over one or more SGLang servers; groups stay whole on one server."""
+
+    shares_policy_weights = False
+
+    def __init__(self, urls: list[str], *, policy: Policy | None = None, api_key: str | None = None,
+                 stop_token_ids: list[int] | None = None, model_path: str | None = None,
+                 weight_transport: str = "disk", weight_sync_dir: str | None = None, tp_size: int = 1,
+                 chunk_mb: int = 512, serializer: Callable[[list], str] | None = None, connect: bool = True) -> None:
+        self.policy = policy or Policy()
+        self.http = Transport(urls, token=api_key, policy=self.policy)
+        self.urls = self.http.urls
+        self.stop_token_ids = list(stop_token_ids or [])
+        self.model_path = model_path
+        self.weight_transport = weight_transport
+        self.sync_dir = weight_sync_dir
+        self.tp_size = tp_size
+        self.chunk_bytes = chunk_mb << 20
+        self.serializer = serializer or sglang_serializer
+        self.weight_version = 0
+        self.weights_released = False
+        self._calls = 0
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="sglang-http")
+        if connect:
+            self.connect()
+
+    @classmethod
+    def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> SGLangEngine:
+        s = cfg.rollout.server
+        policy = Policy(connect_timeout_s=s.connect_timeout_s, request_timeout_s=s.request_timeout_s,
+                        retries=s.retries, on_failure=s.on_failure, wait_for_recovery_s=s.wait_for_recovery_s)
+        return cls(list(s.urls), policy=policy, api_key=os.environ.get(s.token_env) or None,
+                   stop_token_ids=ctx.eos_token_ids, model_path=ctx.model_path,
+                   weight_transport=getattr(s, "sglang_weight_transport", "disk"),
+                   weight_sync_dir=getattr(s, "weight_sync_dir", None),
+                   chunk_mb=getattr(s, "weight_chunk_mb", 512))
+
+    def connect(self) -> None:
+        hint = f"grpo serve-rollout --engine sglang --model {self.model_path or 'PATH'}"
+        self.http.wait_all_healthy(self.policy.connect_timeout_s, lambda url: hint)
+        want = model_identity(self.model_path).get("architectures") if self.model_path else None
+        for url in self.urls:
+            info = self.model_info(url)
+            got = info.get("architectures")
+            if want and got and list(want) != list(got):
+                raise RolloutError(f"SGLang server {url} serves {info.get('model_path')!r} ({got}), the trainer's "
+                                   f"model is {want}: start it with the trainer's model")
+
+    def model_info(self, url: str) -> dict:
+        try:
+            return self.http.call(url, "GET", "/model_info").json()
+        except RolloutError as e:
+            if "answered 404" not in str(e):
+                raise
+            return self.http.call(url, "GET", "/get_model_info").json()  # sglang < 0.5.x spelling
+
+    # -- generation -------------------------------------------------------------------------------------
+    def _sampling(self, s: SamplingParams, seed: int | None) -> dict:
+        params = {"max_new_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                  "top_k": s.top_k if s.top_k > 0 else -1, "n": 1, "skip_special_tokens": False,
+                  "no_stop_trim": True}
+        if self.stop_token_ids:
+            params["stop_token_ids"] = self.stop_token_ids
+        if seed is not None:
+            params["sampling_seed"] = seed
+        return params
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        """Each prompt is sent n times with n=1 (distinct seeds when seeded), so the order is ours."""
+        if self.weights_released:
+            raise RolloutError("SGLang released its weights (sleep); push weights (update_weights) before "
+                               "generating: after release/resume SGLang holds garbage, not the old weights")
+        start = time.perf_counter()
+        parts = split_groups(len(prompt_ids), len(self.urls), self._calls)
+        self._calls += 1
+        futures = []
+        for server, sl in parts:
+            ids, params = [], []
+            for i, prompt in enumerate(prompt_ids[sl], start=sl.start):
+                for j in range(sampling.n):
+                    ids.append(list(prompt))
+                    seed = None if sampling.seed is None else sampling.seed + i * sampling.n + j
+                    params.append(self._sampling(sampling, seed))
+            body = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
+            futures.append(self._pool.submit(self._generate_call, self.urls[server], body))
+        completions, reasons, logps = [], [], []
+        for fut in futures:
+            for out in fut.result():
+                c, r, lp = _parse_output(out)
+                completions.append(c)
+                reasons.append(r)
+                logps.append(lp)
+        return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
+                            finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
+                            timings={"generate": time.perf_counter() - start})
+
+    def _generate_call(self, url: str, body: dict) -> list[dict]:
+        out = self.http.call(url, "POST", "/generate", json=body).json()
+        out = out if isinstance(out, list) else [out]
+        if len(out) != len(body["input_ids"]):
+            raise RolloutError(f"SGLang server {url} returned {len(out)} outputs for {len(body['input_ids'])} inputs")
+        return out
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Prompt logprobs of a 0-token generation (`logprob_start_len=0`); SGLang's first entry is None."""
+        body = {"input_ids": sequences, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+                "return_logprob": True, "logprob_start_len": 0}
+        outs = self._generate_call(self.urls[0], body)
+        result = []
+        for seq, out in zip(sequences, outs, strict=True):
+            entries = out["meta_info"]["input_token_logprobs"]
+            if len(entries) != len(seq):
+                raise RolloutError(f"SGLang returned {len(entries)} prompt logprobs for a {len(seq)}-token sequence")
+            result.append([float(e[0]) for e in entries[1:]])
+        return result
+
+    # -- weight sync -------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self.weight_transport == "tensor":
+            self._update_from_tensor(named_tensors, version)
+        else:
+            self._update_from_disk(named_tensors, version)
+        for url in self.urls:
+            got = self.model_info(url).get("weight_version")
+            if got is not None and str(got) != str(version):
+                raise RolloutError(f"SGLang server {url} reports weight_version {got!r} after an update to v{version}")
+        self.weight_version = version
+        self.weights_released = False
+
+    def _update_from_disk(self, named_tensors, version: int) -> None:
+        """Write a safetensors checkpoint (+ the model's config files) into a folder the server can read, then
+        `/update_weights_from_disk` (which also flushes the radix cache)."""
+        from safetensors.torch import save_file
+
+        root = Path(self.sync_dir or tempfile.gettempdir())
+        root.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f"grpo-weights-v{version}-", dir=root))
+        try:
+            tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in named_tensors}
+            save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            for name in CONFIG_FILES:
+                src = Path(self.model_path or "") / name
+                if self.model_path and src.is_file():
+                    shutil.copy(src, folder / name)
+            for url in self.urls:
+                res = self.http.call(url, "POST", "/update_weights_from_disk", idempotent=False, json={
+                    "model_path": str(folder), "weight_version": str(version), "flush_cache": True,
+                    "abort_all_requests": False}).json()
+                if not res.get("success", False):
+                    raise RolloutError(f"SGLang server {url} refused the weights: {res.get('message')}")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _update_from_tensor(self, named_tensors, version: int) -> None:
+        """Buckets of `/update_weights_from_tensor` (one serialized copy per TP rank); cache flushed and version
+        set on the last bucket only."""
+        buckets, bucket, size = [], [], 0
+        for name, t in named_tensors:
+            bucket.append((name, t.detach()))
+            size += t.nbytes
+            if size >= self.chunk_bytes:
+                buckets.append(bucket)
+                bucket, size = [], 0
+        if bucket or not buckets:
+            buckets.append(bucket)
+        for k, b in enumerate(buckets):
+            last = k == len(buckets) - 1
+            payload = self.serializer(b)
+            body = {"serialized_named_tensors": [payload] * self.tp_size, "flush_cache": last,
+                    "abort_all_requests": False, "weight_version": str(version) if last else None}
+            for url in self.urls:
+                res = self.http.call(url, "POST", "/update_weights_from_tensor", idempotent=False, json=body).json()
+                if not res.get("success", False):
+                    raise RolloutError(f"SGLang server {url} refused weight bucket {k}: {res.get('message')}")
+
+    # -- memory and cache --------------------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Release GPU memory. SGLang drops (not offloads) released weights: generate refuses until a sync."""
+        tags = ["kv_cache"] if level <= 0 else None
+        for url in self.urls:
+            self.http.call(url, "POST", "/release_memory_occupation", json={"tags": tags})
+        self.weights_released = tags is None
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        for url in self.urls:
+            self.http.call(url, "POST", "/resume_memory_occupation", json={"tags": tags})
+
+    def reset_prefix_cache(self) -> None:
+        for url in self.urls:
+            self.http.call(url, "POST", "/flush_cache")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+
+
+def _parse_output(out: dict) -> tuple[list[int], str, list[float]]:
+    meta = out.get("meta_info") or {}
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind == "abort":
+        raise RolloutError(f"SGLang aborted a request: {reason.get('message') if isinstance(reason, dict) else reason}")
+    entries = meta.get("output_token_logprobs") or []
+    ids = [int(e[1]) for e in entries] if entries else list(out.get("output_ids") or [])
+    logps = [float(e[0]) for e in entries]
+    if len(logps) != len(ids):
+        raise RolloutError("SGLang returned no output_token_logprobs (was return_logprob dropped by a proxy?)")
+    return ids, "stop" if kind == "stop" else "length", logps
+

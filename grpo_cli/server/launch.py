@@ -1,0 +1,115 @@
+"""Start `grpo serve-rollout`: bind the port first (so `--port 0` picks a free one and a clash is named), load
+the engine, serve with uvicorn, and print `listening on URL` once requests are accepted. `--engine sglang`
+instead runs `python -m sglang.launch_server` as a supervised child process."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from grpo_cli.server.engines import ServeError, ServeOptions
+
+READY_PREFIX = "grpo serve-rollout: listening on "
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror} (pick another --port, or --port 0 "
+                         "for a free one)") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_server(opts: ServeOptions) -> None:
+    """Serve until SIGINT/SIGTERM. Raises ServeError for user errors (bad model, port in use, missing package)."""
+    if opts.engine == "sglang":
+        return run_sglang(opts)
+    sock = bind(opts.host, opts.port)
+    url = url_of(sock)
+    if opts.host not in ("127.0.0.1", "localhost", "::1") and not opts.token:
+        _say(f"warning: listening on {opts.host} without a token: anyone who can reach it can replace the "
+             "weights; set the variable named by --token-env")
+    import uvicorn
+
+    from grpo_cli.server.app import create_app
+    from grpo_cli.server.engines import build, with_nccl
+
+    served = with_nccl(build(opts))
+    app = create_app(served, token=opts.token, max_request_bytes=int(opts.max_request_mb * 2**20),
+                     max_frame_bytes=int(opts.max_frame_mb * 2**20),
+                     on_startup=lambda: _say(f"{READY_PREFIX}{url} (engine {opts.engine}, model {opts.model})"))
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def sglang_command(opts: ServeOptions, *, python: str = sys.executable) -> list[str]:
+    """The `sglang.launch_server` command for these options (the token goes in through the environment)."""
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", opts.model, "--host", opts.host,
+           "--port", str(opts.port), "--tp-size", str(opts.tensor_parallel_size),
+           "--mem-fraction-static", str(opts.gpu_memory_utilization), "--random-seed", str(opts.seed)]
+    if opts.dtype != "auto":
+        cmd += ["--dtype", opts.dtype]
+    if opts.max_model_len:
+        cmd += ["--context-length", str(opts.max_model_len)]
+    if opts.sleep_level:
+        cmd += ["--enable-memory-saver"]
+    return cmd + list(opts.extra_args)
+
+
+def run_sglang(opts: ServeOptions, *, ready_timeout_s: float = 1800.0) -> None:
+    if importlib.util.find_spec("sglang") is None:
+        raise ServeError("--engine sglang needs the sglang package (pip install 'grpo-cli[sglang]', CUDA only); "
+                         "or start an SGLang server yourself and point rollout.server.urls at it")
+    if opts.port == 0:
+        with socket.socket() as s:
+            s.bind((opts.host, 0))
+            opts = dataclasses.replace(opts, port=s.getsockname()[1])
+    env = dict(os.environ)
+    cmd = sglang_command(opts)
+    if opts.token:  # SGLang reads --api-key; pass it on the command line of the child only
+        cmd += ["--api-key", opts.token]
+    child = subprocess.Popen(cmd, env=env)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: child.send_signal(s))
+    url = f"http://{opts.host}:{opts.port}"
+    if wait_sglang(child, url, ready_timeout_s):
+        _say(f"{READY_PREFIX}{url} (engine sglang, model {opts.model}; SGLang native API)")
+    code = child.wait()
+    if code:
+        raise ServeError(f"sglang.launch_server exited with code {code} (its log is above)")
+
+
+def wait_sglang(child: subprocess.Popen, url: str, timeout_s: float) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and child.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0, trust_env=False).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
+    return False

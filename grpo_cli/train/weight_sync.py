@@ -1,0 +1,223 @@
+"""Weight sync: stream the trainer's parameters (gathered from ZeRO-3/FSDP shards in size-capped buckets, LoRA
+merged) to a rollout engine under Hugging Face names, then verify the engine holds them."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+from grpo_cli.rollout.base import RolloutError
+from grpo_cli.rollout.scoring import score_sequences
+
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
+"""Largest mean |engine − trainer| probe logprob (nats/token) accepted, by the less precise of the two dtypes.
+fp32 kernels agree to ~1e-6; the bound only has to separate "same weights" from "other weights"."""
+CHECKSUM_TENSORS = 4
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP/DeepSpeed engine wrappers (their parameter names carry a `module.` prefix)."""
+    while type(model).__name__ in _WRAPPERS and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def is_peft(model) -> bool:
+    return all(hasattr(model, a) for a in ("peft_config", "merge_adapter", "unmerge_adapter"))
+
+
+def is_zero3(param: torch.nn.Parameter) -> bool:
+    """DeepSpeed ZeRO-3 partitions parameters and tags them with `ds_id`."""
+    return hasattr(param, "ds_id")
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """FSDP2 (`fully_shard`) parameters are DTensors; `full_tensor()` all-gathers one."""
+    return hasattr(tensor, "full_tensor") and hasattr(tensor, "placements")
+
+
+def _is_fsdp1(model: torch.nn.Module) -> bool:
+    return any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules())
+
+
+def hf_name(name: str, *, peft: bool) -> str | None:
+    """Checkpoint name of a trainer parameter, or None when it is not a base-model weight (LoRA A/B, the
+    frozen copy of a `modules_to_save` module)."""
+    for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    if peft:
+        if "lora_" in name or "original_module" in name:
+            return None
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        name = name.replace("modules_to_save.default.", "")
+    return name
+
+
+def _full_numel(param: torch.nn.Parameter) -> int:
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def buckets(named: list[tuple[str, torch.nn.Parameter]], cap_bytes: int) -> Iterator[list]:
+    """Consecutive groups of parameters whose full (unsharded) size stays under `cap_bytes`; a single larger
+    tensor is a bucket of its own."""
+    bucket, size = [], 0
+    for name, param in named:
+        nbytes = _full_numel(param) * param.element_size()
+        if bucket and size + nbytes > cap_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, param))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+@contextlib.contextmanager
+def _gathered(params: list[torch.nn.Parameter]):
+    """Materialise ZeRO-3 partitions of `params` (all ranks take part); other parameters pass through."""
+    ds = [p for p in params if is_zero3(p)]
+    if not ds:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(ds, modifier_rank=None):
+        yield
+
+
+def _full_tensor(param: torch.nn.Parameter) -> torch.Tensor:
+    if is_dtensor(param):
+        return param.full_tensor().detach()
+    if is_zero3(param):
+        return param.data.detach().clone()  # the gathered storage is released when the bucket's context exits
+    return param.detach()
+
+
+def stream_named_tensors(
+    model: torch.nn.Module, *, bucket_mb: int, peft: bool, stats: dict, keep_copies: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, full tensor)` of every base-model parameter, gathering one bucket at a time. Counts
+    tensors/bytes into `stats` and keeps CPU copies of the names in `keep_copies` in `stats["copies"]`."""
+    named = [(n, p) for n, p in model.named_parameters() if hf_name(n, peft=peft) is not None]
+    for bucket in buckets(named, bucket_mb * 2**20):
+        with _gathered([p for _, p in bucket]):
+            for name, param in bucket:
+                out, tensor = hf_name(name, peft=peft), _full_tensor(param)
+                stats["tensors"] += 1
+                stats["bytes"] += tensor.numel() * tensor.element_size()
+                if out in keep_copies:
+                    stats["copies"][out] = tensor.to("cpu", copy=True)
+                yield out, tensor
+
+
+@contextlib.contextmanager
+def _sync_context(model: torch.nn.Module, *, peft: bool):
+    """LoRA merged into the base weights while streaming (unmerged after, also on error). Under ZeRO-3 the
+    merge needs every weight gathered, and FSDP1 needs `summon_full_params`: both hold the full model."""
+    with contextlib.ExitStack() as stack:
+        if _is_fsdp1(model):
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            stack.enter_context(FSDP.summon_full_params(model, writeback=False, rank0_only=False))
+        elif peft and any(is_zero3(p) for p in model.parameters()):
+            stack.enter_context(_gathered(list(model.parameters())))
+        if peft:
+            model.merge_adapter()
+            stack.callback(model.unmerge_adapter)
+        yield
+
+
+def checksum_names(model: torch.nn.Module, *, peft: bool, count: int = CHECKSUM_TENSORS) -> list[str]:
+    """A few small 1-D weights (norms, biases), spread over the depth: cheap to read back exactly, and they
+    change at every full-parameter optimizer step."""
+    names = [hf_name(n, peft=peft) for n, p in model.named_parameters() if len(getattr(p, "ds_shape", p.shape)) == 1]
+    names = [n for n in names if n is not None]
+    if len(names) <= count:
+        return names
+    return [names[round(i * (len(names) - 1) / (count - 1))] for i in range(count)]
+
+
+def sync_weights(
+    engine, model: torch.nn.Module, *, version: int, bucket_mb: int, verify: bool, probe: list[list[int]] | None
+) -> dict[str, float]:
+    """Load the trainer's current weights into `engine` as `version`, then (with `verify`) check the engine
+    holds them: exact equality of a few small tensors read back (engines offering `read_weights`) and the
+    probe sequences' logprobs against the trainer's own within `PROBE_TOLERANCE`. Raises `RolloutError` when
+    a check fails. Every rank calls it (gathers and TP engines are collective)."""
+    start = time.perf_counter()
+    model = unwrap(model)
+    peft = is_peft(model)
+    wanted = set(checksum_names(model, peft=peft)) if verify and hasattr(engine, "read_weights") else set()
+    stats: dict = {"tensors": 0, "bytes": 0, "copies": {}}
+    with _sync_context(model, peft=peft):
+        engine.update_weights(stream_named_tensors(model, bucket_mb=bucket_mb, peft=peft, stats=stats,
+                                                   keep_copies=wanted), version)
+    metrics = {"sync/seconds": time.perf_counter() - start, "sync/megabytes": stats["bytes"] / 2**20,
+               "sync/tensors": float(stats["tensors"])}
+    if verify:
+        verify_start = time.perf_counter()
+        metrics.update(verify_sync(engine, model, version=version, sent=stats["copies"], probe=probe))
+        metrics["sync/verify_seconds"] = time.perf_counter() - verify_start
+    return metrics
+
+
+def _dtype_of(engine, model: torch.nn.Module) -> torch.dtype:
+    """The less precise of the engine's and the trainer's dtypes (the one that bounds the probe agreement)."""
+    trainer = next(model.parameters()).dtype
+    engine_dtype = getattr(engine, "dtype", None)
+    engine_dtype = getattr(torch, engine_dtype) if isinstance(engine_dtype, str) else engine_dtype
+    candidates = [d for d in (trainer, engine_dtype) if isinstance(d, torch.dtype)]
+    return max(candidates, key=lambda d: PROBE_TOLERANCE.get(d, 1e-3))
+
+
+def verify_sync(engine, model: torch.nn.Module, *, version: int, sent: dict[str, torch.Tensor],
+                probe: list[list[int]] | None) -> dict[str, float]:
+    """The checks of `sync_weights` (see there); returns `sync/max_probe_diff`, `sync/mean_probe_diff`,
+    `sync/checked_tensors`."""
+    problems: list[str] = []
+    if getattr(engine, "weight_version", version) != version:
+        problems.append(f"engine reports weight version {engine.weight_version}, expected {version}")
+    checked = 0
+    if sent:
+        held = engine.read_weights(sorted(sent))
+        for name, tensor in held.items():
+            ref = sent[name]
+            if tensor.shape != ref.shape:
+                continue  # sharded or fused in the engine: not comparable
+            checked += 1
+            diff = (tensor.float() - ref.to(tensor.dtype).float()).abs().max().item()
+            if diff > 0:
+                problems.append(f"{name} differs from the trainer's by up to {diff:.3g}")
+    out = {"sync/checked_tensors": float(checked)}
+    probe = [list(s) for s in (probe or []) if len(s) >= 2]
+    if probe:
+        engine_lp = engine.score(probe)
+        was_training = model.training
+        model.eval()
+        try:
+            trainer_lp = score_sequences(model, probe, pad_token_id=0)
+        finally:
+            model.train(was_training)
+        diffs = torch.tensor([abs(a - b) for e, t in zip(engine_lp, trainer_lp, strict=True)
+                              for a, b in zip(e, t, strict=True)])
+        out["sync/max_probe_diff"] = float(diffs.max())
+        out["sync/mean_probe_diff"] = float(diffs.mean())
+        dtype = _dtype_of(engine, model)
+        tol = PROBE_TOLERANCE.get(dtype, 1e-3)
+        if out["sync/mean_probe_diff"] > tol:
+            problems.append(
+                f"probe logprobs differ from the trainer's by {out['sync/mean_probe_diff']:.3g} nats/token on "
+                f"average (max {out['sync/max_probe_diff']:.3g}; tolerance {tol:g} for {dtype})"
+            )
+    if problems:
+        raise RolloutError(
+            f"weight sync to version {version} did not take: " + "; ".join(problems) + ". The engine is "
+            "generating with other weights than the trainer's. Check that the engine's model matches "
+            "model.name_or_path and that nothing between the optimizer step and the sync changed the weights; "
+            "if this architecture transforms those tensors when loading, set rollout.vllm.verify_sync: false."
+        )
+    return out

@@ -1,0 +1,71 @@
+"""Exact resume: a run killed (SIGKILL) or interrupted (SIGINT) and resumed ends with the same parameters as an
+uninterrupted run with the same seed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+STEPS = 10
+BASE = ["--set", f"train.steps={STEPS}", "--set", "train.prompts_per_step=4", "--set", "train.micro_batch_size=16"]
+
+
+def _cmd(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "grpo_cli", "train", "--output-dir", str(out), *BASE, *extra]
+
+
+def _env(tmp_path: Path) -> dict:
+    return {**os.environ, "GRPO_CLI_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / f"checkpoint-{STEPS}" / "model.safetensors")
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("ref")
+    subprocess.run(_cmd(tmp / "run"), check=True, env=_env(tmp), cwd=tmp, capture_output=True, timeout=600)
+    return tmp / "run"
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= 1e-6, worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_run, sig):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(run, "--set", "checkpoint.every_steps=2"), env=_env(tmp_path), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(run / "checkpoint-6" / "MANIFEST.json", proc)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    if sig == signal.SIGINT:
+        assert proc.returncode == 0, out
+        assert "stopped by signal" in out
+    assert not (run / f"checkpoint-{STEPS}").exists(), "the run was meant to stop early"
+    resumed = subprocess.run(_cmd(run, "--set", "checkpoint.resume=auto"), env=_env(tmp_path), cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout and "data cursor" in resumed.stdout
+    _assert_same(_weights(run), _weights(reference_run))

@@ -1,0 +1,100 @@
+"""Helpers for server tests: apps served by uvicorn on a thread (127.0.0.1, free port) and real
+`python -m grpo_cli.cli.serve` subprocesses whose printed URL is parsed. Every wait here is bounded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+READY = "grpo serve-rollout: listening on "
+
+
+@contextmanager
+def app_in_thread(app):
+    """Serve an ASGI app on 127.0.0.1:<free port> from a daemon thread; yields its URL."""
+    import uvicorn
+
+    from grpo_cli.server.launch import bind, url_of
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield url_of(sock)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)
+        sock.close()
+
+
+class ServerProcess:
+    """A `python -m grpo_cli.cli.serve` child; `url` parsed from its ready line."""
+
+    def __init__(self, model: str, *, engine: str = "hf", port: int = 0, token: str | None = None,
+                 extra: tuple[str, ...] = (), timeout_s: float = 60.0) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("GRPO_TEST_TOKEN", None)
+        if token:
+            env["GRPO_TEST_TOKEN"] = token
+        cmd = [sys.executable, "-m", "grpo_cli.cli.serve", "--engine", engine, "--model", model,
+               "--port", str(port), "--token-env", "GRPO_TEST_TOKEN", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.url = self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        found: list[str] = []
+        ready = threading.Event()
+
+        def pump():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if line.startswith(READY) and not found:
+                    found.append(line[len(READY):].split()[0])
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        ready.wait(timeout_s)
+        if not found:
+            self.kill()
+            raise RuntimeError(f"server did not start within {timeout_s} s:\n{''.join(self.lines)[-3000:]}")
+        return found[0]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def server_process(tiny_checkpoint):
+    started: list[ServerProcess] = []
+
+    def start(**kw) -> ServerProcess:
+        kw.setdefault("model", tiny_checkpoint)
+        p = ServerProcess(**kw)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.kill()
+
+
+@pytest.fixture
+def served_tiny(tiny_checkpoint):
+    """The hf engine on the tiny checkpoint, as `grpo serve-rollout` builds it (in this process)."""
+    from grpo_cli.server.engines import ServeOptions, build
+
+    return build(ServeOptions(engine="hf", model=tiny_checkpoint))

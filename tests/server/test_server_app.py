@@ -1,0 +1,154 @@
+"""The serve-rollout app over real HTTP on 127.0.0.1 (uvicorn on a thread): auth, limits, malformed input,
+weight updates (streamed, partial, from disk) and the client's splitting over several servers."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from conftest import app_in_thread
+
+from grpo_cli.rollout.base import RolloutError, SamplingParams
+from grpo_cli.rollout.server_client import ServerEngine
+from grpo_cli.server.app import create_app
+from grpo_cli.server.codec import encode_stream
+from grpo_cli.server.transport import Policy
+
+TOKEN = "s3cret-token"
+FAST = Policy(connect_timeout_s=5, request_timeout_s=30, retries=1, backoff_s=0.05)
+
+
+@pytest.fixture
+def server(served_tiny):
+    with app_in_thread(create_app(served_tiny, token=TOKEN, max_request_bytes=64 << 10)) as url:
+        yield url, served_tiny
+
+
+def _auth(token=TOKEN):
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_every_call_but_health_needs_the_token(server):
+    url, _ = server
+    assert httpx.get(f"{url}/health").status_code == 200
+    gen = {"prompt_ids": [[3, 4]], "sampling": {"max_tokens": 2}}
+    for method, path, body in [("GET", "/info", None), ("POST", "/generate", gen), ("POST", "/sleep", {}),
+                               ("POST", "/update_weights?version=1", None), ("POST", "/reset_prefix_cache", None),
+                               ("POST", "/update_weights_from_disk", {"path": "/etc", "version": 1})]:
+        for headers in ({}, _auth("wrong"), {"Authorization": TOKEN}):
+            r = httpx.request(method, url + path, json=body, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert "bearer token" in r.json()["error"]
+    assert httpx.get(f"{url}/info", headers=_auth()).status_code == 200
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"{not json", "JSON"),
+    (b'{"prompt_ids": [[1, 2]]}', "sampling"),
+    (b'{"prompt_ids": [[1, 99999]], "sampling": {"max_tokens": 2}}', "outside"),
+    (b'{"prompt_ids": [[]], "sampling": {"max_tokens": 2}}', "at least 1"),
+    (b'{"prompt_ids": [[1]], "sampling": {"max_tokens": 100000}}', "max_model_len"),
+    (b'{"prompt_ids": [[1]], "sampling": {"max_tokens": 2, "n": 0}}', "sampling.n"),
+    (b'{"prompt_ids": [[1]], "sampling": {"max_tokens": 2}, "evil": 1}', "evil"),
+])
+def test_malformed_generate_gets_400_with_a_message_and_server_stays_up(server, content, match):
+    url, _ = server
+    r = httpx.post(f"{url}/generate", content=content, headers={**_auth(), "content-type": "application/json"})
+    assert r.status_code == 400 and match in r.json()["error"], r.text
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_oversized_bodies_get_413(server):
+    url, _ = server
+    big = b'{"sequences": [[' + b"1," * 60000 + b'1]]}'
+    r = httpx.post(f"{url}/score", content=big, headers={**_auth(), "content-type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+
+    def chunks():  # no Content-Length: counted while streaming
+        for _ in range(100):
+            yield b" " * 1024
+
+    r = httpx.post(f"{url}/score", content=chunks(), headers={**_auth(), "content-type": "application/json"})
+    assert r.status_code == 413
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_generate_shapes_version_and_sampler_logprobs(server):
+    url, _ = server
+    eng = ServerEngine([url], policy=FAST, token=TOKEN)
+    batch = eng.generate([[3, 4, 5], [6, 7]], SamplingParams(n=3, max_tokens=4, seed=1))
+    assert len(batch.completion_ids) == 6 and batch.weight_version == 0
+    for ids, lps, reason in zip(batch.completion_ids, batch.sampler_logprobs, batch.finish_reasons, strict=True):
+        assert len(ids) == len(lps) and reason in ("stop", "length")
+    eng.close()
+
+
+def _push(url, tensors, version, *, cut_after: int | None = None, token=TOKEN):
+    data = b"".join(bytes(p) for f in encode_stream(tensors, chunk_bytes=1 << 12, version=version) for p in f)
+    if cut_after is not None:
+        data = data[:cut_after]
+    return httpx.post(f"{url}/update_weights", params={"version": version}, content=data,
+                      headers=_auth(token), timeout=30)
+
+
+def test_unknown_name_or_wrong_shape_is_refused_and_weights_stay_usable(server):
+    url, served = server
+    r = _push(url, [("model.nope.weight", torch.zeros(2))], 1)
+    assert r.status_code == 400 and "unknown tensor" in r.json()["error"]
+    name, p = next(iter(served.engine.model.named_parameters()))
+    r = _push(url, [(name, torch.zeros(1, *p.shape))], 1)
+    assert r.status_code == 400 and "shape" in r.json()["error"]
+    info = httpx.get(f"{url}/info", headers=_auth()).json()
+    assert info["state"] == "ready" and info["weight_version"] == 0
+
+
+def test_partial_update_blocks_generation_until_a_complete_one(server):
+    url, served = server
+    params = [(n, p.detach().clone() + 0.01) for n, p in served.engine.model.named_parameters()]
+    r = _push(url, params, 5, cut_after=20000)
+    assert r.status_code == 400 and "ended" in r.json()["error"]
+    info = httpx.get(f"{url}/info", headers=_auth()).json()
+    assert info["state"] == "inconsistent" and info["weight_version"] == 0
+    eng = ServerEngine([url], policy=FAST, token=TOKEN)
+    with pytest.raises(RolloutError, match="409: weights are inconsistent"):
+        eng.generate([[3, 4]], SamplingParams(n=2, max_tokens=2))
+    eng.update_weights(params, 5)
+    assert eng.weight_version == 5
+    assert eng.generate([[3, 4]], SamplingParams(n=2, max_tokens=2)).weight_version == 5
+    eng.close()
+
+
+def test_update_from_disk_loads_a_safetensors_folder(server, tmp_path):
+    from safetensors.torch import save_file
+
+    url, served = server
+    name, p = next(iter(served.engine.model.named_parameters()))
+    save_file({name: torch.full_like(p, 0.5)}, str(tmp_path / "w.safetensors"))
+    eng = ServerEngine([url], policy=FAST, token=TOKEN)
+    eng.update_weights_from_disk(str(tmp_path), 2)
+    assert torch.all(dict(served.engine.model.named_parameters())[name] == 0.5)
+    with pytest.raises(RolloutError, match="no .safetensors"):
+        eng.update_weights_from_disk(str(tmp_path / "missing"), 3)
+    eng.close()
+
+
+def test_generation_is_split_over_servers_with_groups_whole(tiny_checkpoint):
+    from grpo_cli.server.engines import ServeOptions, build
+
+    a, b = (build(ServeOptions(engine="hf", model=tiny_checkpoint)) for _ in range(2))
+    calls = {"a": [], "b": []}
+    for key, served in (("a", a), ("b", b)):
+        orig = served.engine.generate
+        served.engine.generate = lambda p, s, _o=orig, _k=key: calls[_k].append(p) or _o(p, s)
+    with app_in_thread(create_app(a)) as ua, app_in_thread(create_app(b)) as ub:
+        eng = ServerEngine([ua, ub], policy=FAST)
+        prompts = [[3, 4], [5, 6], [7, 8]]
+        batch = eng.generate(prompts, SamplingParams(n=2, max_tokens=3, seed=0))
+        assert len(batch.completion_ids) == 6
+        assert calls["a"] == [prompts[:2]] and calls["b"] == [prompts[2:]]
+        eng.generate(prompts[:1], SamplingParams(n=2, max_tokens=3))  # next call starts at the other server
+        assert calls["b"][-1] == prompts[:1]
+        params = [(n, p.detach() * 1.0) for n, p in a.engine.model.named_parameters()]
+        eng.update_weights(params, 1)
+        assert eng.generate(prompts, SamplingParams(n=2, max_tokens=2)).weight_version == 1
+        eng.close()
