@@ -145,9 +145,10 @@ class ServerEngine:
         return info.get("weight_version") == self.weight_version and info.get("state") == "ready"
 
     def _check_version(self, url: str, version) -> None:
-        if version != self.weight_version:
-            raise RolloutError(f"rollout server {url} answered with weights v{version}, but the trainer pushed "
-                               f"v{self.weight_version}: push the weights again (update_weights)")
+        if version != self.weight_version:  # it restarted (or another trainer pushed): our weights are gone
+            raise RolloutServerDown(f"rollout server {url} answered with weights v{version}, but the trainer pushed "
+                                    f"v{self.weight_version} (did it restart?): push the weights again "
+                                    "(update_weights) and retry the step", url=url, recovered=True)
 
     # -- weight sync --------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

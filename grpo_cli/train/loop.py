@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor
 from grpo_cli.launch.dist import DistInfo, all_reduce_sum, mean_metrics
@@ -49,8 +50,8 @@ class Trainer:
     offload: object | None = None
 
 
-class TrainingStopped(Exception):
-    """Too many non-finite steps in a row (or `train.on_nonfinite: stop`)."""
+class TrainingStopped(UserError):
+    """Too many non-finite steps in a row (or `train.on_nonfinite: stop`); reported without a traceback."""
 
 
 def step_seed(cfg: GRPOConfig, step: int) -> int:

@@ -4,6 +4,7 @@ malformed input, and a server killed mid-run making the client fail fast with a 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -115,10 +116,14 @@ def test_wait_mode_reports_recovery_so_the_caller_resyncs(server_process, tiny_c
     eng = _engine(srv.url, tiny_checkpoint, on_failure="wait", wait_for_recovery_s=30)
     eng.update_weights(_trainer(tiny_checkpoint).named_parameters(), 1)
     srv.kill()
-    server_process(token=TOKEN, port=port)  # "restarted" with its checkpoint's weights (v0)
+    restart = threading.Timer(1.0, lambda: server_process(token=TOKEN, port=port))  # back with v0 weights
+    restart.start()
+    start = time.monotonic()
     with pytest.raises(RolloutServerDown) as err:
         eng.generate([[3, 4]], SamplingParams(n=2, max_tokens=2))
-    assert err.value.recovered and "push the weights again" in str(err.value)
+    restart.join()
+    assert err.value.recovered and "came back after" in str(err.value) and "push the weights again" in str(err.value)
+    assert time.monotonic() - start < 30
     eng.update_weights(_trainer(tiny_checkpoint).named_parameters(), 1)
     assert eng.generate([[3, 4]], SamplingParams(n=2, max_tokens=2)).weight_version == 1
     eng.close()
