@@ -9,11 +9,11 @@ import typer
 
 
 def serve_rollout(
-    model: Annotated[str, typer.Option(help="Checkpoint folder (Hugging Face format) to serve; `builtin:tiny` works.")],
+    model: Annotated[str, typer.Option(help="Checkpoint folder (Hugging Face format); `builtin:tiny` works.")],
     engine: Annotated[Literal["hf", "vllm", "sglang"], typer.Option(
         help="hf: transformers generate; vllm: vLLM in-process; sglang: launch "
              "`python -m sglang.launch_server` (SGLang's native API).")] = "hf",
-    host: Annotated[str, typer.Option(help="Interface to listen on; anything but loopback should set a token.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Interface to listen on; beyond loopback, set a token.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port; 0 picks a free one (the URL is printed).")] = 8000,
     tensor_parallel_size: Annotated[int, typer.Option(min=1, help="vllm/sglang tensor-parallel size.")] = 1,
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.01, max=1.0,
@@ -21,7 +21,8 @@ def serve_rollout(
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], typer.Option(
         help="Engine dtype; auto uses the checkpoint's.")] = "auto",
     max_model_len: Annotated[int | None, typer.Option(min=1, help="Longest prompt+completion served.")] = None,
-    sleep_level: Annotated[int, typer.Option(min=0, max=2, help="vllm sleep mode (0 off, 1, 2); sglang: memory saver.")] = 0,
+    sleep_level: Annotated[int, typer.Option(min=0, max=2,
+                                             help="vllm sleep mode (0 off, 1, 2); sglang: memory saver.")] = 0,
     token_env: Annotated[str, typer.Option(help="Environment variable holding the bearer token every call but "
                                                 "/health must carry (unset: no token).")] = "GRPO_ROLLOUT_TOKEN",
     max_request_mb: Annotated[float, typer.Option(min=0.001, help="Largest JSON request body.")] = 16.0,

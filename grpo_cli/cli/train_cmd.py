@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -51,10 +52,12 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
     from grpo_cli.train.run import run_training
     from grpo_cli.ui.progress import ProgressView
 
-    with ProgressView(cfg.train.steps, mode=cfg.logging.progress) as view:
+    main_rank = os.environ.get("RANK", "0") == "0"
+    with ProgressView(cfg.train.steps, mode=cfg.logging.progress if main_rank else "plain") as view:
         summary = run_training(cfg, output_dir=str(output_dir) if output_dir else None, reporter=view)
-        view.message(
-            f"done: {summary['steps']} steps; mean reward first 10% = {summary['reward_first_10pct']:.3f}, "
-            f"last 10% = {summary['reward_last_10pct']:.3f}; run dir {summary['output_dir']}"
-        )
+        if main_rank:
+            view.message(
+                f"done: {summary['steps']} steps; mean reward first 10% = {summary['reward_first_10pct']:.3f}, "
+                f"last 10% = {summary['reward_last_10pct']:.3f}; run dir {summary['output_dir']}"
+            )
     return 0

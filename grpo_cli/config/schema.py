@@ -74,9 +74,11 @@ class VLLMConfig(Section):
     max_model_len: int | None = None
     """Context length vLLM allocates for; default: `data.max_prompt_length + rollout.max_completion_length`."""
     kv_cache_space_gib: float = Field(1.0, gt=0)
-    """CPU only: KV-cache size per process in GiB (sets VLLM_CPU_KVCACHE_SPACE)."""
+    """CPU only: KV-cache size per process in GiB (vLLM's `kv_cache_memory_bytes`; VLLM_CPU_KVCACHE_SPACE is set
+    to it rounded up)."""
     verify_sync: bool = True
-    """After every weight sync, check the engine holds the new weights (checksum of probe tensors)."""
+    """After every weight sync, check the engine holds the new weights: a few small tensors read back must equal
+    the trainer's, and the logprobs of a probe sequence must match the trainer's; a mismatch stops the run."""
 
 
 class ServerConfig(Section):
@@ -95,6 +97,16 @@ class ServerConfig(Section):
     """With `on_failure: wait`, how long to wait for a dead server."""
     token_env: str = "GRPO_ROLLOUT_TOKEN"
     """Environment variable holding the bearer token sent to the server (unset: no token)."""
+    weight_transport: Literal["http", "nccl"] = "http"
+    """`grpo serve-rollout` weight sync: `http` streams checksummed safetensors chunks; `nccl` broadcasts over
+    a NCCL group set up through `/init_communicator` (CUDA on both sides)."""
+    weight_chunk_mb: int = Field(128, ge=1)
+    """Size of one weight chunk (HTTP frame, or SGLang tensor bucket)."""
+    sglang_weight_transport: Literal["disk", "tensor"] = "disk"
+    """SGLang sync: `disk` writes a safetensors checkpoint to `weight_sync_dir` and calls
+    `/update_weights_from_disk`; `tensor` uses `/update_weights_from_tensor` (same machine, sglang installed)."""
+    weight_sync_dir: str | None = None
+    """Folder both the trainer and the SGLang server can read (disk sync); default: the system temp dir."""
 
 
 class RolloutConfig(Section):

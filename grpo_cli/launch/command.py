@@ -46,13 +46,15 @@ def launch_command(cfg: GRPOConfig, argv: list[str], *, deepspeed_file: str = "d
                 f"--nnodes={d.num_machines}", *worker]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes",
            str(d.num_processes * d.num_machines), "--num_machines", str(d.num_machines)]
-    if d.device != "cuda":
-        cmd.append("--cpu")
     cmd += ["--mixed_precision", {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.model.dtype, "no")]
     if d.backend == "deepspeed":
         cmd += ["--use_deepspeed", "--deepspeed_config_file", deepspeed_file]
     elif d.backend == "fsdp2":
         cmd += ["--use_fsdp", "--fsdp_version", "2"]
+    else:
+        # accelerate's `--cpu` runs ONE process; its multi-process (torchrun) launcher is `--multi_gpu`, which
+        # works on CPU too: the workers then join a gloo process group (launch/dist.py).
+        cmd.append("--multi_gpu")
     return [*cmd, *worker]
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +57,7 @@ class ServerEngine:
         self.start_hint = start_hint
         self.weight_version = 0
         self.info: dict[str, dict] = {}
+        self.dtype: str | None = None
         self._calls = 0
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="rollout-http")
         self._nccl = None
@@ -72,7 +72,7 @@ class ServerEngine:
         hint = f"GRPO_ROLLOUT_TOKEN=... grpo serve-rollout --engine hf --model {ctx.model_path}"
         return cls(list(s.urls), policy=policy, token=os.environ.get(s.token_env) or None,
                    stop_token_ids=ctx.eos_token_ids, expected=model_identity(ctx.model_path),
-                   chunk_mb=getattr(s, "weight_chunk_mb", 128), transport=getattr(s, "weight_transport", "http"),
+                   chunk_mb=s.weight_chunk_mb, transport=s.weight_transport,
                    start_hint=hint)
 
     # -- start-up ---------------------------------------------------------------------------------------
@@ -87,6 +87,7 @@ class ServerEngine:
             info = self.http.call(url, "GET", "/info").json()
             self._check_identity(url, info)
             self.info[url] = info
+        self.dtype = next(iter(self.info.values())).get("dtype")  # what bounds the sync probe's tolerance
         versions = {info.get("weight_version") for info in self.info.values()}
         self.weight_version = max(v for v in versions if isinstance(v, int)) if versions - {None} else 0
 
@@ -106,8 +107,9 @@ class ServerEngine:
         for server, sl in parts:
             seed = None if sampling.seed is None else sampling.seed + sl.start
             body = {"prompt_ids": prompt_ids[sl], "stop_token_ids": self.stop_token_ids,
-                    "sampling": {"n": sampling.n, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-                                 "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": seed}}
+                    "sampling": {"n": sampling.n, "max_tokens": sampling.max_tokens,
+                                 "temperature": sampling.temperature, "top_p": sampling.top_p,
+                                 "top_k": sampling.top_k, "seed": seed}}
             futures.append(self._pool.submit(self._post, self.urls[server], "/generate", body))
         completions, reasons, logps = [], [], []
         for (server, _), fut in zip(parts, futures, strict=True):
@@ -135,7 +137,8 @@ class ServerEngine:
         return out
 
     def _post(self, url: str, path: str, body: dict) -> dict:
-        return self.http.call(url, "POST", path, json=body, verify_after_recovery=self._holds_our_weights).json()
+        return self.http.call(url, "POST", path, json=body,
+                              verify_after_recovery=self._holds_our_weights).json()
 
     def _holds_our_weights(self, url: str) -> bool:
         try:
@@ -183,7 +186,7 @@ class ServerEngine:
         def body() -> Iterator[bytes]:
             nonlocal finished
             while (frame := q.get()) is not _END:
-                yield from (bytes(p) if isinstance(p, memoryview) else p for p in frame)
+                yield from frame
             finished = True
 
         try:

@@ -72,9 +72,8 @@ class SGLangEngine:
                         retries=s.retries, on_failure=s.on_failure, wait_for_recovery_s=s.wait_for_recovery_s)
         return cls(list(s.urls), policy=policy, api_key=os.environ.get(s.token_env) or None,
                    stop_token_ids=ctx.eos_token_ids, model_path=ctx.model_path,
-                   weight_transport=getattr(s, "sglang_weight_transport", "disk"),
-                   weight_sync_dir=getattr(s, "weight_sync_dir", None),
-                   chunk_mb=getattr(s, "weight_chunk_mb", 512))
+                   weight_transport=s.sglang_weight_transport, weight_sync_dir=s.weight_sync_dir,
+                   chunk_mb=s.weight_chunk_mb)
 
     def connect(self) -> None:
         hint = f"grpo serve-rollout --engine sglang --model {self.model_path or 'PATH'}"

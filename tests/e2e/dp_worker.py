@@ -1,0 +1,52 @@
+"""Worker for test_dp_parity: 3 optimizer steps on a fixed, replayed global batch; rank 0 saves the params.
+
+Run as `python dp_worker.py CKPT OUT AGGREGATION` (1 process) or under torchrun (each rank trains its rows).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from grpo_cli.config.load import build_config
+from grpo_cli.launch.dist import all_reduce_sum, init_from_env
+from grpo_cli.train.batch import TrainBatch
+from grpo_cli.train.policy import load_policy
+from grpo_cli.train.run import _wrap_ddp
+from grpo_cli.train.step import optimizer_step
+
+B, P, T = 16, 5, 7
+
+
+def fixed_batch(vocab: int) -> TrainBatch:
+    """Deterministic rollouts: prompts, completions of varying length, advantages, sampler logprobs."""
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(6, vocab, (B, P + T), generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    cmask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    attn = torch.cat([torch.ones(B, P, dtype=torch.long), cmask.long()], dim=1)
+    adv = torch.randn(B, generator=g)
+    sampler = -torch.rand(B, T, generator=g) * 3 * cmask
+    return TrainBatch(ids, attn, cmask, advantages=adv, sampler_logprobs=sampler)
+
+
+def main(ckpt: str, out: str, aggregation: str) -> None:
+    info = init_from_env("cpu")
+    cfg = build_config(overrides=[f"model.name_or_path={ckpt}", f"algorithm.aggregation={aggregation}",
+                                  "train.micro_batch_size=4", "train.learning_rate=1e-2",
+                                  "train.prompts_per_step=2", "train.generations_per_prompt=8"])
+    policy = load_policy(cfg, ckpt, device=torch.device("cpu"), wrap=_wrap_ddp(info))
+    full = fixed_batch(policy.module.config.vocab_size)
+    per = B // info.world_size
+    batch = full.rows(info.rank * per, (info.rank + 1) * per)
+    for _ in range(3):
+        num_items = all_reduce_sum(float(batch.completion_mask.sum()), info)
+        optimizer_step(policy, batch, cfg, num_items=num_items, num_sequences=B, world_size=info.world_size)
+    if info.rank == 0:
+        save_file({k: v.contiguous() for k, v in policy.module.state_dict().items()}, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
