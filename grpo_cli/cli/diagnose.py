@@ -12,12 +12,9 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
+from grpo_cli.cli.options import ConfigOpt, PresetArg, PresetOpt, SetOpt
 from grpo_cli.config.errors import UserError
 
-PresetArg = Annotated[Optional[str], typer.Argument(help="Preset name (default tiny-cpu); see `grpo presets list`.")]
-PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="Preset name (same as the argument).")]
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML file merged over the preset.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override: --set rollout.top_p=0.9")]
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
 ENGINE_OVERRIDES = {
     "hf": ["rollout.engine=hf", "rollout.mode=colocate", "rollout.server.urls=[]", "rollout.vllm.sleep_level=0"],

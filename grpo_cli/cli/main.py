@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from grpo_cli import __version__
+from grpo_cli.cli.options import ConfigOpt, PresetArg, PresetOpt, SetOpt
 from grpo_cli.config.errors import UserError
 
 app = typer.Typer(
@@ -21,10 +22,6 @@ config_app = typer.Typer(help="Check config files.", no_args_is_help=True)
 app.add_typer(presets_app, name="presets")
 app.add_typer(config_app, name="config")
 
-PresetArg = Annotated[Optional[str], typer.Argument(help="Preset name (default tiny-cpu); see `grpo presets list`.")]
-PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="Preset name (same as the argument).")]
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML file merged over the preset.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override: --set train.learning_rate=1e-5")]
 
 
 @contextlib.contextmanager
@@ -127,26 +124,20 @@ def config_validate(
         typer.echo(f"{file}: valid (preset {cfg.preset})")
 
 
-def _register_optional_commands() -> None:
-    """Commands whose modules other packages provide; each module imports nothing heavy at load time."""
-    from importlib import import_module
+def _register_commands() -> None:
+    """Commands defined in their own modules; each imports nothing heavy at load time."""
+    from grpo_cli.cli.diagnose import diagnose_mismatch
+    from grpo_cli.cli.doctor import doctor
+    from grpo_cli.cli.report import report
+    from grpo_cli.cli.serve import serve_rollout
 
-    for module, attr, name in [
-        ("grpo_cli.cli.serve", "serve_rollout", "serve-rollout"),
-        ("grpo_cli.cli.diagnose", "diagnose_mismatch", "diagnose-mismatch"),
-        ("grpo_cli.cli.doctor", "doctor", "doctor"),
-        ("grpo_cli.cli.report", "report", "report"),
-    ]:
-        try:
-            fn = getattr(import_module(module), attr)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        app.command(name)(fn)
+    app.command("serve-rollout")(serve_rollout)
+    app.command("diagnose-mismatch")(diagnose_mismatch)
+    app.command("doctor")(doctor)
+    app.command("report")(report)
 
 
-_register_optional_commands()
+_register_commands()
 
 
 def main() -> None:

