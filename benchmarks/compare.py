@@ -46,7 +46,7 @@ def worker_grpo(s: dict, engine: str) -> dict:
     overrides = [
         f"model.name_or_path={s['ckpt']}", f"train.steps={s['steps']}", f"train.prompts_per_step={s['prompts']}",
         f"train.generations_per_prompt={s['G']}", f"rollout.max_completion_length={s['max_len']}",
-        f"train.micro_batch_size={s['micro_batch']}", f"train.learning_rate={s['lr']}", "train.warmup_steps=0",
+        f"train.micro_batch_size={min(s['micro_batch'], s['prompts'] * s['G'])}", f"train.learning_rate={s['lr']}", "train.warmup_steps=0",
         "train.lr_scheduler=constant", "rollout.temperature=1.0", "algorithm.kl.beta=0.0",
         f"rewards.functions=[{{name: length, weight: 1.0, kwargs: {{target: {TARGET_WORDS}}}}}]",
         "data.source=builtin:words", "logging.log_completions=0", "checkpoint.every_steps=0",

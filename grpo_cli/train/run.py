@@ -20,6 +20,7 @@ from grpo_cli.train.offload import TrainingStateOffload
 from grpo_cli.train.policy import eos_token_ids, load_policy, pick_device
 from grpo_cli.train.run_dir import RunDir, default_output_dir
 from grpo_cli.train.tiny_model import resolve_model_path
+from grpo_cli.train.trackers import close_trackers, log_trackers, open_trackers
 from grpo_cli.train.watchdog import StallWatchdog
 
 
@@ -115,6 +116,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
     resume = ckpt.resolve_resume(cfg.checkpoint.resume, path) if cfg.checkpoint.resume else None
     if resume is not None:
         ckpt.verify_checkpoint(resume)  # a corrupt checkpoint fails before anything is loaded or written
+    trackers = open_trackers(cfg, path) if info.is_main else []  # a missing tracker package fails before loading
     trainer = build_trainer(cfg, info, log=log)
     state = LoopState()
     if resume is not None:
@@ -131,6 +133,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
     def on_step(step, metrics, samples):
         if run_dir is not None:
             run_dir.log_step(step, metrics, samples)
+        log_trackers(trackers, step, metrics)
         if reporter is not None and info.is_main:
             reporter.update(step, metrics)
             for alarm in step_alarms(metrics):
@@ -150,6 +153,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
                 log(f"stopped by signal {flag.signum} after step {state.step}; resume with "
                     f"--set checkpoint.resume=auto --output-dir {path}")
     finally:
+        close_trackers(trackers)
         trainer.engine.close()
         if run_dir is not None:
             run_dir.close()

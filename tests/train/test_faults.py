@@ -94,3 +94,14 @@ def test_missing_reward_module_fails_before_training(tmp_path):
     cfg = build_config(overrides=['rewards.functions=[{"name": "no_such_module_xyz:fn"}]'])
     with pytest.raises(RewardError, match="importing no_such_module_xyz failed"):
         build_reward_fns(cfg.rewards.functions)
+
+
+def test_report_to_tensorboard_writes_events(tmp_path, tiny_checkpoint):
+    from grpo_cli.train.run import run_training
+
+    cfg = build_config(overrides=[f"model.name_or_path={tiny_checkpoint}", "train.steps=2",
+                                  "train.prompts_per_step=2", "train.micro_batch_size=16",
+                                  "logging.report_to=[tensorboard]"])
+    run_training(cfg, output_dir=str(tmp_path / "run"))
+    events = list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
