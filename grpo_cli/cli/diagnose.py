@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from grpo_cli.cli.options import ConfigOpt, PresetArg, PresetOpt, SetOpt
+from grpo_cli.cli.common import ConfigOpt, PresetArg, PresetOpt, SetOpt, load_config, user_errors
 from grpo_cli.config.errors import UserError
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
@@ -82,8 +82,6 @@ def diagnose_mismatch(
     trainer's model (model.dtype, model.attn_implementation), and report every rollout_correction/ metric with a
     verdict, the worst sequences and tokens, a log-ratio histogram and which is_correction to use.
     Exit 0, or 1 when a --fail-above/--fail-below gate fails, 2 on bad input."""
-    from grpo_cli.cli.main import _load, user_errors
-
     with user_errors():
         if print_schema:
             from grpo_cli.train.diagnose import report_schema
@@ -97,7 +95,7 @@ def diagnose_mismatch(
             extra.append(f"rollout.dtype={DTYPES[rollout_dtype]}")
         if checkpoint is not None:
             extra.append(f"model.name_or_path={checkpoint_model_path(checkpoint)}")
-        cfg = _load(preset, preset_opt, config, [*(overrides or []), *extra])
+        cfg = load_config(preset, preset_opt, config, [*(overrides or []), *extra])
         report = _run(cfg, num_prompts=num_prompts or cfg.train.prompts_per_step, with_tokens=with_tokens,
                       above=above, below=below)
     _emit(report, json_out)

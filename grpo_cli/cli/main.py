@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,8 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from grpo_cli import __version__
-from grpo_cli.cli.options import ConfigOpt, PresetArg, PresetOpt, SetOpt
-from grpo_cli.config.errors import UserError
+from grpo_cli.cli.common import ConfigOpt, PresetArg, PresetOpt, SetOpt, load_config, user_errors
 
 app = typer.Typer(
     name="grpo", help="Post-train language models with GRPO.", no_args_is_help=True,
@@ -22,24 +20,6 @@ config_app = typer.Typer(help="Check config files.", no_args_is_help=True)
 app.add_typer(presets_app, name="presets")
 app.add_typer(config_app, name="config")
 
-
-
-@contextlib.contextmanager
-def user_errors():
-    """Print user errors as one paragraph on stderr and exit 2; programming errors keep their traceback."""
-    try:
-        yield
-    except UserError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-
-
-def _load(preset_arg, preset_opt, config, overrides):
-    from grpo_cli.config.load import ConfigError, build_config
-
-    if preset_arg and preset_opt and preset_arg != preset_opt:
-        raise ConfigError(f"two presets given ('{preset_arg}' and --preset '{preset_opt}'); give one.")
-    return build_config(preset_opt or preset_arg, config, overrides or [])
 
 
 def _version(value: bool) -> None:
@@ -69,7 +49,7 @@ def train(
     """Train with GRPO. With no arguments, runs the built-in tiny-cpu preset (no download, a few minutes on CPU)."""
     with user_errors():
         extra = [f"distributed.num_processes={nproc}"] if nproc else []
-        cfg = _load(preset, preset_opt, config, [*(overrides or []), *extra])
+        cfg = load_config(preset, preset_opt, config, [*(overrides or []), *extra])
         from grpo_cli.cli.train_cmd import run_train
 
         code = run_train(cfg, output_dir=output_dir, dry_run=dry_run, worker=worker,
@@ -87,7 +67,7 @@ def plan(
 ) -> None:
     """Print the batch plan and a per-GPU memory estimate for the chosen mode."""
     with user_errors():
-        cfg = _load(preset, preset_opt, config, overrides)
+        cfg = load_config(preset, preset_opt, config, overrides)
         from grpo_cli.config.plan import parse_size, render_plan
 
         typer.echo(render_plan(cfg, gpu_mem=parse_size(gpu_mem) if gpu_mem else None))
@@ -120,7 +100,7 @@ def config_validate(
 ) -> None:
     """Validate a config file (merged over a preset); exit 0 when valid, 2 with the reason otherwise."""
     with user_errors():
-        cfg = _load(None, preset, file, overrides)
+        cfg = load_config(None, preset, file, overrides)
         typer.echo(f"{file}: valid (preset {cfg.preset})")
 
 

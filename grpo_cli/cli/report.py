@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from grpo_cli.cli.common import user_errors
+
 
 def report(
     run_dir: Annotated[Path, typer.Argument(help="Run directory (the --output-dir of `grpo train`).")],
@@ -21,13 +23,8 @@ def report(
     """Summarise a run: first/last-10% means, min, max and last value of reward, loss, KL, mismatch, throughput
     and memory; time per phase; PNG plots of reward (mean ± std), KL, loss, mismatch metrics and the per-step
     phase-time stack. Works while the run is still writing; plots whose metrics were not logged are skipped."""
-    from grpo_cli.config.errors import UserError
-
-    try:
+    with user_errors():
         _report(run_dir, out_dir, no_plots=no_plots, smooth=smooth, as_json=as_json)
-    except UserError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
 
 
 def _report(run_dir: Path, out_dir: Path | None, *, no_plots: bool, smooth: int, as_json: bool) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Annotated, Literal
 
 import typer
+
+from grpo_cli.cli.common import user_errors
 
 
 def serve_rollout(
@@ -31,7 +34,7 @@ def serve_rollout(
 ) -> None:
     """Serve rollouts over HTTP: /health, /info, /generate, /score, /update_weights (streamed safetensors
     frames), /update_weights_from_disk, /sleep, /wake_up, /reset_prefix_cache."""
-    from grpo_cli.server.engines import ServeError, ServeOptions
+    from grpo_cli.server.engines import ServeOptions
     from grpo_cli.server.launch import run_server
     from grpo_cli.train.tiny_model import resolve_model_path
 
@@ -40,13 +43,8 @@ def serve_rollout(
                         dtype=dtype, max_model_len=max_model_len, sleep_level=sleep_level, seed=seed,
                         token=os.environ.get(token_env) or None, max_request_mb=max_request_mb,
                         max_frame_mb=max_frame_mb)
-    try:
+    with user_errors(), contextlib.suppress(KeyboardInterrupt):
         run_server(opts)
-    except ServeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

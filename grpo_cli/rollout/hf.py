@@ -14,21 +14,23 @@ from grpo_cli.rollout.scoring import score_sequences
 
 
 class _LogprobRecorder(LogitsProcessor):
-    """Last processor in the chain: keeps log_softmax of the processed scores of one step and, at the next
-    step, gathers the logprob of the token that was sampled from them. Memory: one (B, V) tensor."""
+    """Last processor in the chain: keeps the processed scores of one step and their logsumexp and, at the next
+    step, computes logprob = score[sampled] − logsumexp(scores) of the token sampled from them. No (B, V)
+    log-softmax is materialised; the scores tensor is only referenced."""
 
     def __init__(self) -> None:
-        self.pending: torch.Tensor | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.collected: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.flush(input_ids[:, -1])
-        self.pending = torch.log_softmax(scores.float(), dim=-1)
+        self.pending = (scores, torch.logsumexp(scores.float(), dim=-1))
         return scores
 
     def flush(self, sampled: torch.Tensor) -> None:
         if self.pending is not None:
-            self.collected.append(self.pending.gather(-1, sampled[:, None]).squeeze(-1))
+            scores, lse = self.pending
+            self.collected.append(scores.gather(-1, sampled[:, None]).squeeze(-1).float() - lse)
             self.pending = None
 
 

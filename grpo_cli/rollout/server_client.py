@@ -216,16 +216,13 @@ class ServerEngine:
 
     # -- memory and cache ---------------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
-        for url in self.urls:
-            self.http.call(url, "POST", "/sleep", json={"level": level})
+        self.http.post_each(self.urls, "/sleep", json={"level": level})
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        for url in self.urls:
-            self.http.call(url, "POST", "/wake_up", json={"tags": tags})
+        self.http.post_each(self.urls, "/wake_up", json={"tags": tags})
 
     def reset_prefix_cache(self) -> None:
-        for url in self.urls:
-            self.http.call(url, "POST", "/reset_prefix_cache")
+        self.http.post_each(self.urls, "/reset_prefix_cache")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

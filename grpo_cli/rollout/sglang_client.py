@@ -217,17 +217,14 @@ class SGLangEngine:
     def sleep(self, level: int) -> None:
         """Release GPU memory. SGLang drops (not offloads) released weights: generate refuses until a sync."""
         tags = ["kv_cache"] if level <= 0 else None
-        for url in self.urls:
-            self.http.call(url, "POST", "/release_memory_occupation", json={"tags": tags})
+        self.http.post_each(self.urls, "/release_memory_occupation", json={"tags": tags})
         self.weights_released = tags is None
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        for url in self.urls:
-            self.http.call(url, "POST", "/resume_memory_occupation", json={"tags": tags})
+        self.http.post_each(self.urls, "/resume_memory_occupation", json={"tags": tags})
 
     def reset_prefix_cache(self) -> None:
-        for url in self.urls:
-            self.http.call(url, "POST", "/flush_cache")
+        self.http.post_each(self.urls, "/flush_cache")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

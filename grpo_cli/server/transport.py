@@ -126,6 +126,11 @@ class Transport:
         what = f"{type(last).__name__}: {last}" if isinstance(last, httpx.TransportError) else str(last)
         return self._on_failure(url, method, path, what, verify_after_recovery, kw)
 
+    def post_each(self, urls: list[str], path: str, **kw) -> None:
+        """POST the same idempotent request to every server (memory and cache control)."""
+        for url in urls:
+            self.call(url, "POST", path, **kw)
+
     def _on_failure(self, url, method, path, what, verify, kw) -> httpx.Response:
         tries = f"{1 + self.policy.retries} attempt(s)"
         if self.policy.on_failure != "wait":

@@ -1,5 +1,5 @@
-"""Helpers for server tests: apps served by uvicorn on a thread (127.0.0.1, free port) and real
-`python -m grpo_cli.cli.serve` subprocesses whose printed URL is parsed. Every wait here is bounded."""
+"""Helpers for server tests: real `python -m grpo_cli.cli.serve` subprocesses whose printed URL is parsed, and
+served-tiny fixtures (threaded apps live in served_app.py). Every wait here is bounded."""
 
 from __future__ import annotations
 
@@ -8,33 +8,10 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 
 READY = "grpo serve-rollout: listening on "
-
-
-@contextmanager
-def app_in_thread(app):
-    """Serve an ASGI app on 127.0.0.1:<free port> from a daemon thread; yields its URL."""
-    import uvicorn
-
-    from grpo_cli.server.launch import bind, url_of
-
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield url_of(sock)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=5)
-        sock.close()
 
 
 class ServerProcess:

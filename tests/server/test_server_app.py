@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from conftest import app_in_thread
+from served_app import app_in_thread
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.server_client import ServerEngine

@@ -92,7 +92,7 @@ def test_no_server_message_names_url_and_command(tiny_checkpoint):
 
 
 def test_vocab_mismatch_is_refused(served_tiny):
-    from conftest import app_in_thread
+    from served_app import app_in_thread
 
     from grpo_cli.server.app import create_app
 

@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import app_in_thread
+from served_app import app_in_thread
 from sglang_contract_server import create_contract_app, safetensors_b64_serializer
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
