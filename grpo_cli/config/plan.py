@@ -117,9 +117,26 @@ def _peak(cfg: GRPOConfig, mem: dict[str, float]) -> float:
     return max(train, vllm + static)
 
 
+def async_plan(cfg: GRPOConfig) -> dict[str, object]:
+    """Where async mode's rollout actors go and how far ahead they generate."""
+    r, d = cfg.rollout, cfg.distributed
+    gpus = r.vllm.tensor_parallel_size if d.device == "cuda" else 0
+    return {
+        "ray_cluster": r.ray.address or "local (started by rank 0)",
+        "rollout_actors": f"{r.ray.num_actors} ({r.ray.num_actors // (d.num_processes * d.num_machines)} per "
+                          f"training process), engine {r.engine}",
+        "bundle_per_actor": f"CPU {r.ray.cpus_per_actor}" + (f", GPU {gpus}" if gpus else ""),
+        "batches_generated_ahead": r.max_staleness,
+        "staleness_bound": f"{r.max_staleness} optimizer step(s)",
+    }
+
+
 def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None) -> str:
     lines = ["# batch plan"]
     lines += [f"  {k:28s} {v}" for k, v in batch_plan(cfg).items()]
+    if cfg.rollout.mode == "async":
+        lines.append("# async rollouts (Ray)")
+        lines += [f"  {k:28s} {v}" for k, v in async_plan(cfg).items()]
     mem = memory_plan(cfg, gpu_mem)
     lines.append(f"# memory per GPU (estimate; mode {cfg.rollout.mode}, engine {cfg.rollout.engine}, "
                  f"backend {cfg.distributed.backend})")

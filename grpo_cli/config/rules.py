@@ -53,9 +53,28 @@ def _check_rollout(cfg: GRPOConfig) -> None:
             f"rollout.vllm.tensor_parallel_size={tp} must divide distributed.num_processes={world} in colocate "
             f"mode (each TP group is made of training processes); valid values: {_divisors(world)}."
         )
+    if r.mode == "async":
+        _check_async(cfg)
     if r.vllm.sleep_level and not (r.engine == "vllm" and r.mode == "colocate"):
         raise ValueError(
             "rollout.vllm.sleep_level applies only to rollout.engine=vllm in colocate mode; set it to 0."
+        )
+
+
+def _check_async(cfg: GRPOConfig) -> None:
+    r, d = cfg.rollout, cfg.distributed
+    world = d.num_processes * d.num_machines
+    if r.ray.num_actors % world:
+        raise ValueError(
+            f"rollout.ray.num_actors={r.ray.num_actors} must be a multiple of the {world} training processes in "
+            f"async mode (each process feeds its own rollout actors); e.g. rollout.ray.num_actors={world}."
+        )
+    need = r.ray.num_actors * r.vllm.tensor_parallel_size
+    if d.device == "cuda" and d.rollout_gpus * d.num_machines < need:
+        raise ValueError(
+            f"async mode places {r.ray.num_actors} rollout actor(s) x tensor_parallel_size "
+            f"{r.vllm.tensor_parallel_size} = {need} GPU(s), but distributed.rollout_gpus x num_machines = "
+            f"{d.rollout_gpus * d.num_machines}; raise distributed.rollout_gpus or lower rollout.ray.num_actors."
         )
 
 

@@ -109,6 +109,19 @@ class ServerConfig(Section):
     """Folder both the trainer and the SGLang server can read (disk sync); default: the system temp dir."""
 
 
+class RayConfig(Section):
+    address: str | None = None
+    """Ray cluster to join (`auto` for one started with `ray start`, or `HOST:PORT` of its head); null starts a
+    local cluster for this run (rank 0) that the other training processes join."""
+    num_actors: int = Field(1, ge=1)
+    """Rollout engine actors (async mode); each generates its share of the step's prompts."""
+    cpus_per_actor: int = Field(1, ge=1)
+    """CPU cores reserved per rollout actor (its torch threads). On a CPU-only machine the trainer keeps the
+    remaining cores."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """Longest wait for the rollout actors to be placed and load their engines."""
+
+
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm", "sglang"] = "hf"
     """`hf`: transformers generate on the policy itself; `vllm`: vLLM; `sglang`: an SGLang server."""
@@ -126,7 +139,10 @@ class RolloutConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Rollout engine dtype; `auto` uses `model.dtype`."""
     max_staleness: int = Field(1, ge=0)
-    """Async mode: how many optimizer steps a batch may lag behind the weights it is trained on."""
+    """Async mode: how many optimizer steps a batch may lag behind the weights it is trained on: batches for up
+    to this many future steps are generated while the current step trains (0 = synchronous, for comparison)."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """Async mode: the Ray cluster and the rollout actors placed on it."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """vLLM engine settings."""
     server: ServerConfig = Field(default_factory=ServerConfig)

@@ -53,3 +53,12 @@ def mean_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         dist.barrier()
+
+
+def broadcast_object(obj, info: DistInfo):
+    """Rank 0's `obj` on every rank (a picklable object; collective, every rank calls it)."""
+    if info.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -35,14 +35,14 @@ def sampling_params(cfg: GRPOConfig, *, seed: int | None) -> SamplingParams:
     )
 
 
-def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None) -> RolloutEngine:
-    """Build the engine for `cfg.rollout` (engine × mode). `policy` is the trainer's model (hf engine)."""
+def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, broadcast=None) -> RolloutEngine:
+    """Build the engine for `cfg.rollout` (engine × mode). `policy` is the trainer's model (hf engine);
+    `broadcast(obj)` shares rank 0's Ray address with the other ranks (async mode)."""
     r = cfg.rollout
     if r.mode == "async":
-        from grpo_cli.rollout.base import RolloutError
+        from grpo_cli.rollout.ray_engine import AsyncRolloutEngine
 
-        raise RolloutError("rollout.mode 'async' (one-step-ahead rollouts on Ray) is not implemented yet; use "
-                           "rollout.mode=colocate or server.")
+        return AsyncRolloutEngine.from_config(cfg, ctx, broadcast=broadcast)
     if r.mode == "server":
         if r.engine == "sglang":
             from grpo_cli.rollout.sglang_client import SGLangEngine

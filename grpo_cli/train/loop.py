@@ -16,6 +16,7 @@ from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutEngine, RolloutError
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
+from grpo_cli.train.pipeline import RolloutPipeline, take_step_prompts
 from grpo_cli.train.policy import Policy
 from grpo_cli.train.rewards_phase import decode_completions, reward_step
 from grpo_cli.train.step import NonFiniteStep, batch_logprobs, optimizer_step
@@ -48,6 +49,8 @@ class Trainer:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     sync: Callable[[int], dict[str, float]] | None = None
     offload: object | None = None
+    pipeline: RolloutPipeline | None = None
+    """Async mode: batches generated ahead of the step that trains on them."""
 
 
 class TrainingStopped(UserError):
@@ -59,11 +62,16 @@ def step_seed(cfg: GRPOConfig, step: int) -> int:
     return cfg.train.seed * 1_000_003 + step
 
 
-def rollout_phase(tr: Trainer, step: int):
-    """Take this rank's prompts and sample G completions of each."""
-    cfg, world = tr.cfg, tr.dist.world_size
-    per_rank = cfg.train.prompts_per_step // world
-    prompts = tr.cursor.take(cfg.train.prompts_per_step)[tr.dist.rank * per_rank : (tr.dist.rank + 1) * per_rank]
+def rollout_phase(tr: Trainer, state: LoopState):
+    """Take this rank's prompts and sample G completions of each (async mode: collect the batch generated
+    ahead, after queueing the next ones; `generate` then times only the wait the trainer sees)."""
+    cfg, step = tr.cfg, state.step
+    if tr.pipeline is not None:
+        with tr.timer.phase("generate"):
+            tr.pipeline.top_up(step)
+            return tr.pipeline.take(step, state.weight_version, cfg.rollout.max_staleness)
+    prompts = take_step_prompts(tr.cursor, prompts_per_step=cfg.train.prompts_per_step, rank=tr.dist.rank,
+                                world_size=tr.dist.world_size)
     if tr.offload is not None:
         with tr.timer.phase("offload"):
             tr.offload.offload()
@@ -135,7 +143,7 @@ def sync_phase(tr: Trainer, state: LoopState) -> dict[str, float]:
 def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict]]:
     """One full GRPO step; returns rank-averaged metrics and a few sample completions."""
     cfg, start = tr.cfg, time.perf_counter()
-    prompts, rollout = rollout_phase(tr, state.step)
+    prompts, rollout = rollout_phase(tr, state)
     completions = decode_completions(tr.policy.tokenizer, rollout)
     with tr.timer.phase("reward"):
         advantages, rewards, metrics = reward_step(cfg, tr.reward_fns, prompts, completions, rollout)
@@ -153,6 +161,9 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
     metrics["memory/peak_rss_mb"] = peak_rss_mb()
     metrics["weight_version"] = float(state.weight_version)
     metrics["staleness"] = float(state.weight_version - 1 - rollout.weight_version)
+    if tr.pipeline is not None:
+        metrics["async/actor_generate_s"] = rollout.timings.get("generate", 0.0)
+        metrics["async/in_flight"] = float(len(tr.pipeline.flight))
     samples = [
         {"step": state.step, "prompt": prompts[j // cfg.train.generations_per_prompt].text,
          "completion": completions[j], "reward": float(rewards[j]), "advantage": float(advantages[j])}

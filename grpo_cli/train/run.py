@@ -10,13 +10,14 @@ from pathlib import Path
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
 from grpo_cli.data.sources import load_rows
-from grpo_cli.launch.dist import DistInfo, barrier, init_from_env
+from grpo_cli.launch.dist import DistInfo, barrier, broadcast_object, init_from_env
 from grpo_cli.rewards.resolve import build_reward_fns
-from grpo_cli.rollout.factory import EngineContext, make_engine
+from grpo_cli.rollout.factory import EngineContext, make_engine, sampling_params
 from grpo_cli.train import checkpoint as ckpt
 from grpo_cli.train.alarms import step_alarms
-from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop
+from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_seed
 from grpo_cli.train.offload import TrainingStateOffload
+from grpo_cli.train.pipeline import RolloutPipeline
 from grpo_cli.train.policy import eos_token_ids, load_policy, pick_device
 from grpo_cli.train.run_dir import RunDir, default_output_dir
 from grpo_cli.train.tiny_model import resolve_model_path
@@ -48,21 +49,47 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, *, log=print) -> Trainer:
     cursor = PromptCursor(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     ctx = EngineContext(model_path, eos_token_ids(policy.tokenizer, policy.module), policy.tokenizer.pad_token_id,
                         info.rank, info.world_size)
-    engine = make_engine(cfg, ctx, policy=policy.module)
+    if cfg.rollout.mode == "async":
+        share_cores(cfg, device)
+    engine = make_engine(cfg, ctx, policy=policy.module, broadcast=lambda obj: broadcast_object(obj, info))
     offload = TrainingStateOffload.from_config(cfg.distributed.offload, policy.module, policy.optimizer)
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload)
     if not engine.shares_policy_weights:
         from grpo_cli.train.weight_sync import sync_weights
 
-        trainer.sync = lambda version: sync_weights(
-            engine, policy.module, version=version, bucket_mb=cfg.distributed.weight_sync_bucket_mb,
-            verify=cfg.rollout.vllm.verify_sync, probe=[prompts[0].ids],
+        def sync(version: int, verify: bool = cfg.rollout.vllm.verify_sync and cfg.rollout.mode != "async"):
+            return sync_weights(engine, policy.module, version=version, bucket_mb=cfg.distributed.weight_sync_bucket_mb,
+                                verify=verify, probe=[prompts[0].ids])
+
+        trainer.sync = sync
+    if cfg.rollout.mode == "async":
+        trainer.pipeline = RolloutPipeline(
+            engine, cursor, max_staleness=cfg.rollout.max_staleness, total_steps=cfg.train.steps,
+            prompts_per_step=cfg.train.prompts_per_step, rank=info.rank, world_size=info.world_size,
+            sampling_for=lambda step: sampling_params(cfg, seed=step_seed(cfg, step)),
         )
     return trainer
 
 
+def share_cores(cfg: GRPOConfig, device) -> None:
+    """Async mode on CPU: the trainer's torch threads get the cores the rollout actors do not reserve
+    (actors on this machine: `rollout.ray.num_actors / processes` × `cpus_per_actor`)."""
+    if device.type != "cpu":
+        return
+    import torch
+
+    d, ray_cfg = cfg.distributed, cfg.rollout.ray
+    local_actors = ray_cfg.num_actors // (d.num_processes * d.num_machines) * d.num_processes
+    free = (os.cpu_count() or 1) - local_actors * ray_cfg.cpus_per_actor
+    torch.set_num_threads(max(1, free // d.num_processes))
+
+
 def _trainer_state(tr: Trainer, state: LoopState) -> dict:
-    return {**dataclasses.asdict(state), "cursor": tr.cursor.state_dict()}
+    out = {**dataclasses.asdict(state), "cursor": tr.cursor.state_dict()}
+    if tr.pipeline is not None:
+        flight = tr.pipeline.state_dict()
+        out["cursor"], out["rollouts_in_flight"] = flight["cursor"], flight["in_flight"]
+    return out
 
 
 def _resume(tr: Trainer, path: Path, state: LoopState, log) -> None:
@@ -73,10 +100,14 @@ def _resume(tr: Trainer, path: Path, state: LoopState, log) -> None:
         setattr(state, f.name, saved[f.name])
     resynced = "engine shares the policy weights"
     if tr.sync is not None:
-        tr.sync(state.weight_version)
+        tr.sync(state.weight_version, verify=tr.cfg.rollout.vllm.verify_sync)
         resynced = f"engine re-synced to weight version {state.weight_version}"
     else:
         tr.engine.weight_version = state.weight_version
+    if tr.pipeline is not None:
+        tr.pipeline.load_state_dict(saved.get("rollouts_in_flight", []))
+        tr.pipeline.start_at(state.step)
+        resynced += f"; {len(tr.pipeline.flight)} rollout batch(es) in flight restored"
     log(f"resumed from {path}: step {state.step}, optimizer + scheduler + RNG + data cursor (epoch "
         f"{tr.cursor.epoch}, index {tr.cursor.index}) restored; {resynced}")
 
@@ -121,6 +152,11 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
     state = LoopState()
     if resume is not None:
         _resume(trainer, resume, state, log)
+    elif trainer.pipeline is not None:
+        checks = trainer.sync(0, verify=cfg.rollout.vllm.verify_sync)
+        log(f"async: {len(trainer.engine.actors)} rollout actor(s) on Ray hold weight version 0"
+            + (f" (verified: probe logprob diff {checks['sync/max_probe_diff']:.1e})" if "sync/max_probe_diff" in checks
+               else ""))
     run_dir = RunDir(path, cfg) if info.is_main else None
 
     def save(st: LoopState) -> None:

@@ -20,6 +20,13 @@ def _phase_text(metrics: dict[str, float]) -> str:
     return " ".join(f"{p}={metrics.get(f'time/{p}', 0.0):.2f}s" for p in PHASES)
 
 
+def _async_text(metrics: dict[str, float]) -> str:
+    """Async mode: staleness of the batch and the actor's generation time (hidden behind training)."""
+    if "async/in_flight" not in metrics:
+        return ""
+    return f" stale={_fmt(metrics.get('staleness'), '.0f')} actor_gen={_fmt(metrics.get('async/actor_generate_s'), '.2f')}s"
+
+
 class ProgressView:
     """Renders `update(step, metrics)` as a live table (mode rich) or as plain lines (mode plain/auto off-TTY)."""
 
@@ -61,6 +68,10 @@ class ProgressView:
             ("tokens/s", _fmt(m.get("tokens_per_second"), ".0f")),
             ("phases", _phase_text(m)),
         ]
+        if "async/in_flight" in m:
+            rows.append(("async: staleness / in flight / actor gen",
+                         f"{_fmt(m.get('staleness'), '.0f')} / {_fmt(m.get('async/in_flight'), '.0f')} / "
+                         f"{_fmt(m.get('async/actor_generate_s'), '.2f')}s"))
         for name, value in rows:
             table.add_row(name, value)
         return table
@@ -75,7 +86,7 @@ class ProgressView:
             f"step {step}/{self.total} reward={_fmt(metrics.get('reward/mean'))} "
             f"std={_fmt(metrics.get('reward/std'))} loss={_fmt(metrics.get('loss'), '.4f')} "
             f"kl={_fmt(metrics.get('kl'), '.4f')} tok/s={_fmt(metrics.get('tokens_per_second'), '.0f')} "
-            f"{_phase_text(metrics)} eta={_fmt(self._eta(step), '.0f')}s",
+            f"{_phase_text(metrics)}{_async_text(metrics)} eta={_fmt(self._eta(step), '.0f')}s",
             highlight=False, soft_wrap=True,
         )
 

@@ -10,6 +10,7 @@ from grpo_cli.config.plan import batch_plan, memory_plan, parse_size, render_pla
 REQUIRED = {
     "tiny-cpu", "tiny-cpu-vllm", "tiny-cpu-server", "qwen2-0.5b-tldr-length", "qwen-1.5b-colocate",
     "qwen-1.5b-server", "qwen-7b-colocate-tp2", "qwen-72b-colocate", "qwen-7b-async", "qwen-7b-sglang-server",
+    "tiny-cpu-async",
 }
 
 
@@ -85,6 +86,9 @@ def test_unknown_preset_lists_presets():
     (["distributed.offload.optimizer=true", "rollout.mode=server", 'rollout.server.urls=["http://x:1"]'],
      r"distributed\.offload"),
     (["distributed.deepspeed.offload_params=true"], r"offload_params needs zero_stage 3"),
+    (["rollout.mode=async", "distributed.num_processes=2"], r"rollout\.ray\.num_actors=1 must be a multiple of the 2"),
+    (["rollout.mode=async", "distributed.device=cuda", "distributed.rollout_gpus=1", "rollout.ray.num_actors=2"],
+     r"2 GPU\(s\), but distributed\.rollout_gpus x num_machines = 1"),
 ])
 def test_cross_field_rules(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -95,6 +99,13 @@ def test_config_is_frozen():
     cfg = build_config()
     with pytest.raises(Exception):
         cfg.train.steps = 3
+
+
+def test_async_plan_shows_actors_and_staleness():
+    text = render_plan(build_config("qwen-7b-async"), gpu_mem=None)
+    assert "# async rollouts (Ray)" in text
+    assert "4 (1 per training process), engine vllm" in text and "CPU 1, GPU 1" in text
+    assert "1 optimizer step(s)" in text
 
 
 def test_batch_plan_derives_accumulation():

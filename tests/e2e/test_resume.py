@@ -1,5 +1,6 @@
 """Exact resume: a run killed (SIGKILL) or interrupted (SIGINT) and resumed ends with the same parameters as an
-uninterrupted run with the same seed."""
+uninterrupted run with the same seed, in sync mode (tiny-cpu) and in async mode (tiny-cpu-async: the batches
+in flight at the checkpoint are saved and restored, the Ray rollout actor is re-synced)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ STEPS = 10
 BASE = ["--set", f"train.steps={STEPS}", "--set", "train.prompts_per_step=4", "--set", "train.micro_batch_size=16"]
 
 
-def _cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "grpo_cli", "train", "--output-dir", str(out), *BASE, *extra]
+def _cmd(preset: str, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "grpo_cli", "train", "--preset", preset, "--output-dir", str(out), *BASE, *extra]
 
 
 def _env(tmp_path: Path) -> dict:
@@ -38,11 +39,12 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["tiny-cpu", "tiny-cpu-async"])
+def reference_run(request, tmp_path_factory) -> tuple[str, Path]:
     tmp = tmp_path_factory.mktemp("ref")
-    subprocess.run(_cmd(tmp / "run"), check=True, env=_env(tmp), cwd=tmp, capture_output=True, timeout=600)
-    return tmp / "run"
+    subprocess.run(_cmd(request.param, tmp / "run"), check=True, env=_env(tmp), cwd=tmp, capture_output=True,
+                   timeout=600)
+    return request.param, tmp / "run"
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -54,8 +56,9 @@ def _assert_same(a: dict, b: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_run, sig):
+    preset, reference = reference_run
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(run, "--set", "checkpoint.every_steps=2"), env=_env(tmp_path), cwd=tmp_path,
+    proc = subprocess.Popen(_cmd(preset, run, "--set", "checkpoint.every_steps=2"), env=_env(tmp_path), cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(run / "checkpoint-6" / "MANIFEST.json", proc)
     proc.send_signal(sig)
@@ -64,8 +67,10 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_run, 
         assert proc.returncode == 0, out
         assert "stopped by signal" in out
     assert not (run / f"checkpoint-{STEPS}").exists(), "the run was meant to stop early"
-    resumed = subprocess.run(_cmd(run, "--set", "checkpoint.resume=auto"), env=_env(tmp_path), cwd=tmp_path,
+    resumed = subprocess.run(_cmd(preset, run, "--set", "checkpoint.resume=auto"), env=_env(tmp_path), cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout and "data cursor" in resumed.stdout
-    _assert_same(_weights(run), _weights(reference_run))
+    if preset == "tiny-cpu-async":
+        assert "1 rollout batch(es) in flight restored" in resumed.stdout, resumed.stdout
+    _assert_same(_weights(run), _weights(reference))
