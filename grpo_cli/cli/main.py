@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -44,12 +45,22 @@ def train(
     output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Run directory.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print config, plan and launch command; run nothing.")] = False,
     nproc: Annotated[Optional[int], typer.Option("--nproc", help="Processes per machine (= distributed.num_processes).")] = None,
+    nnodes: Annotated[Optional[int], typer.Option("--nnodes", help="Machines in the job (= distributed.num_machines).")] = None,
+    node_rank: Annotated[Optional[int], typer.Option("--node-rank", help="This machine's index (= distributed.machine_rank).")] = None,
+    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Machine 0's address (= distributed.main_process_ip).")] = None,
+    master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port (= distributed.main_process_port).")] = None,
     worker: Annotated[bool, typer.Option("--worker", hidden=True, help="Internal: run as a launched worker.")] = False,
 ) -> None:
     """Train with GRPO. With no arguments, runs the built-in tiny-cpu preset (no download, a few minutes on CPU)."""
     with user_errors():
-        extra = [f"distributed.num_processes={nproc}"] if nproc else []
-        cfg = load_config(preset, preset_opt, config, [*(overrides or []), *extra])
+        from grpo_cli.launch.command import external_launch
+
+        options = {"num_processes": nproc, "num_machines": nnodes, "machine_rank": node_rank,
+                   "main_process_ip": master_addr, "main_process_port": master_port}
+        extra = [f"distributed.{key}={value}" for key, value in options.items() if value is not None]
+        launched = None if worker else external_launch(dict(os.environ))
+        cfg = load_config(preset, preset_opt, config, [*(overrides or []), *extra, *(launched or [])])
+        worker = worker or launched is not None
         from grpo_cli.cli.train_cmd import run_train
 
         code = run_train(cfg, output_dir=output_dir, dry_run=dry_run, worker=worker,

@@ -132,7 +132,7 @@ def format_validation_error(exc: ValidationError) -> str:
             continue
         msg = err["msg"].removeprefix("Value error, ")
         given = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-        parts.append(f"{field}: {msg}{given}.")
+        parts.append(f"{field}: {msg.rstrip('.')}{given}.")
     return "Invalid configuration: " + " ".join(parts) + " Fix it in your config file or with --set key=value."
 
 

@@ -80,6 +80,16 @@ def _check_async(cfg: GRPOConfig) -> None:
 
 def _check_distributed(cfg: GRPOConfig) -> None:
     d = cfg.distributed
+    if d.num_machines > 1 and not d.main_process_ip:
+        raise ValueError(
+            f"distributed.num_machines={d.num_machines} needs distributed.main_process_ip, the address of machine 0 "
+            "(--master-addr); run the same command on every machine with its --node-rank."
+        )
+    if d.machine_rank >= d.num_machines:
+        raise ValueError(
+            f"distributed.machine_rank={d.machine_rank} must be below distributed.num_machines={d.num_machines} "
+            f"(valid: 0..{d.num_machines - 1})."
+        )
     if any(d.offload.model_dump().values()) and cfg.rollout.mode != "colocate":
         raise ValueError(
             "distributed.offload moves training state off the device while a colocated engine generates; "

@@ -207,6 +207,12 @@ class DistributedConfig(Section):
     """Training processes per machine (one per GPU); >1 relaunches through `launcher`."""
     num_machines: int = Field(1, ge=1)
     """Machines in the job."""
+    machine_rank: int = Field(0, ge=0)
+    """This machine's index in the job (0 on the machine that hosts the rendezvous)."""
+    main_process_ip: str | None = None
+    """Address of machine 0 for the rendezvous; required when `num_machines > 1`."""
+    main_process_port: int = Field(29500, ge=1, le=65535)
+    """Rendezvous port on machine 0."""
     rollout_gpus: int = Field(0, ge=0)
     """GPUs per machine reserved for rollout actors (async mode, disaggregated)."""
     launcher: Literal["accelerate", "torchrun"] = "accelerate"

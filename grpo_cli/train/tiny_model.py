@@ -72,7 +72,14 @@ def build_tiny_checkpoint(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model.save_pretrained(path, safe_serialization=True)
+    # Written file by file: `save_pretrained` writes nothing on a rank other than 0 once torch.distributed is
+    # initialised (transformers 5), and every rank of a launched job may build this checkpoint.
+    from safetensors.torch import save_file
+
+    config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
     (path / "grpo_cli_tiny.json").write_text(json.dumps({"version": TINY_VERSION, "seed": seed}))
     return path
 
@@ -88,6 +95,9 @@ def resolve_model_path(name: str) -> str:
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
         build_tiny_checkpoint(tmp)
+        missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (tmp / f).is_file()]
+        if missing:
+            raise RuntimeError(f"building {TINY_NAME} left out {missing} (in {tmp})")
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical

@@ -53,6 +53,37 @@ def test_dry_run_72b_prints_config_plan_and_deepspeed_launch():
     assert '"offload_optimizer"' in out and '"overlap_comm": true' in out
 
 
+@pytest.mark.parametrize("launcher,needles", [
+    ("accelerate", ["--num_processes 4 --num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1 "
+                    "--main_process_port 29501"]),
+    ("torchrun", ["--nproc_per_node=2 --nnodes=2 --node_rank=1 --master_addr=10.0.0.1 --master_port=29501"]),
+])
+def test_multi_node_options_reach_the_launch_command(launcher, needles):
+    result = runner.invoke(app, ["train", "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                 "10.0.0.1", "--master-port", "29501", "--set", "train.micro_batch_size=16",
+                                 "--set", f"distributed.launcher={launcher}", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    for needle in needles:
+        assert needle in result.output
+    assert result.output.rstrip().endswith("--worker")
+
+
+def test_multi_node_without_master_addr_is_refused():
+    result = runner.invoke(app, ["train", "--nnodes", "2", "--set", "train.micro_batch_size=16"])
+    assert result.exit_code == 2 and "needs distributed.main_process_ip" in result.output
+
+
+def test_external_launch_overrides_follow_the_launcher_env():
+    from grpo_cli.launch.command import external_launch
+
+    assert external_launch({}) is None
+    assert external_launch({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}) == [
+        "distributed.num_processes=2", "distributed.num_machines=1", "distributed.machine_rank=0"]
+    assert external_launch({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "MASTER_ADDR": "h0"}) == [
+        "distributed.num_processes=2", "distributed.num_machines=2", "distributed.machine_rank=1",
+        "distributed.main_process_ip=h0"]
+
+
 def test_positional_and_option_preset_agree():
     assert runner.invoke(app, ["train", "tiny-cpu", "--preset", "tiny-cpu", "--dry-run"]).exit_code == 0
     result = runner.invoke(app, ["train", "tiny-cpu", "--preset", "tiny-cpu-vllm", "--dry-run"])
