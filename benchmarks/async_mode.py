@@ -5,7 +5,8 @@ seed), each a fresh `grpo train` subprocess, alternated A B C A B C:
   sync        rollout.mode=colocate, hf engine on the policy itself (the default pipeline)
   async s=1   rollout.mode=async, one Ray hf actor (1 core) generates step k+1 while the trainer trains step k
   async s=0   the same actor, but no batch ahead (rollout.max_staleness=0): isolates what the overlap buys
-The settings are chosen so generation and training take similar time (the case async mode is for). Reports the
+The settings are chosen so generation and training take similar time (the case async mode is for), and the
+learning rate is small so the work per step (completion lengths) stays alike across steps and variants. Reports the
 median over runs of each run's median seconds/step (the first `--skip` steps excluded: start-up and the first,
 exposed generation), the phases the trainer sees, the actor's own generation time, and the ratios.
 
@@ -41,7 +42,7 @@ def run_variant(name: str, s: dict, timeout: float) -> dict:
            "--set", f"model.name_or_path={s['ckpt']}", "--set", f"train.steps={s['steps']}",
            "--set", f"train.prompts_per_step={s['prompts']}", "--set", f"train.generations_per_prompt={s['G']}",
            "--set", f"rollout.max_completion_length={s['max_len']}", "--set", f"train.micro_batch_size={s['micro_batch']}",
-           "--set", "train.learning_rate=1e-4", "--set", "train.warmup_steps=0", "--set", "logging.progress=plain",
+           "--set", f"train.learning_rate={s['lr']}", "--set", "train.warmup_steps=0", "--set", "logging.progress=plain",
            "--set", "logging.log_completions=0"]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-6,
+                    help="small, so completion lengths (the work per step) stay alike across steps and variants")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=str(RESULTS_DIR / "async_mode.json"))
     args = ap.parse_args()
@@ -94,7 +97,7 @@ def main() -> None:
     else:
         ckpt, params = build_checkpoint(args.size, cache)
     s = {"ckpt": ckpt, "steps": args.steps, "prompts": args.prompts, "G": args.G, "max_len": args.max_len,
-         "micro_batch": args.micro_batch}
+         "micro_batch": args.micro_batch, "lr": args.lr}
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     for rep in range(args.repeats):
         for name in VARIANTS:

@@ -124,7 +124,8 @@ class RayConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm", "sglang"] = "hf"
-    """`hf`: transformers generate on the policy itself; `vllm`: vLLM; `sglang`: an SGLang server."""
+    """`hf`: the policy itself samples (grpo-cli's KV-cached decode loop on transformers models); `vllm`: vLLM;
+    `sglang`: an SGLang server."""
     mode: Literal["colocate", "server", "async"] = "colocate"
     """`colocate`: the engine runs inside the training processes; `server`: a separate HTTP rollout server;
     `async`: rollouts for step k+1 are generated while step k trains (Ray actors)."""

@@ -62,9 +62,11 @@ class RolloutActor:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         return self.engine.generate(prompt_ids, sampling)
 
-    def update_weights(self, named: dict, version: int) -> int:
-        """Load `{hf_name: tensor}` (already materialised by Ray from the object store) as `version`."""
-        self.engine.update_weights(iter(named.items()), version)
+    def update_weights(self, layout: list, buffer, version: int) -> int:
+        """Load the tensors of a `flat_weights.flatten` buffer (Ray hands it over from the object store)."""
+        from grpo_cli.rollout.flat_weights import unflatten
+
+        self.engine.update_weights(unflatten(layout, buffer), version)
         return self.engine.weight_version
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

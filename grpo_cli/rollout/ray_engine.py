@@ -195,10 +195,14 @@ class AsyncRolloutEngine:
     # ---- weights ---------------------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, object]], version: int) -> None:
-        """Snapshot the tensors into the object store (one copy for all actors) and queue their load."""
+        """Snapshot the tensors into the object store (one flat buffer for all actors, `flat_weights`) and queue
+        their load. The snapshot is one CPU copy of the full weights per training process."""
+        from grpo_cli.rollout.flat_weights import flatten
+
         start = time.perf_counter()
-        ref = self._ray.put({name: t.detach().to("cpu") for name, t in named_tensors})
-        self._pushes += [a.update_weights.remote(ref, version) for a in self.actors]
+        layout, buffer = flatten(named_tensors)
+        ref = self._ray.put(buffer)
+        self._pushes += [a.update_weights.remote(layout, ref, version) for a in self.actors]
         self.weight_version = version
         self.last_put_seconds = time.perf_counter() - start
 

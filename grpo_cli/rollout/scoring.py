@@ -1,8 +1,18 @@
-"""Per-token logprobs of given sequences under a transformers causal LM (trainer and hf engine share it)."""
+"""Per-token logprobs of given sequences under a transformers causal LM (trainer and hf engine share it).
+
+The batch is [left-padded prompt | right-padded completion]. When the rows share prompts (the G completions of a
+group) or carry much right padding, they run as packed rows (`rollout.packing`): one copy of each prompt followed by
+its completions, a 4D mask keeping completions apart — the same logits in one pass over fewer positions.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from grpo_cli.rollout.packing import attention_cost, completion_widths, packed_mask, plan_packing
+
+MIN_SAVING = 0.1
+"""Packing is used only when it cuts the estimated forward cost (`attention_cost`) by at least this share."""
 
 
 def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -19,19 +29,66 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tens
     return out.reshape(ids.shape)
 
 
+def _packable(model) -> int | None:
+    """Hidden size when `model` takes a custom 4D mask as its attention mask (eager/sdpa attention, no sliding-window
+    layers, which would apply their own window), else None."""
+    config = getattr(model, "module", model).config.get_text_config(decoder=True)
+    if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
+        return None
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return None
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+        return None
+    return getattr(config, "hidden_size", None)
+
+
+def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: int, hidden_size: int):
+    """Logits (B, T, V) predicting each completion token from a packed forward pass, or None when packing would
+    not cut the estimated cost by MIN_SAVING."""
+    batch, width = input_ids.shape
+    packing = plan_packing(input_ids, attention_mask, prompt_len, max_row=max(width, hidden_size))
+    rows, n = packing.src.shape
+    if attention_cost(rows, n, hidden_size=hidden_size) > (1 - MIN_SAVING) * attention_cost(
+            batch, width, hidden_size=hidden_size):
+        return None
+    src = packing.src.clamp(min=0)
+    valid = attention_mask.reshape(-1)[src] * (packing.src >= 0)
+    mask = packed_mask(packing, valid)
+    dtype = next(model.parameters()).dtype
+    if getattr(model, "module", model).config._attn_implementation == "eager":  # additive float mask
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    logits = model(input_ids=input_ids.reshape(-1)[src], attention_mask=mask,
+                   position_ids=position_ids.reshape(-1)[src], use_cache=False,
+                   logits_to_keep=n - prompt_len + 1).logits
+    return logits[packing.row[:, None], packing.pos - (prompt_len - 1)]
+
+
 def completion_logprobs(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int, temperature: float
 ) -> torch.Tensor:
-    """Logprobs (B, logits_to_keep) of the last `logits_to_keep` tokens of `input_ids` (B, S), each given the
-    tokens before it, from logits divided by `temperature` (matching the sampler's processed logprobs)."""
+    """Logprobs (B, T = logits_to_keep) of the last T tokens of `input_ids` (B, S), each given the tokens before it,
+    from logits divided by `temperature` (matching the sampler's processed logprobs); 0 after a row's last
+    unmasked position.
+
+    Position ids are (cumsum(mask) − 1) clamped at 0, as in generation. Rows run packed (`_packed_logits`) when the
+    model allows it and it pays, else as one padded batch; both compute the same logits.
+    """
+    prompt_len = input_ids.shape[1] - logits_to_keep
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        use_cache=False, logits_to_keep=logits_to_keep + 1,
-    ).logits[:, :-1]
+    hidden_size = _packable(model) if prompt_len > 0 else None
+    logits = None
+    if hidden_size is not None:
+        logits = _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len, hidden_size)
+    if logits is None:
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=False, logits_to_keep=logits_to_keep + 1,
+        ).logits[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
-    return selective_log_softmax(logits, input_ids[:, -logits_to_keep:])
+    logprobs = selective_log_softmax(logits, input_ids[:, prompt_len:])
+    widths = completion_widths(attention_mask[:, prompt_len:])
+    return logprobs * (torch.arange(logits_to_keep, device=widths.device) < widths[:, None])
 
 
 @torch.no_grad()

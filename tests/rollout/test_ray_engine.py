@@ -119,3 +119,15 @@ def test_push_queued_behind_generation_lands_between_batches(manager, tiny_check
         torch.testing.assert_close(torch.tensor(row), torch.tensor(want), atol=1e-4, rtol=0)
     held = manager.read_weights(["model.norm.weight"])
     torch.testing.assert_close(held["model.norm.weight"], model.state_dict()["model.norm.weight"])
+
+
+def test_flat_weights_round_trip_any_dtype():
+    from grpo_cli.rollout.flat_weights import flatten, unflatten
+
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.arange(6).reshape(2, 3)),
+             ("d", torch.randn(2, 3).t())]  # non-contiguous
+    layout, buffer = flatten(named)
+    back = dict(unflatten(layout, buffer))
+    assert list(back) == ["a", "b", "c", "d"]
+    for name, tensor in named:
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor)

@@ -1,0 +1,134 @@
+"""The hf engine's decode loop: prefill each prompt once, share its KV cache among its n samples, then decode one
+token per step on a preallocated KV cache, dropping finished rows from the batch as they stop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo_cli.rollout.base import RolloutError, SamplingParams
+from grpo_cli.rollout.sampling import process_logits, sample_tokens
+
+COMPACT_FRACTION = 0.25
+"""Drop finished rows from the batch (one copy of the KV cache) once they are at least this share of the active
+rows: a finished row still costs a row of every matmul and attention call at each later step."""
+
+
+@dataclass
+class Decoded:
+    """B = P·n rows, group-contiguous. `tokens`/`logprobs` (B, max_tokens) are valid up to `lengths` (B,) (the stop
+    token included); `stopped` (B,) is True when the row sampled a stop token, False when it hit max_tokens."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    lengths: torch.Tensor
+    stopped: torch.Tensor
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into (ids, attention_mask) of shape (N, max_len)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def supports_cache(model) -> bool:
+    """Whether `model` takes a standard `Cache` object as `past_key_values` (not e.g. Mamba-style state)."""
+    fn = getattr(model, "_supports_default_dynamic_cache", None)
+    return bool(fn()) if fn is not None else False
+
+
+def new_cache(model, *, max_len: int):
+    """An empty KV cache for `model`: preallocated for `max_len` positions (static: written in place, no per-step
+    concatenation) when the model's attention supports it, else a growing dynamic cache."""
+    from transformers import DynamicCache, StaticCache
+
+    config = model.config.get_text_config(decoder=True)
+    if getattr(model, "_can_compile_fullgraph", False):
+        return StaticCache(config=config, max_cache_len=max_len)
+    return DynamicCache(config=config)
+
+
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Replace every layer's keys/values by their batch rows `rows` (which may repeat rows), in place."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
+
+
+class _Rows:
+    """Per-row decode state of the active rows; `origin` maps each active row to its output row."""
+
+    def __init__(self, origin: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
+        self.origin, self.mask, self.next_pos = origin, mask, next_pos
+        self.done = torch.zeros(len(origin), dtype=torch.bool, device=origin.device)
+
+    def keep(self, keep: torch.Tensor) -> None:
+        self.origin, self.mask, self.next_pos, self.done = (
+            t.index_select(0, keep) for t in (self.origin, self.mask, self.next_pos, self.done)
+        )
+
+
+def _prefill(model, prompt_ids: list[list[int]], n: int, steps: int, pad_token_id: int):
+    """Run each prompt once into a new KV cache, then repeat its rows n times (cache, logits, masks, positions)."""
+    device = next(model.parameters()).device
+    if not supports_cache(model):
+        raise RolloutError(f"{type(model).__name__} has no standard KV cache; use rollout.engine: vllm for it")
+    ids, mask = (t.to(device) for t in left_pad(prompt_ids, pad_token_id))
+    cache = new_cache(model, max_len=ids.shape[1] + steps)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    expand = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)
+    select_rows(cache, expand)
+    full_mask = torch.cat([mask, mask.new_ones((len(prompt_ids), steps))], dim=1).index_select(0, expand)
+    rows = _Rows(torch.arange(len(expand), device=device), full_mask, pos[:, -1].index_select(0, expand) + 1)
+    return cache, logits.index_select(0, expand), rows, ids.shape[1]
+
+
+@torch.no_grad()
+def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_token_ids: list[int],
+           pad_token_id: int) -> Decoded:
+    """Sample `sampling.n` completions of each prompt (group-contiguous rows) with `model` in its current mode.
+
+    Positions follow transformers' `generate` for left padding: position = (cumsum(mask) − 1), 0 on padding, and
+    generated token t of a row sits at its prompt length + t. Each step's token is drawn from
+    `process_logits` of the fp32 logits and its logprob recorded (`sample_tokens`); a row stops after a stop token.
+    Without a seed, the generator's seed is drawn from torch's global RNG.
+    """
+    steps = sampling.max_tokens
+    cache, logits, rows, width = _prefill(model, prompt_ids, sampling.n, steps, pad_token_id)
+    device, batch = logits.device, len(rows.origin)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ())))
+    out = Decoded(torch.full((batch, steps), pad_token_id, dtype=torch.long, device=device),
+                  torch.zeros((batch, steps), dtype=torch.float32, device=device),
+                  torch.full((batch,), steps, dtype=torch.long, device=device),
+                  torch.zeros(batch, dtype=torch.bool, device=device))
+    stop_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
+    for t in range(steps):
+        scores = process_logits(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+        tokens, logprobs = sample_tokens(scores, generator)
+        out.tokens[rows.origin, t], out.logprobs[rows.origin, t] = tokens, logprobs
+        stop = torch.isin(tokens, stop_ids) & ~rows.done
+        out.lengths[rows.origin[stop]] = t + 1
+        out.stopped[rows.origin[stop]] = True
+        rows.done |= stop
+        finished = int(rows.done.sum())
+        if t == steps - 1 or finished == len(rows.origin):
+            break
+        if finished >= max(1.0, COMPACT_FRACTION * len(rows.origin)):
+            keep = (~rows.done).nonzero().squeeze(1)
+            select_rows(cache, keep)
+            rows.keep(keep)
+            tokens = tokens.index_select(0, keep)
+        tokens = tokens.masked_fill(rows.done, pad_token_id)
+        logits = model(input_ids=tokens[:, None], attention_mask=rows.mask[:, : width + t + 1],
+                       position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        rows.next_pos += 1
+    return out

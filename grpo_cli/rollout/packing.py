@@ -1,0 +1,98 @@
+"""Shared-prompt packing of a [left-padded prompt | right-padded completion] batch for one forward pass.
+
+The G completions of a prompt go into one packed row after a single copy of the prompt, [prompt | c_1 | c_2 | …],
+with no right padding between them. A 4D attention mask lets each completion token see the prompt and the earlier
+tokens of its own completion only, and every token keeps its original position id, so each logit equals the one
+an unpacked forward pass computes. Pure index bookkeeping; no model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Packing:
+    """R packed rows of width N built from B sequences of width S = prompt_len + T.
+
+    `src` (R, N): flat index b·S + s of the original position copied there, −1 for padding. `segment` (R, N): 0 on
+    the prompt, k ≥ 1 on the row's k-th completion, −1 on padding. `row` (B,), `pos` (B, T): the packed row and
+    position whose logits predict completion token t of sequence b (t = 0: the prompt's last position).
+    """
+
+    src: torch.Tensor
+    segment: torch.Tensor
+    row: torch.Tensor
+    pos: torch.Tensor
+
+
+def completion_widths(completion_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) last unmasked completion position + 1 (0 for an empty completion); right padding is what lies after."""
+    steps = completion_mask.shape[1]
+    return (completion_mask * torch.arange(1, steps + 1, device=completion_mask.device)).amax(dim=1)
+
+
+def _rows(groups: list[list[int]], widths: list[int], prompt_len: int, max_row: int) -> list[list[int]]:
+    """Sequences per packed row: each group's sequences in order, a new row when the next would pass max_row."""
+    rows = []
+    for seqs in groups:
+        current, length = [], prompt_len
+        for b in seqs:
+            if current and length + widths[b] > max_row:
+                rows.append(current)
+                current, length = [], prompt_len
+            current.append(b)
+            length += widths[b]
+        rows.append(current)
+    return rows
+
+
+def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *, max_row: int) -> Packing:
+    """Pack sequences (B, S) whose first `prompt_len` ids and mask entries are equal into shared rows of at most
+    `max_row` positions (a longer single sequence gets a row of its own)."""
+    batch, width = input_ids.shape
+    key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
+    inverse = torch.unique(key, dim=0, return_inverse=True)[1].tolist()
+    groups: dict[int, list[int]] = {}
+    for b, g in enumerate(inverse):
+        groups.setdefault(g, []).append(b)
+    widths = completion_widths(attention_mask[:, prompt_len:]).tolist()
+    rows = _rows(list(groups.values()), widths, prompt_len, max_row)
+    n = max(prompt_len + sum(widths[b] for b in seqs) for seqs in rows)
+    src = torch.full((len(rows), n), -1, dtype=torch.long)
+    segment = torch.full((len(rows), n), -1, dtype=torch.long)
+    row_of, pos = torch.zeros(batch, dtype=torch.long), torch.full((batch, width - prompt_len), n - 1)
+    for r, seqs in enumerate(rows):
+        src[r, :prompt_len] = seqs[0] * width + torch.arange(prompt_len)
+        segment[r, :prompt_len] = 0
+        start = prompt_len
+        for k, b in enumerate(seqs, start=1):
+            w = widths[b]
+            src[r, start : start + w] = b * width + prompt_len + torch.arange(w)
+            segment[r, start : start + w] = k
+            row_of[b] = r
+            pos[b, 0] = prompt_len - 1
+            pos[b, 1:w] = start + torch.arange(w - 1)
+            start += w
+    device = input_ids.device
+    return Packing(src.to(device), segment.to(device), row_of.to(device), pos.to(device))
+
+
+def packed_mask(packing: Packing, valid: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask (R, 1, N, N), True = may attend: query q sees key k ≤ q that is unmasked (`valid`
+    (R, N)) and lies on the prompt or in q's own completion; every position also sees itself (no empty rows)."""
+    seg, n = packing.segment, packing.segment.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=seg.device).tril()
+    same = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])
+    allowed = causal & same & valid[:, None, :].bool()
+    return (allowed | torch.eye(n, dtype=torch.bool, device=seg.device))[:, None]
+
+
+def attention_cost(rows: int, width: int, *, hidden_size: int) -> float:
+    """Relative cost of a forward pass over (rows, width) positions: positions × (1 + width / (6·hidden)).
+
+    Per position, the linear layers cost ~24·h² FLOPs (per layer) and attention ~4·width·h (it does not skip
+    masked keys), hence the width / 6h term."""
+    return rows * width * (1.0 + width / (6.0 * hidden_size))

@@ -1,0 +1,120 @@
+"""Trainer logprobs from packed rows (one prompt copy + its completions, 4D mask) equal one plain padded forward pass
+over every row, in values and gradients; the packing bookkeeping and mask are the documented ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from grpo_cli.rollout import scoring
+from grpo_cli.rollout.packing import packed_mask, plan_packing
+from grpo_cli.rollout.scoring import completion_logprobs
+
+T = 12
+
+
+def load(tiny_checkpoint, attn: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32, attn_implementation=attn).train()
+
+
+def group_batch(prompt_lens=(6, 3, 6, 2), group=8, widths=(1, 2, 3, 4, 12)):
+    """[left-padded prompt | right-padded completion] rows, `group` completions per prompt, mixed widths."""
+    rng = random.Random(0)
+    width = max(prompt_lens)
+    ids = torch.zeros(len(prompt_lens) * group, width + T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for p, plen in enumerate(prompt_lens):
+        prompt = [rng.randrange(6, 60) for _ in range(plen)]
+        for j in range(p * group, (p + 1) * group):
+            n = rng.choice(widths)
+            ids[j, width - plen : width] = torch.tensor(prompt)
+            ids[j, width : width + n] = torch.tensor([rng.randrange(6, 60) for _ in range(n)])
+            mask[j, width - plen : width + n] = 1
+    return ids, mask
+
+
+def logprobs_and_grads(model, ids, mask, temperature=0.8):
+    model.zero_grad(set_to_none=True)
+    lp = completion_logprobs(model, ids, mask, logits_to_keep=T, temperature=temperature)
+    (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same(fast, ref):
+    assert torch.allclose(fast[0], ref[0], atol=1e-5)
+    for name, g in ref[1].items():
+        assert torch.allclose(fast[1][name], g, atol=1e-6, rtol=1e-4), name
+
+
+def spy_on_packing(monkeypatch) -> list:
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(plan_packing(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(scoring, "plan_packing", spy)
+    return calls
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_rows_equal_one_plain_pass(tiny_checkpoint, attn, monkeypatch):
+    model, (ids, mask) = load(tiny_checkpoint, attn), group_batch()
+    calls = spy_on_packing(monkeypatch)
+    fast = logprobs_and_grads(model, ids, mask)
+    assert calls and calls[0].src.shape[0] == 4  # one packed row per prompt
+    monkeypatch.setattr(scoring, "MIN_SAVING", 2.0)  # packing never pays: one plain pass
+    assert_same(fast, logprobs_and_grads(model, ids, mask))
+    widths = (mask[:, -T:] * torch.arange(1, T + 1)).amax(1)
+    assert (fast[0][torch.arange(T) >= widths[:, None]] == 0).all()  # 0 after each row's last token
+
+
+def test_long_groups_split_over_rows_and_checkpointing_agree(tiny_checkpoint, monkeypatch):
+    model, (ids, mask) = load(tiny_checkpoint, "sdpa"), group_batch()
+    monkeypatch.setattr(scoring, "MIN_SAVING", 2.0)
+    ref = logprobs_and_grads(model, ids, mask)
+    monkeypatch.setattr(scoring, "MIN_SAVING", -10.0)  # pack whatever the cost
+    monkeypatch.setattr(scoring, "_packable", lambda model: 8)  # rows of at most max(S, 8) = 18 positions
+    calls = spy_on_packing(monkeypatch)
+    model.gradient_checkpointing_enable()
+    try:
+        fast = logprobs_and_grads(model, ids, mask)
+    finally:
+        model.gradient_checkpointing_disable()
+    assert calls[0].src.shape[0] > 4 and calls[0].src.shape[1] <= ids.shape[1]
+    assert_same(fast, ref)
+
+
+def test_distinct_full_rows_stay_unpacked(tiny_checkpoint, monkeypatch):
+    model = load(tiny_checkpoint, "sdpa")
+    ids = torch.randint(6, 60, (4, 3 + T))
+    calls = spy_on_packing(monkeypatch)
+    with torch.no_grad():
+        completion_logprobs(model, ids, torch.ones_like(ids), logits_to_keep=T, temperature=1.0)
+    assert calls[0].src.shape == ids.shape  # planned, same cost as the plain batch: not used
+
+
+def test_plan_and_mask_of_a_small_batch():
+    #            prompt (left-padded) | completion
+    ids = torch.tensor([[0, 7, 8, 20, 21, 0],
+                        [0, 7, 8, 30, 0, 0],
+                        [9, 9, 9, 40, 41, 42]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0],
+                         [0, 1, 1, 1, 0, 0],
+                         [1, 1, 1, 1, 1, 1]])
+    p = plan_packing(ids, mask, 3, max_row=16)
+    flat = ids.reshape(-1)
+    packed = torch.where(p.src >= 0, flat[p.src.clamp(min=0)], -1)
+    assert sorted(packed.tolist()) == sorted([[0, 7, 8, 20, 21, 30], [9, 9, 9, 40, 41, 42]])
+    row_a = [r for r in range(2) if packed[r, 0] == 0][0]
+    assert p.segment[row_a].tolist() == [0, 0, 0, 1, 1, 2]
+    assert p.row[0] == p.row[1] == row_a and p.pos[0].tolist() == [2, 3, 5] and p.pos[1, 0] == 2
+    valid = mask.reshape(-1)[p.src.clamp(min=0)] * (p.src >= 0)
+    m = packed_mask(p, valid)[row_a, 0]
+    assert m[5].tolist() == [False, True, True, False, False, True]  # 2nd completion: prompt + itself, not the 1st
+    assert m[4].tolist() == [False, True, True, True, True, False]
+    assert m[0].tolist() == [True, False, False, False, False, False]  # padding sees only itself
