@@ -9,7 +9,7 @@ numpy twin, bytes do).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -45,3 +45,19 @@ def unflatten(layout: list[tuple[str, str, tuple[int, ...], int]], buffer) -> It
             count *= d
         nbytes = count * torch.empty((), dtype=dt).element_size()
         yield name, data[offset : offset + nbytes].view(dt).reshape(shape)
+
+
+def byte_buckets(named: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
+                 nbytes: Callable[[torch.Tensor], int] = lambda t: t.numel() * t.element_size()) -> Iterator[list]:
+    """Consecutive groups of (name, tensor) whose `nbytes` sum stays under `cap_bytes` (a larger tensor is a group
+    of its own), taken lazily from `named`."""
+    bucket, size = [], 0
+    for name, tensor in named:
+        n = nbytes(tensor)
+        if bucket and size + n > cap_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += n
+    if bucket:
+        yield bucket

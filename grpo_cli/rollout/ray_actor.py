@@ -62,11 +62,18 @@ class RolloutActor:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         return self.engine.generate(prompt_ids, sampling)
 
-    def update_weights(self, layout: list, buffer, version: int) -> int:
-        """Load the tensors of a `flat_weights.flatten` buffer (Ray hands it over from the object store)."""
+    def update_weights(self, parts: list, version: int) -> int:
+        """Load `[(layout, buffer ref), ...]` (`flat_weights` buckets in the object store), fetching one bucket
+        at a time, as `version`."""
+        import ray
+
         from grpo_cli.rollout.flat_weights import unflatten
 
-        self.engine.update_weights(unflatten(layout, buffer), version)
+        def stream():
+            for layout, ref in parts:
+                yield from unflatten(layout, ray.get(ref))
+
+        self.engine.update_weights(stream(), version)
         return self.engine.weight_version
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -121,6 +120,7 @@ class AsyncRolloutEngine:
         gpus = cfg.rollout.vllm.tensor_parallel_size if cfg.distributed.device == "cuda" else 0
         bundle = {"CPU": rc.cpus_per_actor, **({"GPU": gpus} if gpus else {})}
         self._ray = ray
+        self.bucket_bytes = cfg.distributed.weight_sync_bucket_mb * 2**20
         self.weight_version = 0
         self._tickets: dict[object, list] = {}
         self._pushes: list = []
@@ -185,9 +185,6 @@ class AsyncRolloutEngine:
         del self._tickets[key]
         return merge_batches(parts)
 
-    def pending(self) -> list:
-        return list(self._tickets)
-
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         self.submit("_now", prompt_ids, sampling)
         return self.collect("_now")
@@ -195,16 +192,16 @@ class AsyncRolloutEngine:
     # ---- weights ---------------------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, object]], version: int) -> None:
-        """Snapshot the tensors into the object store (one flat buffer for all actors, `flat_weights`) and queue
-        their load. The snapshot is one CPU copy of the full weights per training process."""
-        from grpo_cli.rollout.flat_weights import flatten
+        """Snapshot the tensors into the object store, one flat buffer (`flat_weights`) per bucket of at most
+        `distributed.weight_sync_bucket_mb`, and queue their load on every actor (one call, so a layer's tensors
+        may land in any bucket). The trainer holds one bucket at a time; the object store holds a copy of the
+        full weights per training process until the actors have loaded them."""
+        from grpo_cli.rollout.flat_weights import byte_buckets, flatten
 
-        start = time.perf_counter()
-        layout, buffer = flatten(named_tensors)
-        ref = self._ray.put(buffer)
-        self._pushes += [a.update_weights.remote(layout, ref, version) for a in self.actors]
+        parts = [(layout, self._ray.put(buffer))
+                 for layout, buffer in map(flatten, byte_buckets(named_tensors, self.bucket_bytes))]
+        self._pushes += [a.update_weights.remote(parts, version) for a in self.actors]
         self.weight_version = version
-        self.last_put_seconds = time.perf_counter() - start
 
     def _check_pushes(self) -> None:
         """Surface errors of weight pushes that have finished (without waiting for the others)."""
@@ -212,11 +209,6 @@ class AsyncRolloutEngine:
             return
         done, self._pushes = self._ray.wait(self._pushes, num_returns=len(self._pushes), timeout=0)
         self._ray.get(done)
-
-    def wait_for_weights(self) -> None:
-        """Block until every queued weight push is applied."""
-        self._ray.get(self._pushes)
-        self._pushes = []
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         return self._ray.get(self.actors[0].score.remote(sequences))

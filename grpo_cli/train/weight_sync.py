@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from grpo_cli.rollout.base import RolloutError
+from grpo_cli.rollout.flat_weights import byte_buckets
 from grpo_cli.rollout.scoring import score_sequences
 
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
@@ -64,16 +65,7 @@ def _full_numel(param: torch.nn.Parameter) -> int:
 def buckets(named: list[tuple[str, torch.nn.Parameter]], cap_bytes: int) -> Iterator[list]:
     """Consecutive groups of parameters whose full (unsharded) size stays under `cap_bytes`; a single larger
     tensor is a bucket of its own."""
-    bucket, size = [], 0
-    for name, param in named:
-        nbytes = _full_numel(param) * param.element_size()
-        if bucket and size + nbytes > cap_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, param))
-        size += nbytes
-    if bucket:
-        yield bucket
+    return byte_buckets(named, cap_bytes, nbytes=lambda p: _full_numel(p) * p.element_size())
 
 
 @contextlib.contextmanager

@@ -107,6 +107,7 @@ def test_push_queued_behind_generation_lands_between_batches(manager, tiny_check
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     version = manager.weight_version + 1
+    manager.bucket_bytes = 64 * 1024  # several buckets: the push spans many object-store buffers
     manager.submit("a", PROMPTS, SAMPLING)
     manager.update_weights(iter(model.state_dict().items()), version)
     manager.submit("b", PROMPTS, SAMPLING)
@@ -131,3 +132,11 @@ def test_flat_weights_round_trip_any_dtype():
     assert list(back) == ["a", "b", "c", "d"]
     for name, tensor in named:
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor)
+
+
+def test_byte_buckets_cap_and_order():
+    from grpo_cli.rollout.flat_weights import byte_buckets
+
+    named = [(str(i), torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5])]  # fp32: 40, 40, 120, 20, 20 bytes
+    groups = [[name for name, _ in b] for b in byte_buckets(iter(named), 80)]
+    assert groups == [["0", "1"], ["2"], ["3", "4"]]
