@@ -89,16 +89,16 @@ def connect(cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None) -> None:
         address, auth = broadcast(None)
         os.environ.update(auth)  # before Ray is imported: it reads its auth mode once
     ray = import_ray()
-    if ray.is_initialized():
-        return
-    kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="ERROR", log_to_driver=True)
-    if address is None and ctx.rank == 0:
-        ray.init(num_cpus=max(os.cpu_count() or 1, cfg.rollout.ray.num_actors * cfg.rollout.ray.cpus_per_actor),
-                 **kwargs)
-        if broadcast is not None:
-            broadcast((ray.get_runtime_context().gcs_address, _auth_env()))
-        return
-    ray.init(address=address, **kwargs)
+    starts_cluster = address is None and ctx.rank == 0
+    if not ray.is_initialized():
+        kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="ERROR", log_to_driver=True)
+        if starts_cluster:
+            ray.init(num_cpus=max(os.cpu_count() or 1, cfg.rollout.ray.num_actors * cfg.rollout.ray.cpus_per_actor),
+                     **kwargs)
+        else:
+            ray.init(address=address, **kwargs)
+    if starts_cluster and broadcast is not None:  # also when Ray was already up here: the other ranks wait for it
+        broadcast((ray.get_runtime_context().gcs_address, _auth_env()))
 
 
 class AsyncRolloutEngine:
