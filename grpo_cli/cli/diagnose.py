@@ -103,16 +103,13 @@ def diagnose_mismatch(
 
 
 def _run(cfg, *, num_prompts: int, with_tokens: bool, above: dict, below: dict) -> dict:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM logs to stdout by default; keep stdout for the report.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    import transformers
-
+    from grpo_cli.launch.quiet import quiet_hf_stack
     from grpo_cli.train.diagnose import check_gates, diagnose, metric_values
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    quiet_hf_stack()
     report = diagnose(cfg, num_prompts=num_prompts, with_tokens=with_tokens)
     report["gates"] = check_gates(metric_values(report), above=above, below=below)
     return report

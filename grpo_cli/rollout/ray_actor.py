@@ -46,13 +46,11 @@ class RolloutActor:
     def __init__(self, cfg_dump: dict, ctx_fields: dict, threads: int) -> None:
         import torch
 
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from grpo_cli.launch.quiet import quiet_hf_stack
+
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # no INFO line per weight push in the trainer's log
         torch.set_num_threads(threads)
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
+        quiet_hf_stack()
         self.engine = build_actor_engine(cfg_dump, ctx_fields)
 
     def ready(self) -> int:
@@ -84,9 +82,3 @@ class RolloutActor:
             return self.engine.read_weights(names)
         params = dict(self.engine.model.named_parameters())
         return {n: params[n].detach().cpu().clone() for n in names if n in params}
-
-    def weight_version(self) -> int:
-        return self.engine.weight_version
-
-    def close(self) -> None:
-        self.engine.close()

@@ -69,7 +69,7 @@ def rollout_phase(tr: Trainer, state: LoopState):
     if tr.pipeline is not None:
         with tr.timer.phase("generate"):
             tr.pipeline.top_up(step)
-            return tr.pipeline.take(step, state.weight_version, cfg.rollout.max_staleness)
+            return tr.pipeline.take(step, state.weight_version)
     prompts = take_step_prompts(tr.cursor, prompts_per_step=cfg.train.prompts_per_step, rank=tr.dist.rank,
                                 world_size=tr.dist.world_size)
     if tr.offload is not None:

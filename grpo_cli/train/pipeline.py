@@ -50,9 +50,8 @@ class RolloutPipeline:
         """Nothing is in flight before `step` (a fresh run or a resume without saved batches)."""
         self.next_step = max(self.next_step, step)
 
-    def top_up(self, step: int) -> int:
-        """Submit every batch for steps up to `step + max_staleness` not yet submitted; returns how many are in
-        flight afterwards."""
+    def top_up(self, step: int) -> None:
+        """Submit every batch for steps up to `step + max_staleness` not yet submitted."""
         last = min(step + self.ahead, self.total - 1)
         while self.next_step <= last:
             j = self.next_step
@@ -61,20 +60,19 @@ class RolloutPipeline:
             self.engine.submit(j, [p.ids for p in prompts], self.sampling_for(j))
             self.flight[j] = InFlight(j, prompts, before)
             self.next_step += 1
-        return len(self.flight)
 
-    def take(self, step: int, version: int, max_staleness: int) -> tuple[list[Prompt], RolloutBatch]:
-        """Batch of `step`, waiting for it if needed; checks the staleness bound against the trainer's
-        current weight `version`."""
+    def take(self, step: int, version: int) -> tuple[list[Prompt], RolloutBatch]:
+        """Batch of `step`, waiting for it if needed; checks the staleness bound (`max_staleness`) against the
+        trainer's current weight `version`."""
         item = self.flight[step]
         batch = item.batch if item.batch is not None else self.engine.collect(step)
         del self.flight[step]  # only once it arrived: a failed batch stays for `state_dict` to account for
         lag = version - batch.weight_version
-        if lag > max_staleness or lag < 0:
+        if lag > self.ahead or lag < 0:
             raise RolloutError(
                 f"the batch for step {step} was sampled with weight version {batch.weight_version} but the "
                 f"trainer is at version {version} (staleness {lag}, bound rollout.max_staleness="
-                f"{max_staleness}); the rollout actors missed a weight push. Resume from the last checkpoint."
+                f"{self.ahead}); the rollout actors missed a weight push. Resume from the last checkpoint."
             )
         return item.prompts, batch
 

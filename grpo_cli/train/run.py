@@ -11,6 +11,7 @@ from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
 from grpo_cli.data.sources import load_rows
 from grpo_cli.launch.dist import DistInfo, barrier, broadcast_object, init_from_env
+from grpo_cli.launch.quiet import quiet_hf_stack
 from grpo_cli.rewards.resolve import build_reward_fns
 from grpo_cli.rollout.factory import EngineContext, make_engine, sampling_params
 from grpo_cli.train import checkpoint as ckpt
@@ -136,11 +137,7 @@ class _SignalFlag:
 
 def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=None) -> dict:
     """Train per `cfg`; returns the summary (also written to summary.json). `reporter` renders progress."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    quiet_hf_stack()
     info = init_from_env("cuda" if cfg.distributed.device == "cuda" else "cpu")
     path = Path(output_dir or cfg.logging.output_dir or default_output_dir(cfg))
     log = reporter.message if reporter is not None and info.is_main else (lambda *_: None)
