@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,7 +76,9 @@ def rollout_phase(tr: Trainer, state: LoopState):
     if tr.offload is not None:
         with tr.timer.phase("offload"):
             tr.offload.offload()
-    with tr.timer.phase("generate"):
+    # The hf engine runs the policy's own forward: it computes in the trainer's dtype (autocast under ddp).
+    compute = tr.policy.backend.compute_context() if tr.engine.shares_policy_weights else contextlib.nullcontext()
+    with tr.timer.phase("generate"), compute:
         rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling_params(cfg, seed=step_seed(cfg, step)))
     if tr.offload is not None:
         with tr.timer.phase("offload"):
@@ -101,9 +104,11 @@ def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:
     cfg, micro, temp = tr.cfg, tr.cfg.train.micro_batch_size, tr.cfg.rollout.temperature
     with tr.timer.phase("logprobs"):
         if cfg.algorithm.num_iterations > 1:
-            batch.old_logprobs = batch_logprobs(tr.policy.model, batch, micro_batch_size=micro, temperature=temp)
+            batch.old_logprobs = batch_logprobs(tr.policy, tr.policy.model, batch, micro_batch_size=micro,
+                                                temperature=temp)
         if tr.policy.ref_model is not None:
-            batch.ref_logprobs = batch_logprobs(tr.policy.ref_model, batch, micro_batch_size=micro, temperature=temp)
+            batch.ref_logprobs = batch_logprobs(tr.policy, tr.policy.ref_model, batch, micro_batch_size=micro,
+                                                temperature=temp)
 
 
 def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, float]:
@@ -115,8 +120,7 @@ def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, f
         for _ in range(cfg.algorithm.num_iterations):
             try:
                 out = optimizer_step(tr.policy, batch, cfg, num_items=num_items,
-                                     num_sequences=len(batch) * tr.dist.world_size,
-                                     world_size=tr.dist.world_size)
+                                     num_sequences=len(batch) * tr.dist.world_size)
                 state.nonfinite_streak = 0
             except NonFiniteStep as exc:
                 state.nonfinite_streak += 1
@@ -153,6 +157,9 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
     batch = batch.to(tr.policy.device)
     logprob_phase(tr, batch)
     metrics.update(train_phase(tr, state, batch))
+    if state.step == 0:
+        local, total = tr.policy.backend.param_numel()
+        metrics.update({"dist/param_numel_local": float(local), "dist/param_numel_total": float(total)})
     metrics.update(sync_phase(tr, state))
     metrics.update(tr.timer.pop())
     elapsed = time.perf_counter() - start
