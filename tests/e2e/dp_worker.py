@@ -1,6 +1,6 @@
 """Worker for test_dp_parity: 3 optimizer steps on a fixed, replayed global batch; rank 0 saves the params.
 
-Run as `python dp_worker.py CKPT OUT AGGREGATION [OVERRIDE ...]` (1 process) or under torchrun (each rank
+Run as `[DP_WORKER_STEPS=3] python dp_worker.py CKPT OUT AGGREGATION [OVERRIDE ...]` (1 process) or under torchrun (each rank
 trains its rows); overrides such as `distributed.backend=fsdp2` pick the training backend. Rank 0 saves the
 consolidated parameters (gathered from shards by the backend's `export_hf`).
 """
@@ -8,6 +8,7 @@ consolidated parameters (gathered from shards by the backend's `export_hf`).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def fixed_batch(vocab: int) -> TrainBatch:
 
 def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
     info = init_from_env("cpu")
+    steps = int(os.environ.get("DP_WORKER_STEPS", "3"))
     cfg = build_config(overrides=[f"model.name_or_path={ckpt}", f"algorithm.aggregation={aggregation}",
                                   "train.micro_batch_size=4", "train.learning_rate=1e-2",
                                   "train.prompts_per_step=2", "train.generations_per_prompt=8",
@@ -45,11 +47,11 @@ def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
     full = fixed_batch(policy.module.config.vocab_size)
     per = B // info.world_size
     batch = full.rows(info.rank * per, (info.rank + 1) * per)
-    for _ in range(3):
+    for _ in range(steps):
         num_items = all_reduce_sum(float(batch.completion_mask.sum()), info)
         optimizer_step(policy, batch, cfg, num_items=num_items, num_sequences=B)
     folder = Path(out).with_suffix(".hf")
-    policy.backend.export_hf(folder)
+    policy.backend.export_hf(folder, dtype=torch.float32)  # the master weights, exactly
     if info.rank == 0:
         weights = load_file(folder / "model.safetensors")
         save_file({k: v.contiguous() for k, v in weights.items()}, out)

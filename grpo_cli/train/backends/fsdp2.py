@@ -124,9 +124,9 @@ class FSDP2Backend(TrainingBackend):
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
 
-    def export_hf(self, folder: Path) -> None:
+    def export_hf(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.info.is_main:
-            save_hf_folder(self.module, folder, state_dict=full, dtype=compute_dtype(self.cfg))
+            save_hf_folder(self.module, folder, state_dict=full, dtype=dtype or compute_dtype(self.cfg))
