@@ -36,6 +36,19 @@ def fixed_batch(vocab: int) -> TrainBatch:
     return TrainBatch(ids, attn, cmask, advantages=adv, sampler_logprobs=sampler)
 
 
+def held_bytes(policy) -> dict[str, int]:
+    """Bytes of weights, gradients and AdamW state this rank holds (its shards only)."""
+
+    def size(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list(policy.module.parameters())
+    states = [v for st in policy.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"weights": sum(size(p) for p in params), "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(v) for v in states)}
+
+
 def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
     info = init_from_env("cpu")
     steps = int(os.environ.get("DP_WORKER_STEPS", "3"))
@@ -56,7 +69,7 @@ def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
         weights = load_file(folder / "model.safetensors")
         save_file({k: v.contiguous() for k, v in weights.items()}, out)
         local, total = policy.backend.param_numel()
-        Path(out).with_suffix(".json").write_text(json.dumps({"local": local, "total": total}))
+        Path(out).with_suffix(".json").write_text(json.dumps({"local": local, "total": total, **held_bytes(policy)}))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ import pytest
 from dp_harness import SHARDED, run_worker
 from safetensors.torch import load_file
 
+from grpo_cli.config.load import build_config
+from grpo_cli.config.plan import model_shape, training_state_bytes
+
 @pytest.fixture(scope="module")
 def one_process(tiny_checkpoint, tmp_path_factory):
     """The 1-process DDP reference, per aggregation."""
@@ -32,6 +35,12 @@ def test_two_processes_equal_one_process(tmp_path, tiny_checkpoint, one_process,
     assert a.keys() == b.keys()
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= 1e-5, f"2-process params differ from 1-process by {worst}"
-    numel = json.loads(out.with_suffix(".json").read_text())
-    share = numel["local"] / numel["total"]
-    assert share <= 0.55 if backend else share == 1.0, numel
+    held = json.loads(out.with_suffix(".json").read_text())
+    share = held["local"] / held["total"]
+    assert share <= 0.55 if backend else share == 1.0, held
+    # `grpo plan` computes per-process bytes from the same rules the backends follow
+    cfg = build_config(overrides=[f"model.name_or_path={tiny_checkpoint}", "distributed.num_processes=2", *backend])
+    plan = training_state_bytes(cfg, model_shape(tiny_checkpoint).params)
+    assert model_shape(tiny_checkpoint).params == held["total"]
+    for item in ("weights", "gradients", "optimizer"):
+        assert plan[item] == pytest.approx(held[item], rel=0.01), (item, plan, held)
