@@ -9,7 +9,7 @@ from collections import defaultdict
 import torch
 
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.rollout.scoring import completion_logprobs
+from grpo_cli.rollout.scoring import completion_logprobs, completion_logprobs_entropy
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.loss import compute_loss
 from grpo_cli.train.policy import Policy
@@ -53,12 +53,15 @@ def optimizer_step(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, *, num_it
         last = k == len(starts) - 1
         sync = contextlib.nullcontext() if last or not hasattr(policy.model, "no_sync") else policy.model.no_sync()
         with sync:
-            logprobs = forward_logprobs(policy.model, mb, temperature=cfg.rollout.temperature)
+            logprobs, entropy = completion_logprobs_entropy(
+                policy.model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
+                temperature=cfg.rollout.temperature, entropy_grad=cfg.algorithm.entropy_coef > 0,
+            )
             loss, metrics = compute_loss(
                 logprobs=logprobs, old_logprobs=mb.old_logprobs, ref_logprobs=mb.ref_logprobs,
                 sampler_logprobs=mb.sampler_logprobs, advantages=mb.advantages, completion_mask=mb.completion_mask,
                 algorithm=cfg.algorithm, num_items_in_batch=num_items, num_sequences_in_batch=num_sequences,
-                max_completion_length=cfg.rollout.max_completion_length,
+                max_completion_length=cfg.rollout.max_completion_length, entropy=entropy, truncated=mb.truncated,
             )
             if not torch.isfinite(loss):
                 policy.optimizer.zero_grad(set_to_none=True)

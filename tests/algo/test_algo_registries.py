@@ -10,7 +10,7 @@ from typing import get_args
 import pytest
 
 import grpo_cli.algo
-from grpo_cli.algo.advantages import REWARD_SCALES, group_advantages, process_advantages
+from grpo_cli.algo.advantages import ADVANTAGE_ESTIMATORS, REWARD_SCALES, group_advantages, process_advantages
 from grpo_cli.algo.aggregation import AGGREGATIONS, aggregate_loss
 from grpo_cli.algo.importance import IS_ACTIONS, IS_LEVELS, off_policy_sequence_mask, rollout_correction
 from grpo_cli.algo.kl import KL_ESTIMATORS, kl_penalty
@@ -40,6 +40,7 @@ def kw_only(fn):
     ("registry", "model", "field"),
     [
         (REWARD_SCALES, AdvantageConfig, "scale_rewards"),
+        (ADVANTAGE_ESTIMATORS, AdvantageConfig, "estimator"),
         (OBJECTIVES, ObjectiveConfig, "kind"),
         (AGGREGATIONS, AlgorithmConfig, "aggregation"),
         (KL_ESTIMATORS, KLConfig, "estimator"),
@@ -73,6 +74,7 @@ def test_registry_entries_share_one_signature():
     assert all(kw_only(f) == set(ObjectiveConfig.model_fields) - {"kind"} for f in OBJECTIVES.values())
     assert all(kw_only(f) == BATCH_FACTS for f in AGGREGATIONS.values())
     assert all(kw_only(f) == {"threshold", "lower"} for f in IS_ACTIONS.values())
+    assert all(kw_only(f) == set(AdvantageConfig.model_fields) - {"estimator"} for f in ADVANTAGE_ESTIMATORS.values())
 
 
 def test_public_algo_functions_have_no_keyword_defaults_and_a_docstring():
