@@ -147,7 +147,8 @@ def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
     values = rewards.double()
     valid = ~torch.isnan(values)
     group = torch.arange(values.shape[0], device=values.device) // group_size
-    flat = _flat_groups(torch.where(valid, values, torch.zeros_like(values)), group, valid, values.shape[0] // group_size)
+    clean = torch.where(valid, values, torch.zeros_like(values))
+    flat = _flat_groups(clean, group, valid, values.shape[0] // group_size)
     return ~flat.view(-1, group_size)[:, 0]
 
 

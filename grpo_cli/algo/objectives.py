@@ -129,7 +129,8 @@ def cispo_objective(
     published (TRL and ms-swift agree) there is no lower clamp; with cispo_epsilon_low set the weight is
     max(w_t, 1 − cispo_epsilon_low) (slime/NeMo style). epsilon_low and dual_clip_c are not used (the config
     refuses them). Clip indicators mark what is clipped, whatever the sign of A: high = r > 1 + ε_high,
-    low = r < 1 − cispo_epsilon_low (TRL's cispo_clip_ratio also requires A > 0).
+    low = r < 1 − cispo_epsilon_low (TRL's cispo_clip_ratio also requires A > 0). Bounds are relative like
+    `clip`: TRL's absolute cap 5.0 is epsilon_high 4.0.
     """
     del epsilon_low, dual_clip_c
     ratio = safe_exp(log_ratio).detach()

@@ -36,7 +36,8 @@ def test_group_advantages_hand_computed():
 
 def test_group_advantages_nan_excluded_from_stats():
     # group 0 valid {1, 3}: mean 2, std sqrt(2) = 1.414214; the NaN row gets 0.
-    adv = group_advantages(torch.tensor([1.0, NAN, 3.0, 2.0, 2.0, 2.0]), 3, estimator="grpo", scale_rewards="group", epsilon=1e-4)
+    adv = group_advantages(torch.tensor([1.0, NAN, 3.0, 2.0, 2.0, 2.0]), 3, estimator="grpo", scale_rewards="group",
+                           epsilon=1e-4)
     expected = torch.tensor([-0.707057, 0.0, 0.707057, 0.0, 0.0, 0.0])
     torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-6)
 
@@ -134,5 +135,5 @@ def test_process_advantages_match_naive_and_zero_mean(scale_rewards):
 
 def test_process_advantages_rejects_out_of_range_ends():
     with pytest.raises(ValueError, match="step_ends"):
-        process_advantages(torch.tensor([[1.0], [0.0]]), torch.tensor([[5], [0]]), 2, 5, estimator="grpo", scale_rewards="group",
-                           epsilon=1e-4)
+        process_advantages(torch.tensor([[1.0], [0.0]]), torch.tensor([[5], [0]]), 2, 5, estimator="grpo",
+                           scale_rewards="group", epsilon=1e-4)
