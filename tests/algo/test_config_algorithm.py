@@ -141,3 +141,13 @@ def test_models_are_frozen_strict_and_documented():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             assert field.default_factory is not None, name
+
+
+def test_dynamic_sampling_refuses_vllm_sleep_level_2():
+    from grpo_cli.config.schema import GRPOConfig
+
+    base = {"rollout": {"engine": "vllm", "vllm": {"sleep_level": 2}}, "train": {"dynamic_sampling": {"enabled": True}}}
+    with pytest.raises(ValidationError, match="sleep_level 1"):
+        GRPOConfig.model_validate(base)
+    base["rollout"]["vllm"]["sleep_level"] = 1
+    assert GRPOConfig.model_validate(base).train.dynamic_sampling.max_extra_rounds == 4

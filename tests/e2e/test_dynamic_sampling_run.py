@@ -31,6 +31,7 @@ def test_dynamic_sampling_run_learns_and_counts_redraws(tmp_path):
         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "step 1/40" in out.stdout and " dropped=" in out.stdout and " redrawn=" in out.stdout, out.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     # A 3-5 word completion: ~3% of random ones at the start (seen 0.08 -> 0.55 over 40 steps).
     assert summary["reward_last_10pct"] > summary["reward_first_10pct"] + 0.2, summary
