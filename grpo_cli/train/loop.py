@@ -16,10 +16,10 @@ from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutEngine, RolloutError
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
+from grpo_cli.train.dynamic_sampling import ROUND_SEED_STRIDE, fill_step
 from grpo_cli.train.loss import trained_mask
 from grpo_cli.train.pipeline import RolloutPipeline, take_step_prompts
 from grpo_cli.train.policy import Policy
-from grpo_cli.train.dynamic_sampling import ROUND_SEED_STRIDE, fill_step
 from grpo_cli.train.rewards_phase import ScoredRollout, reward_step, score_rollout
 from grpo_cli.train.step import NonFiniteStep, batch_logprobs, optimizer_step
 from grpo_cli.train.timing import PhaseTimer, peak_rss_mb
