@@ -259,3 +259,33 @@ def test_compute_loss_end_to_end_matches_float64_reference():
     assert bool(trained[0, 0])
     surrogate = (rho * -w * a[:, None])[0, 0] / trained.sum()
     assert float(lp32.grad[0, 0]) == pytest.approx(float(surrogate), rel=1e-5)
+
+
+def test_mismatch_k3_and_chi2_match_float64_reference_with_edges():
+    gen = torch.Generator().manual_seed(31)
+    old = (-torch.rand(5, 8, generator=gen, dtype=D) * 3).float()
+    sampler = (old.double() + torch.randn(5, 8, generator=gen, dtype=D) * 0.5).float()
+    sampler[0, 0] = old[0, 0] - 24.0  # log rho = 24 > 20
+    sampler[0, 1] = old[0, 1] + 22.0  # log rho = -22
+    mask = torch.rand(5, 8, generator=gen) < 0.8
+    mask[2] = False  # an all-masked row
+    mask[0, :2] = True
+    corr = rollout_correction(old, sampler, mask, enabled=True, level="token", action="truncate", threshold=2.0,
+                              lower=None)
+    m = mismatch_metrics(old, sampler, mask, corr)
+    lr = (old.double() - sampler.double())
+    rows = mask.any(-1)
+    tok = lambda v: v[mask].mean()  # noqa: E731
+    clamped = lr.clamp(-20, 20)
+    xh = lr.clamp(max=20)
+    seq_sum = torch.where(mask, lr, 0.0).sum(-1).clamp(-20, 20)
+    seq_mean = (torch.where(mask, lr, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)).clamp(-20, 20)
+    expected = {
+        "k3_kl": tok(torch.expm1(xh) - xh),
+        "chi2_token": tok(torch.expm1(2 * clamped)),
+        "chi2_seq": torch.expm1(2 * seq_sum)[rows].mean(),
+        "chi2_seq_geo": torch.expm1(2 * seq_mean)[rows].mean(),
+        "kl": tok(-lr),
+    }
+    for name, value in expected.items():
+        assert float(m[name]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
