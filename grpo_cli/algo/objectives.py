@@ -46,15 +46,8 @@ def _clipped_surrogate(
 
 
 def clip_objective(
-    logprobs: Tensor,
-    log_ratio: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    *,
-    epsilon_low: float,
-    epsilon_high: float,
-    dual_clip_c: float | None,
-    cispo_epsilon_low: float | None,
+    logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float,
+    dual_clip_c: float | None, cispo_epsilon_low: float | None,
 ) -> ObjectiveOutput:
     """PPO clipped surrogate per token, r_t = exp(logp_t − old_t) (Schulman et al. 2017, arXiv:1707.06347).
 
@@ -69,15 +62,8 @@ def clip_objective(
 
 
 def gspo_objective(
-    logprobs: Tensor,
-    log_ratio: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    *,
-    epsilon_low: float,
-    epsilon_high: float,
-    dual_clip_c: float | None,
-    cispo_epsilon_low: float | None,
+    logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float,
+    dual_clip_c: float | None, cispo_epsilon_low: float | None,
 ) -> ObjectiveOutput:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): the clipped surrogate with the sequence ratio
     s_i = exp((1/L_i) Σ_t m (logp − old)) (geometric mean of token ratios) broadcast to every token of i."""
@@ -89,15 +75,8 @@ def gspo_objective(
 
 
 def gspo_token_objective(
-    logprobs: Tensor,
-    log_ratio: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    *,
-    epsilon_low: float,
-    epsilon_high: float,
-    dual_clip_c: float | None,
-    cispo_epsilon_low: float | None,
+    logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float,
+    dual_clip_c: float | None, cispo_epsilon_low: float | None,
 ) -> ObjectiveOutput:
     """GSPO-token (arXiv:2507.18071): s_it = sg(s_i) · exp(log_ratio_t − sg(log_ratio_t)).
 
@@ -113,15 +92,8 @@ def gspo_token_objective(
 
 
 def cispo_objective(
-    logprobs: Tensor,
-    log_ratio: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    *,
-    epsilon_low: float,
-    epsilon_high: float,
-    dual_clip_c: float | None,
-    cispo_epsilon_low: float | None,
+    logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float,
+    dual_clip_c: float | None, cispo_epsilon_low: float | None,
 ) -> ObjectiveOutput:
     """CISPO (MiniMax-M1, arXiv:2506.13585 eq. 4): ℓ_t = −sg(w_t) · A · log π_θ(y_t), w_t = min(r_t, 1 + ε_high).
 
