@@ -8,7 +8,10 @@ medians over runs of the per-run median seconds/step (first, warm-up step exclud
 per-phase times and peak RSS, plus the ratio grpo-cli / TRL. A scaling table (grpo-cli HF: tokens/s as completion
 length and G grow) follows unless `--no-scaling`.
 
-Run: `python -m benchmarks.compare [--quick] [--size 5m|50m] [--repeats N] [--steps N] [--vllm]`.
+Run: `python -m benchmarks.compare [--quick] [--size 5m|tiny|small|50m] [--prompts P --gens G --tokens T]
+[--repeats N] [--steps N] [--vllm] [--dtype bfloat16]`. Sizes: `5m` is a Llama with the word-level tokenizer (vocab
+68); `tiny` (0.3M), `small` (19.0M) and `50m` (49.3M) are random-init Qwen2 models with the character tokenizer
+(vocab 101). The micro-batch defaults to P·G (one micro-batch per optimizer step, as TRL is configured).
 Results: `benchmarks/results/compare[-quick].json`. Timings on a shared 2-core CPU are noisy.
 """
 
@@ -28,7 +31,12 @@ from pathlib import Path
 
 RESULTS_DIR = Path(__file__).parent / "results"
 MARK = "BENCH_RESULT "
-SIZES = {"5m": dict(hidden_size=256, num_layers=8), "50m": dict(hidden_size=640, num_layers=12)}
+SIZES = {
+    "5m": dict(hidden_size=256, num_layers=8),
+    "tiny": dict(hidden_size=128, num_layers=2, arch="qwen2", kv_heads=2, chars=True),
+    "small": dict(hidden_size=512, num_layers=8, arch="qwen2", kv_heads=8, chars=True),
+    "50m": dict(hidden_size=640, num_layers=12, arch="qwen2", chars=True),
+}
 SYSTEMS = {"grpo-hf": "grpo-cli (hf)", "grpo-vllm": "grpo-cli (vllm)", "trl": "TRL GRPOTrainer"}
 TARGET_WORDS = 4
 
@@ -50,7 +58,8 @@ def worker_grpo(s: dict, engine: str) -> dict:
         "train.lr_scheduler=constant", "rollout.temperature=1.0", "algorithm.kl.beta=0.0",
         f"rewards.functions=[{{name: length, weight: 1.0, kwargs: {{target: {TARGET_WORDS}}}}}]",
         "data.source=builtin:words", "logging.log_completions=0", "checkpoint.every_steps=0",
-    ]
+        f"model.dtype={s.get('dtype', 'float32')}",
+    ] + list(s.get("grpo_set", []))
     cfg = build_config(preset, None, overrides)
     out = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
     t0 = time.perf_counter()
@@ -207,7 +216,7 @@ def machine_info() -> dict:
 def build_checkpoint(size: str, root: Path) -> tuple[str, int]:
     from grpo_cli.train.tiny_model import build_tiny_checkpoint
 
-    path = root / f"bench-{size}"
+    path = root / (f"bench-{size}-qwen2-chars" if SIZES[size].get("chars") else f"bench-{size}")
     if not (path / "grpo_cli_tiny.json").exists():
         build_tiny_checkpoint(path, head_dim=32, **SIZES[size])
     import torch  # noqa: F401
@@ -243,9 +252,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 repeat, 3 steps, small scaling table")
     ap.add_argument("--size", default="5m", choices=sorted(SIZES))
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--G", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=16)
-    ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--gens", "--G", dest="G", type=int, default=8, help="generations per prompt")
+    ap.add_argument("--tokens", "--max-len", dest="max_len", type=int, default=16, help="max completion length")
+    ap.add_argument("--micro-batch", type=int, default=None, help="default: prompts x gens")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="grpo-cli's model.dtype (compute; float32 master weights); TRL stays float32")
+    ap.add_argument("--set", dest="grpo_set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra override for the grpo-cli runs (repeatable)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--repeats", type=int, default=2, help="A B rounds")
@@ -262,8 +275,8 @@ def main() -> None:
     root = Path(os.environ.get("GRPO_BENCH_CACHE", Path(tempfile.gettempdir()) / "grpo-bench"))
     root.mkdir(parents=True, exist_ok=True)
     ckpt, params = build_checkpoint(a.size, root)
-    base = dict(ckpt=ckpt, prompts=a.prompts, G=a.G, max_len=a.max_len, micro_batch=a.micro_batch,
-                steps=a.steps, lr=a.lr)
+    base = dict(ckpt=ckpt, prompts=a.prompts, G=a.G, max_len=a.max_len, micro_batch=a.micro_batch or a.prompts * a.G,
+                steps=a.steps, lr=a.lr, dtype=a.dtype, grpo_set=a.grpo_set)
     systems = ["grpo-hf", "trl"] + (["grpo-vllm"] if a.vllm else [])
     print(f"checkpoint {ckpt} ({params / 1e6:.1f}M params); settings {base}", flush=True)
     raw: dict[str, list] = {k: [] for k in systems}
@@ -304,7 +317,7 @@ def main() -> None:
     if not a.no_scaling:
         grid = [(8, 4), (16, 4), (32, 4), (16, 8)] if a.quick else [(8, 8), (16, 8), (32, 8), (16, 4), (16, 16)]
         for max_len, G in grid:
-            s = dict(base, max_len=max_len, G=G, steps=3)
+            s = dict(base, max_len=max_len, G=G, steps=3, micro_batch=a.micro_batch or a.prompts * G)
             res = run_worker("grpo-hf", s, a.timeout)
             if "error" in res:
                 scaling.append({"max_len": max_len, "G": G, "error": res["error"][:300]})
@@ -326,7 +339,8 @@ def main() -> None:
     out = Path(a.out) if a.out else RESULTS_DIR / ("compare-quick.json" if a.quick else "compare.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
-           "model": {"size": a.size, "params": params, **SIZES[a.size], "head_dim": 32, "vocab": 68},
+           "model": {"size": a.size, "params": params, **SIZES[a.size], "head_dim": 32,
+                     "vocab": 101 if SIZES[a.size].get("chars") else 68},
            "settings": {k: v for k, v in base.items() if k != "ckpt"} | {"repeats": a.repeats, "temperature": 1.0,
                                                                           "beta": 0.0, "reward": "-abs(4 - words)"},
            "summary": summary, "ratios": ratios, "scaling": scaling, "table": table,

@@ -28,10 +28,12 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
         return VLLMEngine.from_config(cfg, ctx)
     from transformers import AutoModelForCausalLM
 
+    from grpo_cli.rollout.attention import attention_implementation
     from grpo_cli.rollout.hf import HFEngine
 
     dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
-    model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=getattr(torch, dtype),
+                                                 attn_implementation=attention_implementation(cfg.model.attn_implementation))
     if cfg.distributed.device != "cpu" and torch.cuda.is_available():
         model = model.to("cuda")
     model.eval().requires_grad_(False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.algo.entropy import token_entropy
+from grpo_cli.rollout.attention import NAME as ATTENTION
 from grpo_cli.rollout.packing import attention_cost, completion_widths, packed_mask, plan_packing
 
 MIN_SAVING = 0.1
@@ -34,7 +35,7 @@ def _packable(model) -> int | None:
     """Hidden size when `model` takes a custom 4D mask as its attention mask (eager/sdpa attention, no sliding-window
     layers, which would apply their own window), else None."""
     config = getattr(model, "module", model).config.get_text_config(decoder=True)
-    if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
+    if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa", ATTENTION):
         return None
     if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         return None

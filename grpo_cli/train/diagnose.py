@@ -136,8 +136,11 @@ def load_training_model(cfg: GRPOConfig, model_path: str, device: torch.device):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from grpo_cli.rollout.attention import attention_implementation
+
     model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=getattr(torch, cfg.model.dtype), attn_implementation=cfg.model.attn_implementation
+        model_path, dtype=getattr(torch, cfg.model.dtype),
+        attn_implementation=attention_implementation(cfg.model.attn_implementation),
     ).to(device)
     return model.train().requires_grad_(False)
 

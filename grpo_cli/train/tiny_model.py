@@ -1,4 +1,5 @@
-"""The built-in tiny checkpoint: a 2-layer Llama and a word-level tokenizer, built locally, never downloaded."""
+"""The built-in tiny checkpoint: a 2-layer Llama and a word-level tokenizer, built locally, never downloaded.
+The same builder makes the benchmarks' random-init models (Llama or Qwen2, word- or character-level tokenizer)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GRPO_CLI_CACHE", Path.home() / ".cache" / "grpo-cli"))
 
 
-def build_tokenizer(path: Path):
-    """Write a word-level fast tokenizer (whitespace split, space-joined decode) with a chat template."""
+CHARS = ["Ġ"] + [chr(c) for c in range(33, 127)]
+"""The character tokenizer's alphabet: printable ASCII in byte-level form (space is "Ġ"), as byte-level BPE
+tokenizers (Qwen2's, which transformers substitutes for a qwen2 checkpoint) spell it."""
+
+
+def build_tokenizer(path: Path, *, chars: bool = False):
+    """Write a fast tokenizer with a chat template: word-level (whitespace split, space-joined decode), or with
+    `chars` one token per printable ASCII character (decode concatenates); the chat roles are special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + WORDS)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    if chars:  # byte-level BPE without merges: one token per character
+        core = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(SPECIAL + CHARS)}, merges=[],
+                                    unk_token="<unk>"))
+        core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        core.add_special_tokens(SPECIAL)
+        core.decoder = decoders.ByteLevel()
+    else:
+        core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(SPECIAL + WORDS)}, unk_token="<unk>"))
+        core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
     )
@@ -45,22 +58,26 @@ def build_tokenizer(path: Path):
 
 
 def build_tiny_checkpoint(
-    path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, head_dim: int = 32, seed: int = 0
+    path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, head_dim: int = 32, seed: int = 0,
+    arch: str = "llama", kv_heads: int | None = None, chars: bool = False,
 ) -> Path:
-    """Build a random-init Llama (fp32, head_dim 32 so vLLM accepts it) and its tokenizer at `path`."""
+    """Build a random-init causal LM (fp32, head_dim 32 so vLLM accepts it; MLP width 2·hidden) and its tokenizer
+    at `path`: `arch` "llama" or "qwen2" (q/k/v biases), `kv_heads` (default: one per head), `chars` for the
+    character-level tokenizer."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(path)
-    config = LlamaConfig(
+    tok = build_tokenizer(path, chars=chars)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = config_cls(
         vocab_size=len(tok),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
         num_attention_heads=hidden_size // head_dim,
-        num_key_value_heads=hidden_size // head_dim,
+        num_key_value_heads=kv_heads or hidden_size // head_dim,
         head_dim=head_dim,
         max_position_embeddings=512,
         tie_word_embeddings=False,
@@ -70,7 +87,7 @@ def build_tiny_checkpoint(
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     # Written file by file: `save_pretrained` writes nothing on a rank other than 0 once torch.distributed is
     # initialised (transformers 5), and every rank of a launched job may build this checkpoint.

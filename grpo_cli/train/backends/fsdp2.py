@@ -31,10 +31,12 @@ def build_on_meta(cfg, model_path: str, *, dtype: torch.dtype) -> torch.nn.Modul
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from grpo_cli.rollout.attention import attention_implementation
+
     config = AutoConfig.from_pretrained(model_path)
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                attn_implementation=cfg.model.attn_implementation)
+        return AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attention_implementation(cfg.model.attn_implementation))
 
 
 def materialize(module: torch.nn.Module, device: torch.device) -> None:

@@ -15,8 +15,10 @@ from grpo_cli.train.checkpoint import CheckpointError
 def load_hf_model(cfg: GRPOConfig, model_path: str, *, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                                attn_implementation=cfg.model.attn_implementation)
+    from grpo_cli.rollout.attention import attention_implementation
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=dtype, attn_implementation=attention_implementation(cfg.model.attn_implementation))
 
 
 def tied_names(module: torch.nn.Module) -> set[str]:
