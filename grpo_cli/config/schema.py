@@ -107,9 +107,11 @@ class ServerConfig(Section):
     """With `on_failure: wait`, how long to wait for a dead server."""
     token_env: str = "GRPO_ROLLOUT_TOKEN"
     """Environment variable holding the bearer token sent to the server (unset: no token)."""
-    weight_transport: Literal["http", "nccl"] = "http"
-    """`grpo serve-rollout` weight sync: `http` streams checksummed safetensors chunks; `nccl` broadcasts over
-    a NCCL group set up through `/init_communicator` (CUDA on both sides)."""
+    weight_transport: Literal["http", "shm", "nccl"] = "http"
+    """`grpo serve-rollout` weight sync: `http` streams checksummed safetensors chunks; `shm` (server on the
+    trainer's host, same user) writes those chunks once to a file in /dev/shm and sends only its name (token-guarded
+    like every update; each chunk's SHA-256 is checked by the server); `nccl` broadcasts over a NCCL group set up
+    through `/init_communicator` (CUDA on both sides)."""
     weight_chunk_mb: int = Field(128, ge=1)
     """Size of one weight chunk (HTTP frame, or SGLang tensor bucket)."""
     sglang_weight_transport: Literal["disk", "tensor"] = "disk"

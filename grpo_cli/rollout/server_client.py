@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
-from grpo_cli.server.transport import Policy, RolloutServerDown, Transport, split_groups
+from grpo_cli.server.transport import Policy, RolloutServerDown, Transport, is_loopback, split_groups
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +54,9 @@ class ServerEngine:
         self.expected = expected or {}
         self.chunk_bytes = chunk_mb << 20
         self.transport = transport
+        if transport == "shm" and not all(is_loopback(u) for u in self.http.urls):
+            raise RolloutError("rollout.server.weight_transport=shm hands the server a file in /dev/shm, so every "
+                               f"server must be on this host (a loopback URL), not {list(self.http.urls)}: use http")
         self.start_hint = start_hint
         self.weight_version = 0
         self.info: dict[str, dict] = {}
@@ -160,9 +163,22 @@ class ServerEngine:
         complete one, and the caller pushes again after RolloutServerDown(recovered=True)."""
         if self.transport == "nccl":
             return self._update_nccl(named_tensors, version)
+        start = time.perf_counter()
+        if self.transport == "shm":
+            results = self._update_shm(named_tensors, version)
+        else:
+            results = self._update_http(named_tensors, version)
+        for url, res in zip(self.urls, results, strict=True):
+            if res.get("weight_version") != version:
+                raise RolloutError(f"rollout server {url} reports weights v{res.get('weight_version')} after "
+                                   f"an update to v{version}")
+        self.weight_version = version
+        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": results[0].get("bytes", 0)}
+
+    def _update_http(self, named_tensors, version: int) -> list[dict]:
+        """Stream the frames to every server at once (one encoding, fanned out)."""
         from grpo_cli.server.codec import encode_stream
 
-        start = time.perf_counter()
         queues = [queue.Queue(maxsize=2) for _ in self.urls]
         futures = [self._pool.submit(self._upload, url, q, version) for url, q in zip(self.urls, queues, strict=True)]
         try:
@@ -172,13 +188,25 @@ class ServerEngine:
         finally:
             for q in queues:
                 q.put(_END)
-        results = [f.result() for f in futures]
-        for url, res in zip(self.urls, results, strict=True):
-            if res.get("weight_version") != version:
-                raise RolloutError(f"rollout server {url} reports weights v{res.get('weight_version')} after "
-                                   f"an update to v{version}")
-        self.weight_version = version
-        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": results[0].get("bytes", 0)}
+        return [f.result() for f in futures]
+
+    def _update_shm(self, named_tensors, version: int) -> list[dict]:
+        """Same host: write the frames once into a file in /dev/shm (owner-only, hashed while written) and hand
+        its name to every server, which maps it, checks each frame's SHA-256 and loads from the mapping."""
+        from grpo_cli.server.codec import SHM_DIR, write_stream
+
+        name = f"grpo-weights-{os.getpid()}-{version}-{os.urandom(6).hex()}"
+        path = Path(SHM_DIR) / name
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb", buffering=0) as out, ThreadPoolExecutor(2) as pool:
+                size = write_stream(out, named_tensors, chunk_bytes=self.chunk_bytes, version=version, pool=pool)
+            body = {"name": name, "bytes": size, "version": version}
+            futures = [self._pool.submit(self.http.call, url, "POST", "/update_weights_shm", idempotent=False,
+                                         json=body) for url in self.urls]
+            return [f.result().json() for f in futures]
+        finally:
+            path.unlink(missing_ok=True)
 
     def _upload(self, url: str, q: queue.Queue, version: int) -> dict:
         finished = False

@@ -49,6 +49,13 @@ class DiskBody(_Strict):
     version: int = Field(ge=0)
 
 
+class ShmBody(_Strict):
+    name: str = Field(pattern=r"^grpo-weights-[A-Za-z0-9_.-]+$")
+    """A file in the server's shared-memory folder (`/dev/shm`), written by `codec.write_stream`."""
+    bytes: int = Field(ge=0)
+    version: int = Field(ge=0)
+
+
 class SleepBody(_Strict):
     level: int = Field(1, ge=0, le=2)
 

@@ -1,4 +1,5 @@
-"""Weight frames: named tensors as a stream of safetensors blobs, each framed with its length and SHA-256.
+"""Weight frames: named tensors as a stream of safetensors blobs, each framed with its length and SHA-256, sent
+over HTTP or written to a same-host shared-memory file (`write_stream` / `read_stream`).
 
 Never pickle: a frame's header is JSON (names, dtypes, shapes, offsets) and its data raw little-endian bytes.
 """
@@ -9,13 +10,17 @@ import hashlib
 import json
 import struct
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import torch
 
 MAGIC = b"GRW1"
 _PREFIX = struct.Struct("<4sQ32s")  # magic, blob length, sha256(blob)
 MAX_HEADER_BYTES = 100 << 20  # the safetensors spec's own limit
+SHM_DIR = "/dev/shm"
+"""Same-host weight files (`write_stream` / `read_stream`) live here: tmpfs, so the file's pages are shared memory."""
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -46,15 +51,22 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def encode_frame(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> list[memoryview | bytes]:
-    """One frame as pieces to send in order (no copy of tensor data): prefix, safetensors header, tensor bytes."""
-    header = _blob_header(tensors, metadata)
-    pieces = [header, *(_as_bytes(t) for _, t in tensors)]
+def _pieces(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> list[memoryview | bytes]:
+    """A frame's blob as pieces (no copy of tensor data): safetensors header, then each tensor's bytes."""
+    return [_blob_header(tensors, metadata), *(_as_bytes(t) for _, t in tensors)]
+
+
+def _sha256(pieces: list[memoryview | bytes]) -> bytes:
     digest = hashlib.sha256()
     for p in pieces:
-        digest.update(p)
-    length = sum(len(p) for p in pieces)
-    return [_PREFIX.pack(MAGIC, length, digest.digest()), *pieces]
+        digest.update(p)  # releases the GIL for large pieces: hashing runs beside the writer/loader
+    return digest.digest()
+
+
+def encode_frame(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> list[memoryview | bytes]:
+    """One frame as pieces to send in order (no copy of tensor data): prefix, safetensors header, tensor bytes."""
+    pieces = _pieces(tensors, metadata)
+    return [_PREFIX.pack(MAGIC, sum(len(p) for p in pieces), _sha256(pieces)), *pieces]
 
 
 def _prepare(name: str, t: torch.Tensor, seen: set[int]) -> torch.Tensor:
@@ -65,26 +77,74 @@ def _prepare(name: str, t: torch.Tensor, seen: set[int]) -> torch.Tensor:
     return t
 
 
-def encode_stream(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int, version: int
-) -> Iterator[list[memoryview | bytes]]:
-    """Frames of at most ~`chunk_bytes` each (a bigger tensor gets a frame of its own), then an end frame
-    whose metadata carries the counts the receiver checks."""
+def _batches(named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int,
+             version: int) -> Iterator[tuple[list[tuple[str, torch.Tensor]], dict[str, str]]]:
+    """(tensors, metadata) of frames of at most ~`chunk_bytes` each (a bigger tensor gets a frame of its own),
+    then the end frame, whose metadata carries the counts the receiver checks."""
     batch: list[tuple[str, torch.Tensor]] = []
     size = count = frames = 0
     seen: set[int] = set()
     for name, tensor in named_tensors:
         t = _prepare(name, tensor, seen)
         if batch and size + t.nbytes > chunk_bytes:
-            yield encode_frame(batch, {"grpo_frame": "data", "index": str(frames), "version": str(version)})
+            yield batch, {"grpo_frame": "data", "index": str(frames), "version": str(version)}
             frames, batch, size = frames + 1, [], 0
         batch.append((name, t))
         size += t.nbytes
         count += 1
     if batch:
-        yield encode_frame(batch, {"grpo_frame": "data", "index": str(frames), "version": str(version)})
+        yield batch, {"grpo_frame": "data", "index": str(frames), "version": str(version)}
         frames += 1
-    yield encode_frame([], {"grpo_frame": "end", "frames": str(frames), "tensors": str(count), "version": str(version)})
+    yield [], {"grpo_frame": "end", "frames": str(frames), "tensors": str(count), "version": str(version)}
+
+
+def encode_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int, version: int
+) -> Iterator[list[memoryview | bytes]]:
+    """The frames of `_batches`, each as `encode_frame` pieces."""
+    for tensors, metadata in _batches(named_tensors, chunk_bytes=chunk_bytes, version=version):
+        yield encode_frame(tensors, metadata)
+
+
+def write_stream(out: BinaryIO, named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int,
+                 version: int, pool: Executor) -> int:
+    """Write the frames of `encode_stream` into a seekable file (one copy of the tensor bytes), each frame hashed
+    in `pool` while the next one is written; returns the bytes written."""
+    pending: list[tuple[int, int, Future]] = []
+    start = out.tell()
+    for tensors, metadata in _batches(named_tensors, chunk_bytes=chunk_bytes, version=version):
+        pieces = _pieces(tensors, metadata)
+        pending.append((out.tell(), sum(len(p) for p in pieces), pool.submit(_sha256, pieces)))
+        out.write(bytes(_PREFIX.size))  # the digest is filled in below, once computed
+        for piece in pieces:
+            out.write(piece)
+    end = out.tell()
+    for offset, length, digest in pending:
+        out.seek(offset)
+        out.write(_PREFIX.pack(MAGIC, length, digest.result()))
+    out.seek(end)
+    return end - start
+
+
+def read_stream(buffer: memoryview, *, max_frame_bytes: int, pool: Executor) -> Iterator[Frame]:
+    """Frames of a `write_stream` file mapped in `buffer`, in order; every frame's SHA-256 is checked (in `pool`,
+    ahead of the frame the caller is loading) before the frame is decoded. Tensors view `buffer` (no copy)."""
+    spans, offset, index = [], 0, 0
+    while offset < len(buffer):
+        if len(buffer) - offset < _PREFIX.size:
+            raise FrameError(f"weight frame {index}: the file ends inside its prefix")
+        magic, length, digest = _PREFIX.unpack_from(buffer, offset)
+        if magic != MAGIC:
+            raise FrameError(f"weight frame {index}: bad magic {magic!r} (expected {MAGIC!r})")
+        if length > max_frame_bytes or offset + _PREFIX.size + length > len(buffer):
+            raise FrameError(f"weight frame {index}: {length} bytes exceeds the file or the server limit")
+        blob = buffer[offset + _PREFIX.size : offset + _PREFIX.size + length]
+        spans.append((blob, digest, pool.submit(_sha256, [blob])))
+        offset, index = offset + _PREFIX.size + length, index + 1
+    for i, (blob, digest, computed) in enumerate(spans):
+        if computed.result() != digest:
+            raise FrameError(f"weight frame {i}: checksum mismatch (the file changed or was corrupted)")
+        yield decode_blob(blob, index=i)
 
 
 @dataclass
@@ -97,7 +157,7 @@ class Frame:
         return self.metadata.get("grpo_frame") == "end"
 
 
-def decode_blob(blob: bytearray, *, index: int) -> Frame:
+def decode_blob(blob: bytearray | memoryview, *, index: int) -> Frame:
     """Parse one safetensors blob strictly (dtype whitelist, contiguous in-bounds offsets); tensors view `blob`."""
     where = f"weight frame {index}"
     if len(blob) < 8:

@@ -1,17 +1,20 @@
-"""Weight endpoints of `grpo serve-rollout`: the streamed frame upload, loading from disk, and the NCCL path.
+"""Weight endpoints of `grpo serve-rollout`: the streamed frame upload, a same-host shared-memory file handed over
+by name, loading from disk, and the NCCL path.
 
 An update holds the engine lock from its first byte to its last, so no generation sees half-new weights; one
 that fails after a tensor was loaded marks the server `inconsistent` until a complete update arrives."""
 
 from __future__ import annotations
 
+import mmap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anyio
 from fastapi import FastAPI, Request
 
-from grpo_cli.server.app import CommBody, DiskBody, NcclUpdateBody, State, UserError, reset_cache
-from grpo_cli.server.codec import Frame, FrameError, FrameReader
+from grpo_cli.server.app import CommBody, DiskBody, NcclUpdateBody, ShmBody, State, UserError, reset_cache
+from grpo_cli.server.codec import SHM_DIR, Frame, FrameError, FrameReader, read_stream
 
 
 class _Apply:
@@ -89,6 +92,28 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
                 raise
             return apply.done(anyio.current_time() - start)
 
+    @app.post("/update_weights_shm")
+    async def update_weights_shm(body: ShmBody):
+        path = Path(SHM_DIR) / body.name
+        if not path.is_file() or path.stat().st_size != body.bytes:
+            raise UserError(f"{path}: no file of {body.bytes} bytes there; the shm weight transport needs the "
+                            "server on the trainer's host, run by the same user (else use weight_transport=http)")
+        start = anyio.current_time()
+        async with st.lock:
+            prior, st.state = st.state, "updating"
+            apply = _Apply(st, body.version)
+            try:
+                with path.open("rb") as f:  # the mapping outlives the file object; unmapped when the views go
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if body.bytes else b""
+                with ThreadPoolExecutor(2, thread_name_prefix="shm-verify") as pool:
+                    frames = read_stream(memoryview(mapped), max_frame_bytes=max_frame_bytes, pool=pool)
+                    await apply.load_all(_checked(frames, apply, body.version))
+                await anyio.to_thread.run_sync(reset_cache, st.served.engine)
+            except Exception as e:
+                apply.failed(e, prior)
+                raise
+            return apply.done(anyio.current_time() - start)
+
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: DiskBody):
         files = _safetensors_files(body.path)
@@ -147,7 +172,6 @@ class _Shape:
 def _frames(stream, reader: FrameReader, apply: _Apply, version: int):
     """Tensors of the upload, in order, pulled from the request stream by the engine's worker thread."""
     chunks = stream.__aiter__()
-    end: Frame | None = None
 
     async def pull(limit: int = 8 << 20) -> list[bytes]:  # one thread hop per ~8 MB, not per socket read
         out, size = [], 0
@@ -158,23 +182,35 @@ def _frames(stream, reader: FrameReader, apply: _Apply, version: int):
                 break
         return out
 
-    while pieces := anyio.from_thread.run(pull):
-        for frame in (f for piece in pieces for f in reader.feed(piece)):
-            if end is not None:
-                raise FrameError("data after the end frame")
-            if frame.metadata.get("version") != str(version):
-                raise FrameError(f"frame for version {frame.metadata.get('version')} in an update to v{version}")
-            if frame.is_end:
-                end = frame
-            else:
-                yield from apply.counted(frame.tensors)
-    reader.finish()
+    def received():
+        while pieces := anyio.from_thread.run(pull):
+            yield from (f for piece in pieces for f in reader.feed(piece))
+        reader.finish()
+
+    yield from _checked(received(), apply, version)
+
+
+def _checked(frames, apply: _Apply, version: int):
+    """Tensors of a frame stream, checked: every frame for `version`, nothing after the end frame, and the counts
+    the end frame announces equal what arrived."""
+    end: Frame | None = None
+    count = 0
+    for frame in frames:
+        count += 1
+        if end is not None:
+            raise FrameError("data after the end frame")
+        if frame.metadata.get("version") != str(version):
+            raise FrameError(f"frame for version {frame.metadata.get('version')} in an update to v{version}")
+        if frame.is_end:
+            end = frame
+        else:
+            yield from apply.counted(frame.tensors)
     if end is None:
         raise FrameError("weight stream ended without its end frame (client stopped mid-update)")
     want = (end.metadata.get("frames"), end.metadata.get("tensors"))
-    if want != (str(reader.frames - 1), str(apply.tensors)):
+    if want != (str(count - 1), str(apply.tensors)):
         raise FrameError(f"end frame announces {want[0]} frames / {want[1]} tensors, received "
-                         f"{reader.frames - 1} / {apply.tensors}")
+                         f"{count - 1} / {apply.tensors}")
 
 
 async def _drain(stream) -> None:

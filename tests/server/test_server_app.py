@@ -195,3 +195,43 @@ def test_idempotent_calls_retry_with_backoff_and_surface_the_last_error():
         with pytest.raises(RolloutError, match="500: engine exploded: CUDA OOM"):
             eng.score([[1, 2]])
         eng.close()
+
+
+def test_shm_transport_loads_the_weights_checks_every_frame_and_removes_the_file(server, tmp_path, monkeypatch):
+    """Same host: the frames go into a /dev/shm file handed over by name (token-guarded); a corrupted file is
+    refused by its checksum and leaves the served weights untouched."""
+    import os
+
+    from grpo_cli.server import codec
+
+    url, served = server
+    params = [(n, p.detach().clone() + 0.25) for n, p in served.engine.model.named_parameters()]
+    eng = ServerEngine([url], policy=FAST, token=TOKEN, transport="shm", chunk_mb=1)
+    before = set(os.listdir(codec.SHM_DIR))
+    eng.update_weights(params, 3)
+    assert eng.weight_version == 3 and eng.last_sync["bytes"] == sum(t.nbytes for _, t in params)
+    for (name, want), (_, got) in zip(params, served.engine.model.named_parameters(), strict=True):
+        assert torch.equal(want, got), name
+    assert set(os.listdir(codec.SHM_DIR)) == before  # the client removed its file
+    body = {"name": "grpo-weights-x", "bytes": 0, "version": 4}
+    assert httpx.post(f"{url}/update_weights_shm", json=body).status_code == 401
+    assert httpx.post(f"{url}/update_weights_shm", json={**body, "name": "../etc/passwd"},
+                      headers=_auth()).status_code == 400
+
+    real_write = codec.write_stream
+
+    def corrupt(out, *args, **kwargs):
+        size = real_write(out, *args, **kwargs)
+        out.seek(size // 2)
+        out.write(b"\xff\xfe")  # flips bytes inside a frame after its digest was taken
+        out.seek(size)
+        return size
+
+    monkeypatch.setattr(codec, "write_stream", corrupt)
+    with pytest.raises(RolloutError, match="checksum mismatch"):
+        eng.update_weights([(n, t + 1.0) for n, t in params], 4)
+    info = httpx.get(f"{url}/info", headers=_auth()).json()
+    assert info["weight_version"] == 3
+    eng.close()
+    with pytest.raises(RolloutError, match="loopback"):
+        ServerEngine(["http://10.1.2.3:8000"], policy=FAST, transport="shm", connect=False)

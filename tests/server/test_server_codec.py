@@ -108,3 +108,26 @@ def test_hostile_headers_are_rejected_with_a_reason(header, data, match):
 def test_encode_rejects_unsupported_dtype_by_name():
     with pytest.raises(FrameError, match="complex"):
         encode_frame([("c", torch.zeros(2, dtype=torch.complex64))], {})
+
+
+def test_file_stream_round_trip_and_checksums(tmp_path):
+    """`write_stream` (hashed while written) and `read_stream` (checked before decoding) agree; a flipped byte
+    is reported with its frame."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpo_cli.server.codec import read_stream, write_stream
+
+    path = tmp_path / "w.bin"
+    with path.open("wb") as out, ThreadPoolExecutor(2) as pool:
+        size = write_stream(out, _tensors(), chunk_bytes=40, version=2, pool=pool)
+    data = bytearray(path.read_bytes())
+    assert size == len(data) == len(_bytes(encode_stream(_tensors(), chunk_bytes=40, version=2)))
+    with ThreadPoolExecutor(2) as pool:
+        frames = list(read_stream(memoryview(data), max_frame_bytes=1 << 20, pool=pool))
+    got = [t for f in frames for t in f.tensors]
+    assert frames[-1].is_end and len(got) == len(_tensors())
+    for (n, t), (m, u) in zip(_tensors(), got, strict=True):
+        assert n == m and torch.equal(t, u)
+    data[len(data) // 2] ^= 1
+    with ThreadPoolExecutor(2) as pool, pytest.raises(FrameError, match="checksum mismatch"):
+        list(read_stream(memoryview(data), max_frame_bytes=1 << 20, pool=pool))
