@@ -1,6 +1,7 @@
-"""Weight-sync throughput of `grpo serve-rollout` over loopback HTTP: seconds per sync and MB/s for the tiny
-model and a ~100M-parameter random Llama (both built locally), printed as a table and written to
-`benchmarks/results/weight_sync.json`. Run: `python -m benchmarks.weight_sync [--repeats N]`."""
+"""Weight-sync throughput of `grpo serve-rollout` on one host: seconds per sync and MB/s for the tiny model and a
+~100M-parameter random Llama (both built locally), over loopback HTTP and through the /dev/shm file transport
+(integrity checks on in both), printed as a table and written to `benchmarks/results/weight_sync.json`.
+Run: `python -m benchmarks.weight_sync [--repeats N] [--transport http shm]`."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def start_server(model: Path) -> tuple[subprocess.Popen, str]:
     return proc, found[0]
 
 
-def measure(name: str, model: Path, repeats: int, chunk_mb: int) -> dict:
+def measure(name: str, model: Path, repeats: int, chunk_mb: int, transport: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -63,7 +64,7 @@ def measure(name: str, model: Path, repeats: int, chunk_mb: int) -> dict:
         trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         params = sum(p.numel() for p in trainer.parameters())
         nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
-        eng = ServerEngine([url], chunk_mb=chunk_mb)
+        eng = ServerEngine([url], chunk_mb=chunk_mb, transport=transport)
         times = []
         for version in range(1, repeats + 1):
             start = time.perf_counter()
@@ -74,7 +75,7 @@ def measure(name: str, model: Path, repeats: int, chunk_mb: int) -> dict:
         proc.kill()
         proc.wait()
     best, mean = min(times), sum(times) / len(times)
-    return {"model": name, "parameters": params, "bytes": nbytes, "dtype": "float32", "chunk_mb": chunk_mb,
+    return {"model": name, "transport": transport, "parameters": params, "bytes": nbytes, "dtype": "float32", "chunk_mb": chunk_mb,
             "repeats": repeats, "seconds_mean": mean, "seconds_best": best, "seconds_all": times,
             "mb_per_s_mean": nbytes / 2**20 / mean, "mb_per_s_best": nbytes / 2**20 / best}
 
@@ -83,20 +84,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk-mb", type=int, default=128)
+    ap.add_argument("--transport", nargs="+", default=["http", "shm"], choices=["http", "shm"])
     args = ap.parse_args()
     from grpo_cli.train.tiny_model import build_tiny_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows.append(measure("tiny (2-layer Llama)", build_tiny_checkpoint(Path(tmp) / "tiny"), args.repeats,
-                            args.chunk_mb))
-        rows.append(measure("random Llama ~100M", build_100m(Path(tmp) / "l100m"), args.repeats, args.chunk_mb))
-    print(f"{'model':<22} {'params':>12} {'MB':>9} {'s/sync (mean)':>14} {'s/sync (best)':>14} {'MB/s (mean)':>12}")
+        tiny, big = build_tiny_checkpoint(Path(tmp) / "tiny"), build_100m(Path(tmp) / "l100m")
+        for transport in args.transport:
+            rows.append(measure("tiny (2-layer Llama)", tiny, args.repeats, args.chunk_mb, transport))
+            rows.append(measure("random Llama ~100M", big, args.repeats, args.chunk_mb, transport))
+    print(f"{'model':<22} {'transport':>9} {'params':>12} {'MB':>9} {'s/sync (mean)':>14} {'s/sync (best)':>14} "
+          f"{'MB/s (mean)':>12} {'MB/s (best)':>12}")
     for r in rows:
-        print(f"{r['model']:<22} {r['parameters']:>12,} {r['bytes'] / 2**20:>9.1f} {r['seconds_mean']:>14.3f} "
-              f"{r['seconds_best']:>14.3f} {r['mb_per_s_mean']:>12.1f}")
+        print(f"{r['model']:<22} {r['transport']:>9} {r['parameters']:>12,} {r['bytes'] / 2**20:>9.1f} "
+              f"{r['seconds_mean']:>14.3f} {r['seconds_best']:>14.3f} {r['mb_per_s_mean']:>12.1f} "
+              f"{r['mb_per_s_best']:>12.1f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"transport": "http loopback (127.0.0.1), hf engine server",
+    RESULTS.write_text(json.dumps({"transport": "127.0.0.1 http / same-host /dev/shm file, hf engine server",
                                    "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
                                                "platform": platform.platform()},
                                    "results": rows}, indent=2))

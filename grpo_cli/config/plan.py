@@ -122,7 +122,7 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
         world = cfg.distributed.num_processes * cfg.distributed.num_machines
         out["reference"] = p * wbytes / (world if sharding(cfg)["weights"] else 1)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
-    factor = 2 if cfg.model.gradient_checkpointing else 16
+    factor = {True: 2, "selective": 10}.get(cfg.model.gradient_checkpointing, 16)
     out["activations"] = cfg.train.micro_batch_size * seq * shape.hidden * shape.layers * wbytes * factor
     if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate":
         tp = cfg.rollout.vllm.tensor_parallel_size

@@ -27,8 +27,11 @@ class ModelConfig(Section):
     mode always keeps float32 masters)."""
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
     """Attention kernel used by the trainer's forward passes."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    gradient_checkpointing: bool | Literal["selective"] = False
+    """Recompute activations in the backward pass to save memory: `true` re-runs each decoder layer's forward;
+    `selective` keeps the matmul and attention outputs and recomputes only the elementwise ops (norms, rotary,
+    SiLU, products): on the 19M benchmark model at 16 prompts x 8 x 64 tokens, peak RSS 3789 -> 3087 MB for ~4%
+    more train time (full: 2327 MB, ~24% more)."""
 
 
 class DataConfig(Section):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
+from grpo_cli.train.activations import enable_checkpointing
 from grpo_cli.train.backends.hf_io import load_full_weights, load_hf_model, save_hf_folder
 
 
@@ -18,8 +19,7 @@ class DDPBackend(TrainingBackend):
     def build(self, model_path: str) -> None:
         cfg = self.cfg
         self.module = load_hf_model(cfg, model_path, dtype=master_dtype(cfg)).to(self.device)
-        if cfg.model.gradient_checkpointing:
-            self.module.gradient_checkpointing_enable()
+        enable_checkpointing(self.module, cfg.model.gradient_checkpointing)
         self.module.train()
         if cfg.algorithm.kl.beta > 0:
             ref = load_hf_model(cfg, model_path, dtype=compute_dtype(cfg)).to(self.device)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
+from grpo_cli.train.activations import enable_checkpointing
 from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
 from grpo_cli.train.backends.hf_io import check_names, save_hf_folder, weight_files
 
@@ -84,8 +85,8 @@ class FSDP2Backend(TrainingBackend):
 
         cfg = self.cfg
         module = build_on_meta(cfg, model_path, dtype=master_dtype(cfg) if trainable else compute_dtype(cfg))
-        if trainable and cfg.model.gradient_checkpointing:
-            module.gradient_checkpointing_enable()
+        if trainable:
+            enable_checkpointing(module, cfg.model.gradient_checkpointing)
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32)
         for layer in decoder_layers(module):
             fully_shard(layer, mp_policy=mp)
