@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 MIN_VERSION = (0, 5, 3)  # first with sampling_seed, release/resume tags, weight_version and deterministic inference
-# Released memory regions, as `srt/constants.py` names them. "cuda_graph" exists from 0.5.x (it is only recorded,
-# never acted on, by versions without it), and waking the KV cache wakes it too: graphs replay on the KV pool.
+# Our wake tags -> SGLang's memory tags (`srt/constants.py`). Waking the KV cache wakes the CUDA graphs too (they
+# replay on the KV pool); "cuda_graph" is a tag by 0.5.12, and 0.5.3 only records tags it does not act on.
 WAKE_GROUPS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
 
 

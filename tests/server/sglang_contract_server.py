@@ -70,9 +70,8 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
         if api_key and request.url.path != "/health" and \
                 request.headers.get("authorization") != f"Bearer {api_key}":
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        if request.method == "POST":
-            body = await request.body()
-            state["log"].append((request.url.path, (await request.json()) if body else None))
+        body = await request.body()
+        state["log"].append((request.url.path, (await request.json()) if body else None))
         return await call_next(request)
 
     @app.get("/health")
