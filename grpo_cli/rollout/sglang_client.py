@@ -105,7 +105,7 @@ class SGLangEngine:
         self.http.wait_all_healthy(self.policy.connect_timeout_s, lambda url: hint)
         want = model_identity(self.model_path).get("architectures") if self.model_path else None
         for url in self.urls:
-            self.facts[url] = self.server_facts(url)
+            self._facts(url)
             info = self.model_info(url)
             got = info.get("architectures")
             if want and got and list(want) != list(got):
@@ -123,6 +123,11 @@ class SGLangEngine:
 
     def model_info(self, url: str) -> dict:
         return self._get(url, "/model_info", "/get_model_info")  # /model_info from sglang 0.5.2x
+
+    def _facts(self, url: str) -> ServerFacts:
+        if url not in self.facts:
+            self.facts[url] = self.server_facts(url)
+        return self.facts[url]
 
     def server_facts(self, url: str) -> ServerFacts:
         """Version, TP size and `--enable-deterministic-inference` from `/server_info` (the resolved server args);
@@ -269,7 +274,7 @@ class SGLangEngine:
             try:
                 for k, b in enumerate(buckets):
                     last = k == len(buckets) - 1
-                    payloads = [self.serializer(b) for _ in range(self.facts[url].tp_size)]
+                    payloads = [self.serializer(b) for _ in range(self._facts(url).tp_size)]
                     body = {"serialized_named_tensors": payloads, "flush_cache": last, "abort_all_requests": False,
                             "weight_version": str(version) if last else None}
                     res = self.http.call(url, "POST", "/update_weights_from_tensor", idempotent=False,

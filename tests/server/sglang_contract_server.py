@@ -58,11 +58,6 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
     app = FastAPI()
     app.state.contract = state
 
-    def die(why: str) -> JSONResponse:
-        """A scheduler exception kills SGLang's whole process tree; here every later call answers 503."""
-        state["dead"] = why
-        return JSONResponse({"error": f"scheduler died: {why}"}, status_code=500)
-
     @app.middleware("http")
     async def gate(request: Request, call_next):
         if state["dead"]:
@@ -100,7 +95,7 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
         if obj.get("stream"):
             return JSONResponse({"error": "stream not supported by the contract server"}, status_code=400)
         if state["released"] & {"kv_cache", "cuda_graph"}:  # not an upstream rule: undefined behaviour there
-            return die(f"generate with released memory {sorted(state['released'])}")
+            return _die(state, f"generate with released memory {sorted(state['released'])}")
         ids = obj["input_ids"]
         single = bool(ids) and isinstance(ids[0], int)
         ids = [ids] if single else ids
@@ -112,6 +107,18 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
                 outs.append(_one(engine, prompt, p, obj, state))
         return outs[0] if single and len(outs) == 1 else outs
 
+    _weight_routes(app, engine, state, sessions)
+    _memory_routes(app, engine, state)
+    return app
+
+
+def _die(state: dict, why: str) -> JSONResponse:
+    """A scheduler exception kills SGLang's whole process tree; here every later call answers 503."""
+    state["dead"] = why
+    return JSONResponse({"error": f"scheduler died: {why}"}, status_code=500)
+
+
+def _weight_routes(app: FastAPI, engine, state: dict, sessions: bool) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         obj = await request.json()
@@ -139,10 +146,10 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
         # managers/tp_worker.py deserialize_own_rank: rank r reads payloads[r]; a short list is an IndexError in
         # the scheduler of rank r, which takes the server down.
         if len(payloads) < state["tp_size"]:
-            return die(f"IndexError: list index out of range (tp rank {len(payloads)} of {state['tp_size']})")
+            return _die(state, f"IndexError: list index out of range (tp rank {len(payloads)} of {state['tp_size']})")
         per_rank = [st_load(base64.b64decode(payloads[r])) for r in range(state["tp_size"])]
         if any(sorted(t) != sorted(per_rank[0]) for t in per_rank):
-            return die("TP ranks received different tensor names")
+            return _die(state, "TP ranks received different tensor names")
         engine.update_weights(per_rank[0].items(), 0)
         if state["session"] is not None:
             state["session"]["loaded_weights"] = True
@@ -169,6 +176,8 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
             state["session"] = None
             return {"success": True, "message": "Success"}
 
+
+def _memory_routes(app: FastAPI, engine, state: dict) -> None:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         state["flushes"] += 1
@@ -191,10 +200,8 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
         tags = (await request.json()).get("tags") or ALL_TAGS
         missing = [t for t in tags if t not in state["released"]]
         if missing:
-            return die(f"KeyError: {missing[0]!r}")
+            return _die(state, f"KeyError: {missing[0]!r}")
         state["released"] -= set(tags)
-
-    return app
 
 
 def _after_update(state: dict, obj: dict) -> None:
