@@ -1,4 +1,4 @@
-"""SGLangEngine against a contract server (tests/server/sglang_contract_server.py), which is written from
+"""SGLangEngine against a contract server (grpo_cli/server/sglang_contract.py), which is written from
 SGLang's documented native request/response schema (sglang 0.5.23 http_server.py / io_struct.py) and is NOT
 SGLang: SGLang needs CUDA and cannot run on these machines. Plus `serve-rollout --engine sglang`'s command
 and its error when sglang is not installed."""
@@ -10,13 +10,13 @@ import importlib.util
 import pytest
 import torch
 from served_app import app_in_thread
-from sglang_contract_server import create_contract_app, safetensors_b64_serializer
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.scoring import completion_logprobs, score_sequences
 from grpo_cli.rollout.sglang_client import SGLangEngine
 from grpo_cli.server.engines import ServeError, ServeOptions
 from grpo_cli.server.launch import run_sglang, sglang_command
+from grpo_cli.server.sglang_contract import create_contract_app, safetensors_b64_serializer
 from grpo_cli.server.transport import Policy
 
 KEY = "sgl-key"
