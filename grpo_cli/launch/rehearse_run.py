@@ -90,8 +90,10 @@ def server_command(kind: str, cfg: GRPOConfig, model: str) -> list[str]:
 def start_server(kind: str, cfg: GRPOConfig, env: dict[str, str], log: Path) -> Server:
     """Start the server and wait for its `listening on URL` line (bounded); its output goes to `log`."""
     start = time.perf_counter()
+    # One thread: the server shares this machine's cores with the training processes (torchrun gives each one).
     proc = subprocess.Popen(server_command(kind, cfg, "builtin:tiny"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, env={**env, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True)
     found: list[str] = []
     ready = threading.Event()
 
