@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.launch.rehearse import Rehearsal, plan_rehearsal
-from grpo_cli.server.launch import READY_PREFIX
+from grpo_cli.server.launch import wait_ready_line
 
 PHASE_TIMEOUT_S = 900.0
 SERVER_TIMEOUT_S = 180.0
@@ -94,23 +93,10 @@ def start_server(kind: str, cfg: GRPOConfig, env: dict[str, str], log: Path) -> 
     proc = subprocess.Popen(server_command(kind, cfg, "builtin:tiny"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**env, "OMP_NUM_THREADS": "1"},
                             start_new_session=True)
-    found: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        with open(log, "w") as out:
-            for line in proc.stdout:
-                out.write(line)
-                out.flush()
-                if line.startswith(READY_PREFIX) and not found:
-                    found.append(line[len(READY_PREFIX):].split()[0])
-                    ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    ready.wait(SERVER_TIMEOUT_S)
-    server = Server(kind, proc, found[0] if found else "", time.perf_counter() - start, log)
-    if not found:
+    out = open(log, "w", buffering=1)  # noqa: SIM115 - written by the reader thread for the server's lifetime
+    url = wait_ready_line(proc, SERVER_TIMEOUT_S, out.write)
+    server = Server(kind, proc, url or "", time.perf_counter() - start, log)
+    if url is None:
         server.stop()
         raise UserError(f"the rehearsal's rollout server ({kind}) did not start within {SERVER_TIMEOUT_S:.0f} s; "
                         f"its log is {log}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-20:]))
