@@ -68,9 +68,7 @@ def _tiny_task(tiny: GRPOConfig, src: GRPOConfig, notes: list[str]) -> dict[str,
                  f"sequences, lr {train['learning_rate']:g} ({DEFAULT_PRESET}'s learning settings); "
                  f"micro_batch_size {src.train.micro_batch_size}"
                  + ("" if micro == src.train.micro_batch_size else f" → {micro}"))
-    return {"model": {**t["model"], "dtype": src.model.dtype, "master_weights": src.model.master_weights,
-                      "gradient_checkpointing": src.model.gradient_checkpointing,
-                      "attn_implementation": src.model.attn_implementation},
+    return {"model": {**src.model.model_dump(mode="json"), "name_or_path": tiny.model.name_or_path},
             "data": t["data"], "rewards": t["rewards"], "train": train}
 
 
