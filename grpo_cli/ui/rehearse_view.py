@@ -17,6 +17,7 @@ def render_rehearsal(preset: str, checks, console: Console | None = None) -> Non
         table.add_column(col, **kw)
     for c in checks:
         style = _STYLE.get(c.status, "")
-        secs = "" if c.seconds is None else f"{c.seconds:.3f}" if c.seconds < 1 else f"{c.seconds:.1f}"
+        secs = ("" if c.seconds is None else "<0.001" if c.seconds < 1e-3 else f"{c.seconds:.3f}" if c.seconds < 1
+                else f"{c.seconds:.1f}")
         table.add_row(c.name, f"[{style}]{c.status}[/]" if style else c.status, secs, c.detail)
     console.print(table)
