@@ -74,7 +74,9 @@ def _engine_checks(reh: Rehearsal, rows: list[dict], log: str, resumed_ok: bool)
     offload = [k for k, v in cfg.distributed.offload.model_dump().items() if v]
     if offload:
         t = _mean(rows, "time/offload")
-        out.append(Check("offload", _ok(t is not None), t, f"{', '.join(offload)} to host memory and back, per step"))
+        out.append(Check("offload", _ok(t is not None and t > 0), t,
+                         f"{', '.join(offload)} moved to fresh host storage before generating and back after, every "
+                         "step (forced on CPU, where the state already is in host memory)"))
     else:
         out.append(Check("offload", "n/a", None, "the preset offloads nothing while generating"))
     return out
