@@ -181,5 +181,5 @@ def plan_rehearsal(cfg: GRPOConfig, *, deepspeed_ready: bool, server_url: str = 
     if cfg.logging.report_to:
         notes.append(f"trackers {', '.join(cfg.logging.report_to)} off")
     notes.append(f"checkpoint after step {RESUME_AT}, then a resumed run continues to step {REHEARSAL_STEPS}")
-    return Rehearsal(config=validate_tree(tree), notes=notes, gpu_only=gpu_only(cfg), server=server_kind(cfg), resume_at=RESUME_AT,
-                     deepspeed_substituted=substituted)
+    return Rehearsal(config=validate_tree(tree), notes=notes, gpu_only=gpu_only(cfg), server=server_kind(cfg),
+                     resume_at=RESUME_AT, deepspeed_substituted=substituted)

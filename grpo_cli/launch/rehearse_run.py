@@ -17,6 +17,7 @@ from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.launch.rehearse import Rehearsal, plan_rehearsal
+from grpo_cli.rollout.factory import engine_dtype
 from grpo_cli.server.launch import wait_ready_line
 
 PHASE_TIMEOUT_S = 900.0
@@ -82,9 +83,8 @@ def server_command(kind: str, cfg: GRPOConfig, model: str) -> list[str]:
     if kind == "sglang-contract":
         return [sys.executable, "-m", "grpo_cli.server.sglang_contract_serve", "--model", model,
                 "--token-env", token_env]
-    dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
     return [sys.executable, "-m", "grpo_cli.cli.serve", "--engine", kind.removeprefix("grpo-"), "--model", model,
-            "--port", "0", "--dtype", dtype, "--token-env", token_env]
+            "--port", "0", "--dtype", engine_dtype(cfg), "--token-env", token_env]
 
 
 def start_server(kind: str, cfg: GRPOConfig, env: dict[str, str], log: Path) -> Server:
@@ -121,6 +121,10 @@ def run_phase(name: str, config_file: Path, run_dir: Path, *, steps: int, resume
             proc.wait()
             out.write(f"\nrehearsal: {name} killed after {PHASE_TIMEOUT_S:.0f} s\n")
             code = -9
+        except BaseException:  # Ctrl-C: the launch runs in its own session, so stop it here
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     return Phase(name, code, start, time.time() - start, log)
 
 
@@ -160,10 +164,10 @@ def run_rehearsal(cfg: GRPOConfig, *, output_dir: Path | None, deepspeed_ready: 
     phases: list[Phase] = []
     try:
         total = reh.config.train.steps
-        for name, steps, resume in (("first run", reh.resume_at, False), ("resumed run", total, True)):
-            _say(f"{name}: steps {1 if not resume else reh.resume_at + 1}-{steps} (log {root / name.replace(' ', '-')}.log)")
-            phase = run_phase(name, config_file, run_dir, steps=steps, resume=resume, env=env,
-                              log=root / f"{name.replace(' ', '-')}.log")
+        for name, first, steps in (("first run", 1, reh.resume_at), ("resumed run", reh.resume_at + 1, total)):
+            log = root / f"{name.replace(' ', '-')}.log"
+            _say(f"{name}: steps {first}-{steps} (log {log})")
+            phase = run_phase(name, config_file, run_dir, steps=steps, resume=first > 1, env=env, log=log)
             phases.append(phase)
             if phase.code != 0:
                 _say(f"{name} exited with code {phase.code}; last lines of {phase.log}:\n{phase.tail()}")

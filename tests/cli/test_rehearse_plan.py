@@ -74,7 +74,8 @@ def test_processes_scaled_and_said():
 def test_servers_and_async():
     assert _plan("qwen-1.5b-server").server == "grpo-vllm"
     sgl = _plan("qwen-7b-sglang-server")
-    assert sgl.server == "sglang-contract" and any("SGLang rehearsed against the contract server" in n for n in sgl.notes)
+    assert sgl.server == "sglang-contract"
+    assert any("SGLang rehearsed against the contract server" in n for n in sgl.notes)
     assert any(w == "live SGLang" for w, _ in sgl.gpu_only)
     assert plan_rehearsal(build_config("qwen-1.5b-server"), deepspeed_ready=True,
                           server_url="http://127.0.0.1:5555").config.rollout.server.urls == ["http://127.0.0.1:5555"]
