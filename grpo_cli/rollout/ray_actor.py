@@ -18,7 +18,7 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
     import torch
 
     from grpo_cli.config.schema import GRPOConfig
-    from grpo_cli.rollout.factory import EngineContext
+    from grpo_cli.rollout.factory import EngineContext, engine_dtype
 
     cfg = GRPOConfig.model_validate(cfg_dump)
     ctx = EngineContext(**ctx_fields)
@@ -30,7 +30,7 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
 
     from grpo_cli.rollout.hf import HFEngine
 
-    dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    dtype = engine_dtype(cfg)
     model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=getattr(torch, dtype))
     if cfg.distributed.device != "cpu" and torch.cuda.is_available():
         model = model.to("cuda")

@@ -39,6 +39,27 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def wait_ready_line(proc, timeout_s: float, sink) -> str | None:
+    """The URL of a server child's `listening on URL` line, read within `timeout_s` (None if none came); a thread
+    keeps passing every line of its stdout to `sink(line)` until it exits."""
+    import threading
+
+    found: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            sink(line)
+            if line.startswith(READY_PREFIX) and not found:
+                found.append(line[len(READY_PREFIX):].split()[0])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    ready.wait(timeout_s)
+    return found[0] if found else None
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
 

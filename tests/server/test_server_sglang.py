@@ -1,4 +1,4 @@
-"""SGLangEngine against tests/server/sglang_contract_server.py: a fake that follows SGLang's source (the sglang 0.5.23
+"""SGLangEngine against grpo_cli/server/sglang_contract.py: a fake that follows SGLang's source (the sglang 0.5.23
 wheel: `srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`, `srt/managers/scheduler_components/
 weight_updater.py`, `srt/managers/tp_worker.py`, `srt/sampling/sampling_batch_info.py`), NOT SGLang: SGLang needs
 CUDA and cannot run on these machines. Plus `serve-rollout --engine sglang`'s command and its errors."""
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from served_app import app_in_thread
-from sglang_contract_server import create_contract_app, safetensors_b64_serializer
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.scoring import completion_logprobs, score_sequences
 from grpo_cli.rollout.sglang_client import SGLangEngine
 from grpo_cli.server.engines import ServeError, ServeOptions
 from grpo_cli.server.launch import run_sglang, sglang_command
+from grpo_cli.server.sglang_contract import create_contract_app, safetensors_b64_serializer
 from grpo_cli.server.transport import Policy
 
 KEY = "sgl-key"
