@@ -97,6 +97,7 @@ def build_tiny_checkpoint(
     # are stored once, under the name `named_parameters()` lists (as `save_pretrained` does).
     from safetensors.torch import save_file
 
+    config.architectures = [type(model).__name__]  # vLLM picks its model class (and runner) from this
     config.save_pretrained(path)
     model.generation_config.save_pretrained(path)
     save_file({k: v.contiguous() for k, v in model.named_parameters()}, str(path / "model.safetensors"),

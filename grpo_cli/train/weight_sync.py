@@ -226,8 +226,8 @@ def verify_sync(engine, model: torch.nn.Module, *, version: int, sent: dict[str,
     checked, mismatched = _compare_readback(engine, sent)
     problems += mismatched
     if checked:
-        checked_what.append(f"{checked} small tensors read back for exact equality ({', '.join(sorted(sent))})")
-    out = {"sync/checked_tensors": float(checked)}
+        checked_what.append(f"{len(checked)} small tensors read back for exact equality ({', '.join(checked)})")
+    out = {"sync/checked_tensors": float(len(checked))}
     probe = [list(s) for s in (probe or []) if len(s) >= 2]
     if probe:
         out.update(_probe_diffs(engine, model, probe))
@@ -246,16 +246,16 @@ def verify_sync(engine, model: torch.nn.Module, *, version: int, sent: dict[str,
     return out
 
 
-def _compare_readback(engine, sent: dict[str, torch.Tensor]) -> tuple[int, list[str]]:
-    """(tensors compared, problems): the engine's copies of `sent` must equal the trainer's exactly."""
+def _compare_readback(engine, sent: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """(names compared, problems): the engine's copies of `sent` must equal the trainer's exactly."""
     if not sent:
-        return 0, []
-    checked, problems = 0, []
+        return [], []
+    checked, problems = [], []
     for name, tensor in engine.read_weights(sorted(sent)).items():
         ref = sent[name]
         if tensor.shape != ref.shape:
             continue  # sharded or fused in the engine: not comparable
-        checked += 1
+        checked.append(name)
         diff = (tensor.float() - ref.to(tensor.dtype).float()).abs().max().item()
         if diff > 0:
             problems.append(f"{name} differs from the trainer's by up to {diff:.3g}")
