@@ -11,7 +11,7 @@ import torch
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.scoring import completion_logprobs, score_sequences
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROBE = [[3, 4, 6, 7, 8, 5, 20, 21, 22, 23], [3, 4, 30, 31, 5, 40]]
 PARITY = 1e-4
 
