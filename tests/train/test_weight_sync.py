@@ -191,3 +191,14 @@ def test_peft_is_merged_for_the_sync_and_unmerged_after(policy):
     with pytest.raises(RuntimeError, match="transport down"):
         sync_weights(broken, peft, version=2, bucket_mb=1, verify=False, probe=None)
     assert peft.calls[-1] == "unmerge" and torch.equal(policy.model.norm.weight, before)
+
+
+def test_lora_merged_sync_of_a_tied_model_sends_the_tied_name(tied_policy):
+    peft = pytest.importorskip("peft")
+    engine = copy_engine(tied_policy)
+    lora = peft.get_peft_model(copy.deepcopy(tied_policy),
+                               peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    names = checkpoint_names(lora, peft=True)
+    assert names["base_model.model.model.embed_tokens.weight"] == ["model.embed_tokens.weight", "lm_head.weight"]
+    metrics = sync_weights(engine, lora, version=1, bucket_mb=1, verify=True, probe=PROBE)
+    assert metrics["sync/tensors"] == len(list(tied_policy.parameters())) + 1 and metrics["sync/max_probe_diff"] < 1e-5
