@@ -89,8 +89,8 @@ def build_tiny_checkpoint(
     if arch != "llama":  # random biases/norm weights, so a sync that misses them shows
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.ndim == 1:
-                    p.normal_(0.0 if arch == "gemma" else 1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.1)
+                if p.ndim == 1:  # norms scale by w (Gemma: by 1 + w); biases are added
+                    p.normal_(1.0 if "norm" in name and arch != "gemma" else 0.0, 0.1)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     # Written file by file: `save_pretrained` writes nothing on a rank other than 0 once torch.distributed is
     # initialised (transformers 5), and every rank of a launched job may build this checkpoint. Tied weights
