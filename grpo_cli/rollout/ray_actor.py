@@ -80,5 +80,7 @@ class RolloutActor:
     def read_weights(self, names: list[str]) -> dict:
         if hasattr(self.engine, "read_weights"):
             return self.engine.read_weights(names)
-        params = dict(self.engine.model.named_parameters())
+        from grpo_cli.rollout.weight_names import parameters_by_name
+
+        params = parameters_by_name(self.engine.model)
         return {n: params[n].detach().cpu().clone() for n in names if n in params}
