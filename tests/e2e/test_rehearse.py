@@ -8,20 +8,18 @@ rises). Measured on this 2-core machine at load ~5: 85 s (72b, fsdp2 stand-in), 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_env import clean_env
 
 from grpo_cli.launch.rehearse import RESUME_AT, REHEARSAL_STEPS, deepspeed_ready
 
 
 def _rehearse(preset: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
-    env = {**os.environ, "GRPO_CLI_CACHE": str(tmp_path / "cache"), "COLUMNS": "200", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = clean_env(GRPO_CLI_CACHE=str(tmp_path / "cache"), COLUMNS="200", VLLM_CPU_KVCACHE_SPACE="1")
     root = tmp_path / "rehearsal"
     out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "--preset", preset, "--rehearse",
                           "--output-dir", str(root)], capture_output=True, text=True, timeout=900, env=env,
