@@ -10,8 +10,8 @@ length and G grow) follows unless `--no-scaling`.
 
 Run: `python -m benchmarks.compare [--quick] [--size 5m|tiny|small|50m] [--prompts P --gens G --tokens T]
 [--repeats N] [--steps N] [--vllm] [--dtype bfloat16]`. Sizes: `5m` is a Llama with the word-level tokenizer (vocab
-68); `tiny` (0.3M), `small` (19.0M) and `50m` (49.3M) are random-init Qwen2 models with the character tokenizer
-(vocab 101). The micro-batch defaults to P·G (one micro-batch per optimizer step, as TRL is configured).
+68); `tiny` (0.3M), `small` (18.9M) and `50m` (49.3M) are random-init Qwen2 models (tied embeddings, K/V heads
+half the query heads except 50m's) with the character tokenizer (vocab 101). The micro-batch defaults to P·G (one micro-batch per optimizer step, as TRL is configured).
 Results: `benchmarks/results/compare[-quick].json`. Timings on a shared 2-core CPU are noisy.
 """
 
@@ -33,9 +33,9 @@ RESULTS_DIR = Path(__file__).parent / "results"
 MARK = "BENCH_RESULT "
 SIZES = {
     "5m": dict(hidden_size=256, num_layers=8),
-    "tiny": dict(hidden_size=128, num_layers=2, arch="qwen2", kv_heads=2, chars=True),
-    "small": dict(hidden_size=512, num_layers=8, arch="qwen2", kv_heads=8, chars=True),
-    "50m": dict(hidden_size=640, num_layers=12, arch="qwen2", chars=True),
+    "tiny": dict(hidden_size=128, num_layers=2, arch="qwen2", chars=True),
+    "small": dict(hidden_size=512, num_layers=8, arch="qwen2", chars=True),
+    "50m": dict(hidden_size=640, num_layers=12, arch="qwen2", kv_heads=20, chars=True),
 }
 SYSTEMS = {"grpo-hf": "grpo-cli (hf)", "grpo-vllm": "grpo-cli (vllm)", "trl": "TRL GRPOTrainer"}
 TARGET_WORDS = 4
@@ -216,7 +216,7 @@ def machine_info() -> dict:
 def build_checkpoint(size: str, root: Path) -> tuple[str, int]:
     from grpo_cli.train.tiny_model import build_tiny_checkpoint
 
-    path = root / (f"bench-{size}-qwen2-chars" if SIZES[size].get("chars") else f"bench-{size}")
+    path = root / (f"bench-{size}-qwen2c" if SIZES[size].get("chars") else f"bench-{size}")
     if not (path / "grpo_cli_tiny.json").exists():
         build_tiny_checkpoint(path, head_dim=32, **SIZES[size])
     import torch  # noqa: F401

@@ -49,6 +49,9 @@ def train(
     node_rank: Annotated[Optional[int], typer.Option("--node-rank", help="This machine's index (= distributed.machine_rank).")] = None,
     master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Machine 0's address (= distributed.main_process_ip).")] = None,
     master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port (= distributed.main_process_port).")] = None,
+    rehearse: Annotated[bool, typer.Option("--rehearse", help="Dress rehearsal on CPU: the preset's topology (backend, "
+                                           "engine, mode, TP, offload, server) on builtin:tiny; checks every "
+                                           "transition and exits 0 only when all pass.")] = False,
     worker: Annotated[bool, typer.Option("--worker", hidden=True, help="Internal: run as a launched worker.")] = False,
 ) -> None:
     """Train with GRPO. With no arguments, runs the built-in tiny-cpu preset (no download, a few minutes on CPU)."""
@@ -63,6 +66,10 @@ def train(
         worker = worker or launched is not None
         from grpo_cli.cli.train_cmd import run_train
 
+        if rehearse:
+            from grpo_cli.cli.train_cmd import run_rehearse
+
+            raise typer.Exit(run_rehearse(cfg, output_dir=output_dir, dry_run=dry_run))
         code = run_train(cfg, output_dir=output_dir, dry_run=dry_run, worker=worker,
                          argv=sys.argv[1:])
     raise typer.Exit(code)

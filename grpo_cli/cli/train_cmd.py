@@ -56,3 +56,18 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
                 f"last 10% = {summary['reward_last_10pct']:.3f}; run dir {summary['output_dir']}"
             )
     return 0
+
+
+def run_rehearse(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool) -> int:
+    """`--rehearse`: print the CPU rehearsal's config and notes (dry run) or run it."""
+    from grpo_cli.launch.rehearse import deepspeed_ready, plan_rehearsal
+
+    if dry_run:
+        reh = plan_rehearsal(cfg, deepspeed_ready=deepspeed_ready())
+        typer.echo("# rehearsal config (CPU)\n" + dump_config(reh.config))
+        typer.echo(f"# changes from preset '{cfg.preset}'\n" + "\n".join(f"- {n}" for n in reh.notes))
+        typer.echo("# only a GPU can check\n" + "\n".join(f"- {w}: {why}" for w, why in reh.gpu_only))
+        return 0
+    from grpo_cli.launch.rehearse_run import run_rehearsal
+
+    return run_rehearsal(cfg, output_dir=output_dir, deepspeed_ready=deepspeed_ready())

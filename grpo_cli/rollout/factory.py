@@ -35,6 +35,11 @@ def sampling_params(cfg: GRPOConfig, *, seed: int | None) -> SamplingParams:
     )
 
 
+def engine_dtype(cfg: GRPOConfig) -> str:
+    """The rollout engine's dtype name: `rollout.dtype`, or `model.dtype` when it is `auto`."""
+    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+
+
 def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, broadcast=None) -> RolloutEngine:
     """Build the engine for `cfg.rollout` (engine × mode). `policy` is the trainer's model (hf engine);
     `broadcast(obj)` shares rank 0's Ray address with the other ranks (async mode)."""

@@ -11,6 +11,7 @@ import torch
 from grpo_cli.rollout.base import RolloutBatch, SamplingParams
 from grpo_cli.rollout.decode import Decoded, decode
 from grpo_cli.rollout.scoring import score_sequences
+from grpo_cli.rollout.weight_names import parameters_by_name
 
 
 class HFEngine:
@@ -50,7 +51,7 @@ class HFEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         if not self.shares_policy_weights:
-            params = dict(self.model.named_parameters())
+            params = parameters_by_name(self.model)  # a tied weight arrives under each of its names
             for name, tensor in named_tensors:
                 params[name].copy_(tensor.to(params[name].dtype))
         self.weight_version = version

@@ -18,7 +18,7 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
     import torch
 
     from grpo_cli.config.schema import GRPOConfig
-    from grpo_cli.rollout.factory import EngineContext
+    from grpo_cli.rollout.factory import EngineContext, engine_dtype
 
     cfg = GRPOConfig.model_validate(cfg_dump)
     ctx = EngineContext(**ctx_fields)
@@ -31,9 +31,10 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
     from grpo_cli.rollout.attention import attention_implementation
     from grpo_cli.rollout.hf import HFEngine
 
-    dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
-    model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=getattr(torch, dtype),
-                                                 attn_implementation=attention_implementation(cfg.model.attn_implementation))
+    dtype = engine_dtype(cfg)
+    model = AutoModelForCausalLM.from_pretrained(
+        ctx.model_path, dtype=getattr(torch, dtype),
+        attn_implementation=attention_implementation(cfg.model.attn_implementation))
     if cfg.distributed.device != "cpu" and torch.cuda.is_available():
         model = model.to("cuda")
     model.eval().requires_grad_(False)
@@ -82,5 +83,7 @@ class RolloutActor:
     def read_weights(self, names: list[str]) -> dict:
         if hasattr(self.engine, "read_weights"):
             return self.engine.read_weights(names)
-        params = dict(self.engine.model.named_parameters())
+        from grpo_cli.rollout.weight_names import parameters_by_name
+
+        params = parameters_by_name(self.engine.model)
         return {n: params[n].detach().cpu().clone() for n in names if n in params}

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.rollout.factory import engine_dtype
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
@@ -122,6 +123,7 @@ class AsyncRolloutEngine:
         self._ray = ray
         self.bucket_bytes = cfg.distributed.weight_sync_bucket_mb * 2**20
         self.weight_version = 0
+        self.dtype = engine_dtype(cfg)  # the actors' dtype bounds the sync probe's tolerance (trainer masters are fp32)
         self._tickets: dict[object, list] = {}
         self._pushes: list = []
         self.first_index = ctx.rank * count

@@ -1,17 +1,20 @@
-"""`sglang` engine: a client of SGLang's native HTTP API (`/generate` with `return_logprob`,
-`/update_weights_from_disk`, `/update_weights_from_tensor`, `/flush_cache`, `/release_memory_occupation`,
-`/resume_memory_occupation`, `/model_info`), written from sglang 0.5.x's `http_server.py` and `io_struct.py`.
+"""`sglang` engine: a client of SGLang's native HTTP API (sglang >= 0.5.3; `/generate` with `return_logprob`,
+`/update_weights_from_disk|tensor` inside `/begin_weight_update` … `/end_weight_update` from 0.5.21 on,
+`/flush_cache`, `/release|resume_memory_occupation`, `/model_info`, `/server_info`), from SGLang's own source.
 
 SGLang's returned logprobs are log_softmax(logits / temperature); top-p/top-k are not renormalised into them."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +29,25 @@ if TYPE_CHECKING:
     from grpo_cli.rollout.factory import EngineContext
 
 CONFIG_FILES = ("config.json", "generation_config.json")
+MIN_VERSION = (0, 5, 3)  # first with sampling_seed, release/resume tags, weight_version and deterministic inference
+# Our wake tags -> SGLang's memory tags (`srt/constants.py`). Waking the KV cache wakes the CUDA graphs too (they
+# replay on the KV pool); "cuda_graph" is a tag by 0.5.12, and 0.5.3 only records tags it does not act on.
+WAKE_GROUPS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What `/server_info` reports about one SGLang server (its flags after SGLang resolved them)."""
+
+    version: tuple[int, ...] | None
+    tp_size: int
+    deterministic: bool
+
+
+def parse_version(text: str | None) -> tuple[int, ...] | None:
+    """'0.5.21.post1' -> (0, 5, 21); None when there is no leading dotted number."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    return tuple(int(g or 0) for g in m.groups()) if m else None
 
 
 def sglang_serializer(named_tensors: list) -> str:
@@ -46,7 +68,7 @@ class SGLangEngine:
 
     def __init__(self, urls: list[str], *, policy: Policy | None = None, api_key: str | None = None,
                  stop_token_ids: list[int] | None = None, model_path: str | None = None,
-                 weight_transport: str = "disk", weight_sync_dir: str | None = None, tp_size: int = 1,
+                 weight_transport: str = "disk", weight_sync_dir: str | None = None,
                  chunk_mb: int = 512, serializer: Callable[[list], str] | None = None, connect: bool = True) -> None:
         self.policy = policy or Policy()
         self.http = Transport(urls, token=api_key, policy=self.policy)
@@ -55,11 +77,14 @@ class SGLangEngine:
         self.model_path = model_path
         self.weight_transport = weight_transport
         self.sync_dir = weight_sync_dir
-        self.tp_size = tp_size
         self.chunk_bytes = chunk_mb << 20
         self.serializer = serializer or sglang_serializer
         self.weight_version = 0
-        self.weights_released = False
+        self.weights_released = False  # their memory comes back garbage: generate waits for a sync
+        self.released: set[str] = set()  # SGLang memory tags this client released and did not resume yet
+        self.facts: dict[str, ServerFacts] = {}
+        self.sessions: dict[str, bool] = {}  # url -> has /begin_weight_update (sglang >= 0.5.21)
+        self.loaded_folder: Path | None = None  # the last disk update: SGLang's /model_info names it
         self._calls = 0
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="sglang-http")
         if connect:
@@ -80,19 +105,46 @@ class SGLangEngine:
         self.http.wait_all_healthy(self.policy.connect_timeout_s, lambda url: hint)
         want = model_identity(self.model_path).get("architectures") if self.model_path else None
         for url in self.urls:
+            self._facts(url)
             info = self.model_info(url)
             got = info.get("architectures")
             if want and got and list(want) != list(got):
                 raise RolloutError(f"SGLang server {url} serves {info.get('model_path')!r} ({got}), the trainer's "
                                    f"model is {want}: start it with the trainer's model")
 
-    def model_info(self, url: str) -> dict:
+    def _get(self, url: str, path: str, old_path: str) -> dict:
+        """GET `path`, or its older spelling `old_path` where the server answers 404."""
         try:
-            return self.http.call(url, "GET", "/model_info").json()
+            return self.http.call(url, "GET", path).json()
         except RolloutError as e:
             if "answered 404" not in str(e):
                 raise
-            return self.http.call(url, "GET", "/get_model_info").json()  # sglang < 0.5.x spelling
+            return self.http.call(url, "GET", old_path).json()
+
+    def model_info(self, url: str) -> dict:
+        return self._get(url, "/model_info", "/get_model_info")  # /model_info from sglang 0.5.2x
+
+    def _facts(self, url: str) -> ServerFacts:
+        if url not in self.facts:
+            self.facts[url] = self.server_facts(url)
+        return self.facts[url]
+
+    def server_facts(self, url: str) -> ServerFacts:
+        """Version, TP size and `--enable-deterministic-inference` from `/server_info` (the resolved server args);
+        refuses SGLang older than MIN_VERSION and warns when the server ignores sampling seeds."""
+        info = self._get(url, "/server_info", "/get_server_info")
+        version = parse_version(info.get("version"))
+        if version is not None and version < MIN_VERSION:
+            raise RolloutError(f"SGLang server {url} runs sglang {info.get('version')}; grpo-cli needs sglang >= "
+                               f"{'.'.join(map(str, MIN_VERSION))} (per-request sampling seeds, memory tags, weight "
+                               "versions): upgrade sglang on the server")
+        facts = ServerFacts(version, int(info.get("tp_size") or 1), bool(info.get("enable_deterministic_inference")))
+        if not facts.deterministic:
+            warnings.warn(f"SGLang server {url} runs without --enable-deterministic-inference, so it ignores "
+                          "sampling_seed: seeded rollouts are not reproducible (a resumed run samples other "
+                          "completions). `grpo serve-rollout --engine sglang` turns it on.", RuntimeWarning,
+                          stacklevel=3)
+        return facts
 
     # -- generation -------------------------------------------------------------------------------------
     def _sampling(self, s: SamplingParams, seed: int | None) -> dict:
@@ -110,6 +162,7 @@ class SGLangEngine:
         if self.weights_released:
             raise RolloutError("SGLang released its weights (sleep); push weights (update_weights) before "
                                "generating: after release/resume SGLang holds garbage, not the old weights")
+        self.wake_up()
         start = time.perf_counter()
         parts = split_groups(len(prompt_ids), len(self.urls), self._calls)
         self._calls += 1
@@ -143,6 +196,7 @@ class SGLangEngine:
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Prompt logprobs of a 0-token generation (`logprob_start_len=0`); SGLang's first entry is None."""
+        self.wake_up()
         body = {"input_ids": sequences, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
                 "return_logprob": True, "logprob_start_len": 0}
         outs = self._generate_call(self.urls[0], body)
@@ -156,6 +210,7 @@ class SGLangEngine:
 
     # -- weight sync -------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.wake_up(["weights"])
         if self.weight_transport == "tensor":
             self._update_from_tensor(named_tensors, version)
         else:
@@ -169,7 +224,8 @@ class SGLangEngine:
 
     def _update_from_disk(self, named_tensors, version: int) -> None:
         """Write a safetensors checkpoint (+ the model's config files) into a folder the server can read, then
-        `/update_weights_from_disk` (which also flushes the radix cache)."""
+        `/update_weights_from_disk` (which also flushes the radix cache). SGLang then reports that folder as its
+        model path (`tokenizer_manager._update_model_path_info`), so it lives until the next update or close()."""
         from safetensors.torch import save_file
 
         root = Path(self.sync_dir or tempfile.gettempdir())
@@ -188,12 +244,22 @@ class SGLangEngine:
                     "abort_all_requests": False}).json()
                 if not res.get("success", False):
                     raise RolloutError(f"SGLang server {url} refused the weights: {res.get('message')}")
-        finally:
+        except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._drop_loaded_folder()
+        self.loaded_folder = folder
+
+    def _drop_loaded_folder(self) -> None:
+        if self.loaded_folder is not None:
+            shutil.rmtree(self.loaded_folder, ignore_errors=True)
+            self.loaded_folder = None
 
     def _update_from_tensor(self, named_tensors, version: int) -> None:
-        """Buckets of `/update_weights_from_tensor` (one serialized copy per TP rank); cache flushed and version
-        set on the last bucket only."""
+        """Buckets of `/update_weights_from_tensor`, each with one payload serialized per TP rank of the server (each
+        rank deserializes its own index: `managers/tp_worker.py`); cache flushed and version set on the last bucket
+        only. On sglang >= 0.5.21 the buckets run inside a weight-update session
+        (`scheduler_components/weight_updater.py` refuses them outside one)."""
         buckets, bucket, size = [], [], 0
         for name, t in named_tensors:
             bucket.append((name, t.detach()))
@@ -203,30 +269,67 @@ class SGLangEngine:
                 bucket, size = [], 0
         if bucket or not buckets:
             buckets.append(bucket)
-        for k, b in enumerate(buckets):
-            last = k == len(buckets) - 1
-            payload = self.serializer(b)
-            body = {"serialized_named_tensors": [payload] * self.tp_size, "flush_cache": last,
-                    "abort_all_requests": False, "weight_version": str(version) if last else None}
-            for url in self.urls:
-                res = self.http.call(url, "POST", "/update_weights_from_tensor", idempotent=False, json=body).json()
-                if not res.get("success", False):
-                    raise RolloutError(f"SGLang server {url} refused weight bucket {k}: {res.get('message')}")
+        for url in self.urls:
+            session = self._begin_session(url)
+            try:
+                for k, b in enumerate(buckets):
+                    last = k == len(buckets) - 1
+                    payloads = [self.serializer(b) for _ in range(self._facts(url).tp_size)]
+                    body = {"serialized_named_tensors": payloads, "flush_cache": last, "abort_all_requests": False,
+                            "weight_version": str(version) if last else None}
+                    res = self.http.call(url, "POST", "/update_weights_from_tensor", idempotent=False,
+                                         json=body).json()
+                    if not res.get("success", False):
+                        raise RolloutError(f"SGLang server {url} refused weight bucket {k}: {res.get('message')}")
+            finally:
+                if session:
+                    self.http.call(url, "POST", "/end_weight_update", idempotent=False, json={})
+
+    def _begin_session(self, url: str) -> bool:
+        """Open a weight-update session; False on SGLang without sessions (< 0.5.21: the endpoint answers 404). A
+        session left open by a trainer that died mid-sync is closed and opened again."""
+        if self.sessions.get(url) is False:
+            return False
+        try:
+            self.http.call(url, "POST", "/begin_weight_update", idempotent=False, json={})
+        except RolloutError as e:
+            if "answered 404" in str(e) and url not in self.sessions:
+                self.sessions[url] = False
+                return False
+            if "already open" not in str(e):
+                raise
+            self.http.call(url, "POST", "/end_weight_update", idempotent=False, json={})
+            self.http.call(url, "POST", "/begin_weight_update", idempotent=False, json={})
+        self.sessions[url] = True
+        return True
 
     # -- memory and cache --------------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
-        """Release GPU memory. SGLang drops (not offloads) released weights: generate refuses until a sync."""
-        tags = ["kv_cache"] if level <= 0 else None
+        """Release GPU memory: level 0 the KV cache, level >= 1 also the weights (SGLang drops them, it does not
+        offload them: generate refuses until a sync). Tags are explicit, so wake_up knows what is released."""
+        tags = [t for group in (["kv_cache"] if level <= 0 else ["kv_cache", "weights"]) for t in WAKE_GROUPS[group]]
+        tags = [t for t in tags if t not in self.released]
+        if not tags:
+            return
         self.http.post_each(self.urls, "/release_memory_occupation", json={"tags": tags})
-        self.weights_released = tags is None
+        self.released |= set(tags)
+        self.weights_released = self.weights_released or "weights" in tags
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.http.post_each(self.urls, "/resume_memory_occupation", json={"tags": tags})
+        """Resume `tags` (default all) among those released: SGLang's resume removes each tag from its released
+        set, and one never released raises KeyError in the scheduler (`weight_updater.py`), which then dies."""
+        wanted = [t for group in (tags or list(WAKE_GROUPS)) for t in WAKE_GROUPS.get(group, (group,))]
+        todo = [t for t in wanted if t in self.released]
+        if not todo:
+            return
+        self.http.post_each(self.urls, "/resume_memory_occupation", json={"tags": todo})
+        self.released -= set(todo)
 
     def reset_prefix_cache(self) -> None:
         self.http.post_each(self.urls, "/flush_cache")
 
     def close(self) -> None:
+        self._drop_loaded_folder()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
 

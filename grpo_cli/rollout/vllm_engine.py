@@ -238,12 +238,12 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """CPU copies of the engine's parameters named `names` that it holds unfused and unsharded (e.g. norm
-        weights); others are left out. Used by weight-sync verification as an exact checksum."""
+        """CPU copies of the engine's parameters named `names` that it holds unfused (e.g. norm weights, the
+        embedding, vocabulary-padded); others are left out. Used by weight-sync verification as an exact checksum."""
         wanted = set(names)
 
         def grab(model) -> dict:
-            params = model.named_parameters()
+            params = model.named_parameters(remove_duplicate=False)  # a tied output projection under its name too
             return {n: p.detach().to("cpu", copy=True) for n, p in params if n in wanted and p.numel()}
 
         self._ensure_awake()

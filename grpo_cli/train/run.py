@@ -47,7 +47,10 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, *, log=print) -> Trainer:
     offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload)
     if not engine.shares_policy_weights:
-        from grpo_cli.train.weight_sync import sync_weights
+        from grpo_cli.train.weight_sync import describe_ties, sync_weights
+
+        if info.is_main and (ties := describe_ties(policy.module)):
+            log(ties)
 
         def sync(version: int, verify: bool = cfg.rollout.vllm.verify_sync and cfg.rollout.mode != "async"):
             return sync_weights(engine, policy.module, version=version, bucket_mb=cfg.distributed.weight_sync_bucket_mb,

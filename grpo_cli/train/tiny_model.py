@@ -57,47 +57,68 @@ def build_tokenizer(path: Path, *, chars: bool = False):
     return tok
 
 
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma")
+"""Tiny architectures `build_tiny_checkpoint` can write: Llama untied (the built-in), Qwen2 tied with q/k/v
+biases, Qwen3 tied with q/k norms, Gemma tied with its embedding scale (√hidden) and (1 + w) norms."""
+
+
+def _config(arch: str, *, vocab: int, hidden_size: int, num_layers: int, head_dim: int, eos: int, pad: int):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden_size, intermediate_size=hidden_size * 2, num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // head_dim, head_dim=head_dim, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=pad, torch_dtype="float32",
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, num_key_value_heads=hidden_size // head_dim,
+                                        tie_word_embeddings=False)
+    kv = max(1, hidden_size // head_dim // 2)  # grouped-query attention, as the real ones
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, num_key_value_heads=kv, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, num_key_value_heads=kv, tie_word_embeddings=True)
+    if arch == "gemma":
+        return transformers.GemmaConfig(**common, num_key_value_heads=kv, tie_word_embeddings=True,
+                                        hidden_activation="gelu_pytorch_tanh")
+    raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHITECTURES}")
+
+
 def build_tiny_checkpoint(
     path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, head_dim: int = 32, seed: int = 0,
     arch: str = "llama", kv_heads: int | None = None, chars: bool = False,
 ) -> Path:
-    """Build a random-init causal LM (fp32, head_dim 32 so vLLM accepts it; MLP width 2·hidden) and its tokenizer
-    at `path`: `arch` "llama" or "qwen2" (q/k/v biases), `kv_heads` (default: one per head), `chars` for the
-    character-level tokenizer."""
+    """Build a random-init model of `arch` (fp32, head_dim 32 so vLLM accepts it) and its tokenizer at `path`;
+    `kv_heads` overrides the architecture's K/V head count, `chars` picks the character-level tokenizer."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(path, chars=chars)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
-    config = config_cls(
-        vocab_size=len(tok),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // head_dim,
-        num_key_value_heads=kv_heads or hidden_size // head_dim,
-        head_dim=head_dim,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        torch_dtype="float32",
-    )
+    config = _config(arch, vocab=len(tok), hidden_size=hidden_size, num_layers=num_layers, head_dim=head_dim,
+                     eos=tok.eos_token_id, pad=tok.pad_token_id)
+    if kv_heads is not None:
+        config.num_key_value_heads = kv_heads
     torch.manual_seed(seed)
-    model = model_cls(config)
+    model = AutoModelForCausalLM.from_config(config)
+    if arch != "llama":  # random biases/norm weights, so a sync that misses them shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim == 1:  # norms scale by w (Gemma: by 1 + w); biases are added
+                    p.normal_(1.0 if "norm" in name and arch != "gemma" else 0.0, 0.1)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     # Written file by file: `save_pretrained` writes nothing on a rank other than 0 once torch.distributed is
-    # initialised (transformers 5), and every rank of a launched job may build this checkpoint.
+    # initialised (transformers 5), and every rank of a launched job may build this checkpoint. Tied weights
+    # are stored once, under the name `named_parameters()` lists (as `save_pretrained` does).
     from safetensors.torch import save_file
 
+    config.architectures = [type(model).__name__]  # vLLM picks its model class (and runner) from this
     config.save_pretrained(path)
     model.generation_config.save_pretrained(path)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"),
+    save_file({k: v.contiguous() for k, v in model.named_parameters()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    (path / "grpo_cli_tiny.json").write_text(json.dumps({"version": TINY_VERSION, "seed": seed}))
+    (path / "grpo_cli_tiny.json").write_text(json.dumps({"version": TINY_VERSION, "seed": seed, "arch": arch}))
     return path
 
 

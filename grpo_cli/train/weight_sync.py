@@ -12,11 +12,14 @@ import torch
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.flat_weights import byte_buckets
 from grpo_cli.rollout.scoring import score_sequences
+from grpo_cli.rollout.weight_names import tied_aliases
 
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
 """Largest mean |engine − trainer| probe logprob (nats/token) accepted, by the less precise of the two dtypes.
 fp32 kernels agree to ~1e-6; the bound only has to separate "same weights" from "other weights"."""
 CHECKSUM_TENSORS = 4
+SAMPLED_ROWS = 8
+"""Rows of the embedding and output projection kept at each verified sync, read back when a check fails."""
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine")
 
 
@@ -58,6 +61,41 @@ def hf_name(name: str, *, peft: bool) -> str | None:
     return name
 
 
+def checkpoint_names(model: torch.nn.Module, *, peft: bool) -> dict[str, list[str]]:
+    """{trainer parameter name, as `named_parameters()` lists it: every checkpoint name it stands for}, its own
+    first, then its tied names (`weight_names.tied_aliases`: e.g. `lm_head.weight` for a tied
+    `model.embed_tokens.weight`). Parameters that are not base-model weights (LoRA A/B) are left out."""
+    aliases = tied_aliases(model)
+    out: dict[str, list[str]] = {}
+    for name, _ in model.named_parameters():
+        own = hf_name(name, peft=peft)
+        if own is not None:
+            tied = (hf_name(a, peft=peft) for a in aliases.get(name, []))
+            out[name] = list(dict.fromkeys([own, *(t for t in tied if t is not None)]))
+    return out
+
+
+def projection_names(model: torch.nn.Module, *, peft: bool) -> list[str]:
+    """Checkpoint names of the input embedding's and the output projection's weights (each name of a tied one)."""
+    names = checkpoint_names(model, peft=peft)
+    wanted = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        if isinstance(getattr(module, "weight", None), torch.Tensor):
+            wanted.add(id(module.weight))
+    return [c for n, p in model.named_parameters() if id(p) in wanted for c in names.get(n, [])]
+
+
+def describe_ties(model: torch.nn.Module) -> str | None:
+    """One line naming the tied weights a sync sends under several names, or None when there are none."""
+    model = unwrap(model)
+    tied = {k: v[1:] for k, v in checkpoint_names(model, peft=is_peft(model)).items() if len(v) > 1}
+    if not tied:
+        return None
+    return "weight sync: tied weights, sent under each checkpoint name: " + "; ".join(
+        f"{hf_name(k, peft=is_peft(model))} also as {', '.join(v)}" for k, v in tied.items())
+
+
 def _full_numel(param: torch.nn.Parameter) -> int:
     return int(getattr(param, "ds_numel", param.numel()))
 
@@ -90,20 +128,27 @@ def _full_tensor(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def stream_named_tensors(
-    model: torch.nn.Module, *, bucket_mb: int, peft: bool, stats: dict, keep_copies: set[str]
+    model: torch.nn.Module, *, bucket_mb: int, peft: bool, stats: dict, keep_copies: set[str],
+    keep_rows: set[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, full tensor)` of every base-model parameter, gathering one bucket at a time. Counts
-    tensors/bytes into `stats` and keeps CPU copies of the names in `keep_copies` in `stats["copies"]`."""
-    named = [(n, p) for n, p in model.named_parameters() if hf_name(n, peft=peft) is not None]
+    """Yield `(checkpoint name, full tensor)` for every name of every base-model parameter (`checkpoint_names`:
+    a tied weight once per name), gathering one bucket at a time. Counts tensors/bytes into `stats`, keeps CPU
+    copies of the names in `keep_copies` in `stats["copies"]` and (shape, first `SAMPLED_ROWS` rows) of those in
+    `keep_rows` in `stats["rows"]`."""
+    names = checkpoint_names(model, peft=peft)
+    named = [(n, p) for n, p in model.named_parameters() if n in names]
     for bucket in buckets(named, bucket_mb * 2**20):
         with _gathered([p for _, p in bucket]):
             for name, param in bucket:
-                out, tensor = hf_name(name, peft=peft), _full_tensor(param)
-                stats["tensors"] += 1
-                stats["bytes"] += tensor.numel() * tensor.element_size()
-                if out in keep_copies:
-                    stats["copies"][out] = tensor.to("cpu", copy=True)
-                yield out, tensor
+                tensor = _full_tensor(param)
+                for out in names[name]:
+                    stats["tensors"] += 1
+                    stats["bytes"] += tensor.numel() * tensor.element_size()
+                    if out in keep_copies:
+                        stats["copies"][out] = tensor.to("cpu", copy=True)
+                    if out in keep_rows:
+                        stats["rows"][out] = (tuple(tensor.shape), tensor[:SAMPLED_ROWS].to("cpu", copy=True))
+                    yield out, tensor
 
 
 @contextlib.contextmanager
@@ -143,16 +188,20 @@ def sync_weights(
     start = time.perf_counter()
     model = unwrap(model)
     peft = is_peft(model)
-    wanted = set(checksum_names(model, peft=peft)) if verify and hasattr(engine, "read_weights") else set()
-    stats: dict = {"tensors": 0, "bytes": 0, "copies": {}}
+    readback = verify and hasattr(engine, "read_weights")
+    wanted = set(checksum_names(model, peft=peft)) if readback else set()
+    rows = set(projection_names(model, peft=peft)) if readback else set()
+    stats: dict = {"tensors": 0, "bytes": 0, "copies": {}, "rows": {}}
     with _sync_context(model, peft=peft):
-        stream = stream_named_tensors(model, bucket_mb=bucket_mb, peft=peft, stats=stats, keep_copies=wanted)
+        stream = stream_named_tensors(model, bucket_mb=bucket_mb, peft=peft, stats=stats, keep_copies=wanted,
+                                      keep_rows=rows)
         engine.update_weights(cast_stream(stream, _engine_dtype(engine)), version)
     metrics = {"sync/seconds": time.perf_counter() - start, "sync/megabytes": stats["bytes"] / 2**20,
                "sync/tensors": float(stats["tensors"])}
     if verify:
         verify_start = time.perf_counter()
-        metrics.update(verify_sync(engine, model, version=version, sent=stats["copies"], probe=probe))
+        metrics.update(verify_sync(engine, model, version=version, sent=stats["copies"], probe=probe,
+                                   sent_rows=stats["rows"]))
         metrics["sync/verify_seconds"] = time.perf_counter() - verify_start
     return metrics
 
@@ -181,49 +230,101 @@ def _dtype_of(engine, model: torch.nn.Module) -> torch.dtype:
 
 
 def verify_sync(engine, model: torch.nn.Module, *, version: int, sent: dict[str, torch.Tensor],
-                probe: list[list[int]] | None) -> dict[str, float]:
+                probe: list[list[int]] | None, sent_rows: dict | None = None) -> dict[str, float]:
     """The checks of `sync_weights` (see there); returns `sync/max_probe_diff`, `sync/mean_probe_diff`,
-    `sync/checked_tensors`."""
+    `sync/checked_tensors`. On failure the engine's embedding/output projection rows (`sent_rows`, from
+    `stream_named_tensors`) are read back to name the tensors that disagree."""
     problems: list[str] = []
     if getattr(engine, "weight_version", version) != version:
         problems.append(f"engine reports weight version {engine.weight_version}, expected {version}")
-    checked = 0
-    if sent:
-        held = engine.read_weights(sorted(sent))
-        for name, tensor in held.items():
-            ref = sent[name]
-            if tensor.shape != ref.shape:
-                continue  # sharded or fused in the engine: not comparable
-            checked += 1
-            diff = (tensor.float() - ref.to(tensor.dtype).float()).abs().max().item()
-            if diff > 0:
-                problems.append(f"{name} differs from the trainer's by up to {diff:.3g}")
-    out = {"sync/checked_tensors": float(checked)}
+    checked_what = ["the weight version the engine reports"]
+    checked, mismatched = _compare_readback(engine, sent)
+    problems += mismatched
+    if checked:
+        checked_what.append(f"{len(checked)} small tensors read back for exact equality ({', '.join(checked)})")
+    out = {"sync/checked_tensors": float(len(checked))}
     probe = [list(s) for s in (probe or []) if len(s) >= 2]
     if probe:
-        engine_lp = engine.score(probe)
-        was_training = model.training
-        model.eval()
-        try:
-            trainer_lp = score_sequences(model, probe, pad_token_id=0)
-        finally:
-            model.train(was_training)
-        diffs = torch.tensor([abs(a - b) for e, t in zip(engine_lp, trainer_lp, strict=True)
-                              for a, b in zip(e, t, strict=True)])
-        out["sync/max_probe_diff"] = float(diffs.max())
-        out["sync/mean_probe_diff"] = float(diffs.mean())
+        out.update(_probe_diffs(engine, model, probe))
         dtype = _dtype_of(engine, model)
         tol = PROBE_TOLERANCE.get(dtype, 1e-3)
+        checked_what.append(f"the logprobs of {sum(len(s) - 1 for s in probe)} probe tokens against the "
+                            f"trainer's (mean |diff| ≤ {tol:g} nats/token for {dtype})")
         if out["sync/mean_probe_diff"] > tol:
             problems.append(
                 f"probe logprobs differ from the trainer's by {out['sync/mean_probe_diff']:.3g} nats/token on "
                 f"average (max {out['sync/max_probe_diff']:.3g}; tolerance {tol:g} for {dtype})"
             )
     if problems:
-        raise RolloutError(
-            f"weight sync to version {version} did not take: " + "; ".join(problems) + ". The engine is "
-            "generating with other weights than the trainer's. Check that the engine's model matches "
-            "model.name_or_path and that nothing between the optimizer step and the sync changed the weights; "
-            "if this architecture transforms those tensors when loading, set rollout.vllm.verify_sync: false."
-        )
+        raise RolloutError(_failure_message(engine, version, problems, checked_what,
+                                            _projection_report(engine, sent_rows or {})))
     return out
+
+
+def _compare_readback(engine, sent: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """(names compared, problems): the engine's copies of `sent` must equal the trainer's exactly."""
+    if not sent:
+        return [], []
+    checked, problems = [], []
+    for name, tensor in engine.read_weights(sorted(sent)).items():
+        ref = sent[name]
+        if tensor.shape != ref.shape:
+            continue  # sharded or fused in the engine: not comparable
+        checked.append(name)
+        diff = (tensor.float() - ref.to(tensor.dtype).float()).abs().max().item()
+        if diff > 0:
+            problems.append(f"{name} differs from the trainer's by up to {diff:.3g}")
+    return checked, problems
+
+
+def _probe_diffs(engine, model: torch.nn.Module, probe: list[list[int]]) -> dict[str, float]:
+    engine_lp = engine.score(probe)
+    was_training = model.training
+    model.eval()
+    try:
+        trainer_lp = score_sequences(model, probe, pad_token_id=0)
+    finally:
+        model.train(was_training)
+    diffs = torch.tensor([abs(a - b) for e, t in zip(engine_lp, trainer_lp, strict=True)
+                          for a, b in zip(e, t, strict=True)])
+    return {"sync/max_probe_diff": float(diffs.max()), "sync/mean_probe_diff": float(diffs.mean())}
+
+
+def _projection_report(engine, sent_rows: dict) -> str:
+    """What reading back the first rows of the embedding and the output projection shows (on failure only:
+    reading them costs a copy of the full tensors)."""
+    if not sent_rows or not hasattr(engine, "read_weights"):
+        return "This engine cannot read its weights back, so the tensors that disagree cannot be named."
+    held = engine.read_weights(sorted(sent_rows))
+    same, differ, unseen = [], [], []
+    for name, (shape, ref) in sorted(sent_rows.items()):
+        t = held.get(name)
+        if t is None or tuple(t.shape[1:]) != shape[1:] or t.shape[0] < shape[0]:
+            unseen.append(name)  # not held under that name, or sharded over the vocabulary
+            continue
+        diff = (t[: len(ref)].float() - ref.to(t.dtype).float()).abs().max().item()
+        (differ if diff > 0 else same).append(f"{name} (by up to {diff:.3g})" if diff > 0 else name)
+    parts = []
+    if differ:
+        parts.append(f"Read back, the engine's {', '.join(differ)} differ from what the trainer sent.")
+    if same:
+        parts.append(f"The engine's {', '.join(same)} read back equal to the trainer's, so the stale weights are "
+                     "a copy the readback cannot see: a fused or repacked tensor (e.g. an output projection kept "
+                     "apart from a tied embedding) or a layer not read back.")
+    if unseen:
+        parts.append(f"Not comparable: {', '.join(unseen)} (not held under that name, or sharded).")
+    return " ".join(parts)
+
+
+def _failure_message(engine, version: int, problems: list[str], checked: list[str], report: str) -> str:
+    server = hasattr(engine, "urls")
+    key = "`rollout.vllm.verify_sync: false`" + (" (that key also governs the check in server mode)" if server else "")
+    model = "the server's --model" if server else "the engine's model"
+    return (
+        f"weight sync to version {version} did not take: {'; '.join(problems)}. The engine is generating with "
+        f"other weights than the trainer's. Checked: {'; '.join(checked)}. {report} Check that {model} matches "
+        "model.name_or_path and that nothing between the optimizer step and the sync changed the weights; if it "
+        f"persists, report it with this message. Only as a last resort: {key} turns these checks off. Then "
+        "nothing confirms that the engine samples from the trainer's weights: a sync that does not take goes "
+        "unnoticed, and the run trains on samples of another policy, which importance correction does not repair."
+    )

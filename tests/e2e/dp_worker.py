@@ -19,7 +19,7 @@ from grpo_cli.config.load import build_config
 from grpo_cli.launch.dist import all_reduce_sum, init_from_env
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.policy import load_policy
-from grpo_cli.train.step import optimizer_step
+from grpo_cli.train.step import batch_logprobs, optimizer_step
 
 B, P, T = 16, 5, 7
 
@@ -60,6 +60,9 @@ def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
     full = fixed_batch(policy.module.config.vocab_size)
     per = B // info.world_size
     batch = full.rows(info.rank * per, (info.rank + 1) * per)
+    if policy.ref_model is not None:  # β > 0: the reference (sharded like the policy) scores the batch
+        with policy.backend.compute_context():
+            batch.ref_logprobs = batch_logprobs(policy.ref_model, batch, micro_batch_size=4, temperature=1.0)
     for _ in range(steps):
         num_items = all_reduce_sum(float(batch.completion_mask.sum()), info)
         optimizer_step(policy, batch, cfg, num_items=num_items, num_sequences=B)

@@ -5,25 +5,15 @@ workers without launching again. Rank 0 alone writes the run directory."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 
 import pytest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dist_env import clean_env, free_port
 
 
 def _env(tmp_path) -> dict:
-    env = {**os.environ, "GRPO_CLI_CACHE": str(tmp_path / "cache"), "GLOO_SOCKET_IFNAME": "lo"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
+    return clean_env(GRPO_CLI_CACHE=str(tmp_path / "cache"))
 
 
 def _check_run(run, out) -> None:
@@ -40,7 +30,7 @@ def test_cli_relaunches_through_accelerate(tmp_path):
     run = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "grpo_cli", "train", "--preset", "tiny-cpu", "--output-dir", str(run), "--set",
-         "distributed.num_processes=2", "--set", "train.steps=3", "--set", f"distributed.main_process_port={_free_port()}",
+         "distributed.num_processes=2", "--set", "train.steps=3", "--set", f"distributed.main_process_port={free_port()}",
          "--set", "logging.progress=plain"],
         capture_output=True, text=True, timeout=600, env=_env(tmp_path), cwd=tmp_path,
     )
@@ -53,7 +43,7 @@ def test_accelerate_launch_by_hand(tmp_path):
     run = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
-         "--main_process_port", str(_free_port()), "-m", "grpo_cli", "train", "--preset", "tiny-cpu",
+         "--main_process_port", str(free_port()), "-m", "grpo_cli", "train", "--preset", "tiny-cpu",
          "--output-dir", str(run), "--set", "train.steps=3", "--set", "logging.progress=plain"],
         capture_output=True, text=True, timeout=600, env=_env(tmp_path), cwd=tmp_path,
     )

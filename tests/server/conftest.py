@@ -6,12 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
-
-READY = "grpo serve-rollout: listening on "
 
 
 class ServerProcess:
@@ -30,24 +26,14 @@ class ServerProcess:
         self.url = self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> str:
-        found: list[str] = []
-        ready = threading.Event()
+        from grpo_cli.server.launch import wait_ready_line
 
-        def pump():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if line.startswith(READY) and not found:
-                    found.append(line[len(READY):].split()[0])
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        ready.wait(timeout_s)
-        if not found:
+        url = wait_ready_line(self.proc, timeout_s, self.lines.append)
+        if url is None:
             self.kill()
             log = "".join(self.lines)[-3000:]
             raise RuntimeError(f"server did not start within {timeout_s} s (exit code {self.proc.poll()}):\n{log}")
-        return found[0]
+        return url
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -235,3 +235,26 @@ def test_shm_transport_loads_the_weights_checks_every_frame_and_removes_the_file
     eng.close()
     with pytest.raises(RolloutError, match="loopback"):
         ServerEngine(["http://10.1.2.3:8000"], policy=FAST, transport="shm", connect=False)
+
+
+def test_tied_checkpoint_is_served_under_every_name_and_syncs_verified(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.server.engines import ServeOptions, build, checkpoint_shapes
+    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.train.weight_sync import sync_weights
+
+    path = str(build_tiny_checkpoint(tmp_path / "qwen2", arch="qwen2"))
+    assert "lm_head.weight" in checkpoint_shapes(path)  # stored once, accepted under its tied name (vllm server)
+    served = build(ServeOptions(engine="hf", model=path))
+    assert served.param_shapes["lm_head.weight"] == served.param_shapes["model.embed_tokens.weight"]
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        policy.model.embed_tokens.weight.mul_(1.5)  # the tied output projection changes with it
+    with app_in_thread(create_app(served)) as url:
+        client = ServerEngine([url], policy=FAST, stop_token_ids=[1])
+        try:
+            metrics = sync_weights(client, policy, version=1, bucket_mb=1, verify=True, probe=[[3, 4, 6, 7, 8, 5]])
+        finally:
+            client.close()
+    assert metrics["sync/max_probe_diff"] < 1e-5 and served.engine.weight_version == 1

@@ -4,13 +4,12 @@ in 4 MB buckets grows a rank's resident memory by a few MB, while gathering the 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_env import clean_env, free_port
 
 WORKER = str(Path(__file__).with_name("sync_memory_worker.py"))
 BUCKET_MB = 4
@@ -27,12 +26,8 @@ def mid_checkpoint(tmp_path_factory) -> str:
 @pytest.mark.parametrize("backend", [["distributed.backend=fsdp2"]])
 def test_sync_stream_memory_is_bounded_by_the_bucket(tmp_path, mid_checkpoint, backend):
     out = tmp_path / "mem.json"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+    env = clean_env(MASTER_ADDR="127.0.0.1")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                     "--master_addr=127.0.0.1", WORKER, mid_checkpoint, str(out), str(BUCKET_MB), *backend],
                    check=True, timeout=300, env=env)
     mem = json.loads(out.read_text())

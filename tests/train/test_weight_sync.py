@@ -9,7 +9,7 @@ import torch
 
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.hf import HFEngine
-from grpo_cli.train.weight_sync import buckets, checksum_names, hf_name, sync_weights
+from grpo_cli.train.weight_sync import buckets, checkpoint_names, checksum_names, describe_ties, hf_name, sync_weights
 
 PROBE = [[3, 4, 6, 7, 8, 5, 20, 21]]
 
@@ -54,7 +54,16 @@ def test_lost_sync_is_caught_by_the_probe(policy):
             self.weight_version = version
 
     lossy = Lossy(engine.model, eos_token_ids=[1], pad_token_id=0, shares_policy_weights=False)
-    with pytest.raises(RolloutError, match=r"version 1 did not take: probe logprobs differ"):
+    with pytest.raises(RolloutError, match=r"version 1 did not take: probe logprobs differ") as caught:
+        sync_weights(lossy, policy, version=1, bucket_mb=1, verify=True, probe=PROBE)
+    text = str(caught.value)
+    assert "Checked: the weight version the engine reports; the logprobs of 7 probe tokens" in text
+    assert "cannot read its weights back" in text  # so it cannot name the tensors
+    assert "Only as a last resort: `rollout.vllm.verify_sync: false`" in text and "goes unnoticed" in text
+    assert "server mode" not in text
+    lossy.urls = ["http://127.0.0.1:1"]  # a server client: the same key, said to govern server mode too
+    with pytest.raises(RolloutError, match=r"also governs the check in server mode.*the server's --model|"
+                                            r"the server's --model.*also governs the check in server mode"):
         sync_weights(lossy, policy, version=1, bucket_mb=1, verify=True, probe=PROBE)
     sync_weights(lossy, policy, version=1, bucket_mb=1, verify=False, probe=PROBE)  # verify off: no check
 
@@ -67,6 +76,39 @@ def test_checksum_mismatch_names_the_tensor(policy):
     engine = StaleReadback(copy.deepcopy(policy), eos_token_ids=[1], pad_token_id=0, shares_policy_weights=False)
     with pytest.raises(RolloutError, match=r"model\.layers\.0\.input_layernorm\.weight differs"):
         sync_weights(engine, policy, version=1, bucket_mb=1, verify=True, probe=None)
+
+
+@pytest.fixture(scope="module")
+def tied_policy(tmp_path_factory):
+    """A tiny Qwen2 with tied embeddings (`lm_head.weight` is `model.embed_tokens.weight`)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), arch="qwen2")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_tied_weight_is_sent_under_every_checkpoint_name(tied_policy, policy):
+    names = checkpoint_names(tied_policy, peft=False)
+    assert names["model.embed_tokens.weight"] == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert "lm_head.weight" not in dict(tied_policy.named_parameters())  # listed once, under the embedding
+    assert "also as lm_head.weight" in describe_ties(tied_policy)
+    assert describe_ties(policy) is None and all(len(v) == 1 for v in checkpoint_names(policy, peft=False).values())
+
+    received: list[str] = []
+
+    class Recording(HFEngine):
+        def update_weights(self, named_tensors, version):
+            super().update_weights(((received.append(n) or (n, t)) for n, t in named_tensors), version)
+
+    engine = Recording(copy.deepcopy(tied_policy), eos_token_ids=[1], pad_token_id=0, shares_policy_weights=False)
+    perturb(tied_policy)
+    metrics = sync_weights(engine, tied_policy, version=1, bucket_mb=1, verify=True, probe=PROBE)
+    assert received.count("lm_head.weight") == 1 and received.count("model.embed_tokens.weight") == 1
+    assert metrics["sync/tensors"] == len(list(tied_policy.parameters())) + 1 == len(received)
+    assert metrics["sync/max_probe_diff"] == 0.0
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight  # the copy stays tied
 
 
 def test_version_mismatch_is_caught(policy):
@@ -149,3 +191,14 @@ def test_peft_is_merged_for_the_sync_and_unmerged_after(policy):
     with pytest.raises(RuntimeError, match="transport down"):
         sync_weights(broken, peft, version=2, bucket_mb=1, verify=False, probe=None)
     assert peft.calls[-1] == "unmerge" and torch.equal(policy.model.norm.weight, before)
+
+
+def test_lora_merged_sync_of_a_tied_model_sends_the_tied_name(tied_policy):
+    peft = pytest.importorskip("peft")
+    engine = copy_engine(tied_policy)
+    lora = peft.get_peft_model(copy.deepcopy(tied_policy),
+                               peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    names = checkpoint_names(lora, peft=True)
+    assert names["base_model.model.model.embed_tokens.weight"] == ["model.embed_tokens.weight", "lm_head.weight"]
+    metrics = sync_weights(engine, lora, version=1, bucket_mb=1, verify=True, probe=PROBE)
+    assert metrics["sync/tensors"] == len(list(tied_policy.parameters())) + 1 and metrics["sync/max_probe_diff"] < 1e-5

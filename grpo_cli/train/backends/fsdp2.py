@@ -36,8 +36,10 @@ def build_on_meta(cfg, model_path: str, *, dtype: torch.dtype) -> torch.nn.Modul
 
     config = AutoConfig.from_pretrained(model_path)
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(
+        module = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attention_implementation(cfg.model.attn_implementation))
+    module.tie_weights()  # init_empty_weights registers a separate meta tensor per module: tie them again
+    return module
 
 
 def materialize(module: torch.nn.Module, device: torch.device) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.config.schema import GRPOConfig
+from grpo_cli.rollout.weight_names import tied_aliases
 from grpo_cli.train.checkpoint import CheckpointError
 
 
@@ -22,16 +23,8 @@ def load_hf_model(cfg: GRPOConfig, model_path: str, *, dtype: torch.dtype) -> to
 
 
 def tied_names(module: torch.nn.Module) -> set[str]:
-    """Parameter names that alias another parameter (e.g. `lm_head.weight` when embeddings are tied)."""
-    seen: dict[int, str] = {}
-    tied: set[str] = set()
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            tied.add(name)
-        else:
-            seen[id(p)] = name
-    declared = getattr(module, "_tied_weights_keys", None) or []
-    return tied | set(declared if isinstance(declared, (list, set, tuple)) else declared.keys())
+    """The further names of tied weights (e.g. `lm_head.weight` when embeddings are tied)."""
+    return {name for names in tied_aliases(module).values() for name in names}
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
@@ -72,7 +65,8 @@ def load_full_weights(module: torch.nn.Module, folder: Path) -> None:
 def save_hf_folder(module: torch.nn.Module, folder: Path, *, state_dict: dict | None, dtype: torch.dtype) -> None:
     """`save_pretrained` with the weights cast to `dtype` (the compute dtype a user serves the model in)."""
     sd = module.state_dict() if state_dict is None else state_dict
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+    tied = tied_names(module)  # a gathered state dict holds tied weights twice, as separate tensors
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items() if k not in tied}
     module.save_pretrained(folder, state_dict=sd, safe_serialization=True)
     config = Path(folder) / "config.json"
     data = json.loads(config.read_text())

