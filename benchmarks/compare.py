@@ -259,6 +259,8 @@ def main() -> None:
                     help="grpo-cli's model.dtype (compute; float32 master weights); TRL stays float32")
     ap.add_argument("--set", dest="grpo_set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override for the grpo-cli runs (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="also run grpo-cli (hf) with these overrides, as system grpo-hf:NAME (repeatable)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--repeats", type=int, default=2, help="A B rounds")
@@ -277,13 +279,17 @@ def main() -> None:
     ckpt, params = build_checkpoint(a.size, root)
     base = dict(ckpt=ckpt, prompts=a.prompts, G=a.G, max_len=a.max_len, micro_batch=a.micro_batch or a.prompts * a.G,
                 steps=a.steps, lr=a.lr, dtype=a.dtype, grpo_set=a.grpo_set)
-    systems = ["grpo-hf", "trl"] + (["grpo-vllm"] if a.vllm else [])
+    variants = {f"grpo-hf:{v.split(':', 1)[0]}": v.split(":", 1)[1].split(",") for v in a.variant}
+    systems = ["grpo-hf", *variants, "trl"] + (["grpo-vllm"] if a.vllm else [])
     print(f"checkpoint {ckpt} ({params / 1e6:.1f}M params); settings {base}", flush=True)
     raw: dict[str, list] = {k: [] for k in systems}
     for rnd in range(a.repeats):
         for system in systems:
             t = time.perf_counter()
-            res = run_worker(system, base, a.timeout)
+            if system in variants:
+                res = run_worker("grpo-hf", dict(base, grpo_set=base["grpo_set"] + variants[system]), a.timeout)
+            else:
+                res = run_worker(system, base, a.timeout)
             raw[system].append(res)
             status = res.get("error", "ok")[:300]
             print(f"  round {rnd + 1} {system}: {time.perf_counter() - t:.1f}s wall, {status}", flush=True)
@@ -295,9 +301,9 @@ def main() -> None:
     for k in systems:
         m = summary[k]
         if "error" in m:
-            rows.append([SYSTEMS[k], "error"] + [""] * (3 + len(phase_names)))
+            rows.append([SYSTEMS.get(k, k), "error"] + [""] * (3 + len(phase_names)))
             continue
-        rows.append([SYSTEMS[k], f"{m['step_s']:.3f}", f"{m['tokens_per_s']:.1f}", f"{m['peak_rss_mb']:.0f}",
+        rows.append([SYSTEMS.get(k, k), f"{m['step_s']:.3f}", f"{m['tokens_per_s']:.1f}", f"{m['peak_rss_mb']:.0f}",
                      f"{m['first_step_s']:.2f}"]
                     + [f"{m['phases'][p]:.3f}" if p in m["phases"] else "-" for p in phase_names])
     table = fmt_table(rows)
@@ -307,8 +313,10 @@ def main() -> None:
         ratios = {"throughput_grpo_hf_over_trl": t["step_s"] / g["step_s"],
                   "tokens_per_s_grpo_hf_over_trl": g["tokens_per_s"] / t["tokens_per_s"],
                   "peak_rss_grpo_hf_over_trl": g["peak_rss_mb"] / t["peak_rss_mb"]}
-        if "grpo-vllm" in summary and "error" not in summary["grpo-vllm"]:
-            ratios["throughput_grpo_vllm_over_trl"] = t["step_s"] / summary["grpo-vllm"]["step_s"]
+        for k in [*variants, "grpo-vllm"]:
+            if k in summary and "error" not in summary[k]:
+                ratios[f"throughput_{k}_over_trl"] = t["step_s"] / summary[k]["step_s"]
+                ratios[f"peak_rss_{k}_over_trl"] = summary[k]["peak_rss_mb"] / t["peak_rss_mb"]
     print("\n" + table)
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")

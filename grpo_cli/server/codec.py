@@ -221,6 +221,7 @@ class FrameReader:
         self._blob: bytearray | None = None
         self._filled = 0
         self._expect: tuple[int, bytes] = (0, b"")
+        self._hash = hashlib.sha256()
         self.frames = 0
         self.bytes = 0
 
@@ -238,6 +239,7 @@ class FrameReader:
             if self._blob is not None:
                 take = min(len(self._blob) - self._filled, len(view))
                 self._blob[self._filled : self._filled + take] = view[:take]
+                self._hash.update(view[:take])  # hashed as it arrives: no second pass over the frame
                 self._filled += take
                 view = view[take:]
                 if self._filled == len(self._blob):
@@ -253,11 +255,12 @@ class FrameReader:
             raise FrameError(f"weight frame {self.frames}: {length} bytes exceeds the server limit of "
                              f"{self.max_frame_bytes} bytes (lower the client's chunk size or raise --max-frame-mb)")
         self._blob, self._filled, self._expect = bytearray(length), 0, (length, digest)
+        self._hash = hashlib.sha256()
         self._prefix.clear()
 
     def _finish_blob(self) -> Frame:
         blob, self._blob = self._blob, None
-        if hashlib.sha256(blob).digest() != self._expect[1]:
+        if self._hash.digest() != self._expect[1]:
             raise FrameError(f"weight frame {self.frames}: checksum mismatch (corrupted in transit)")
         frame = decode_blob(blob, index=self.frames)
         self.frames += 1
