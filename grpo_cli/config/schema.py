@@ -30,8 +30,9 @@ class ModelConfig(Section):
     gradient_checkpointing: bool | Literal["selective"] = False
     """Recompute activations in the backward pass to save memory: `true` re-runs each decoder layer's forward;
     `selective` keeps the matmul and attention outputs and recomputes only the elementwise ops (norms, rotary,
-    SiLU, products): on the 19M benchmark model at 16 prompts x 8 x 64 tokens, peak RSS 3789 -> 3087 MB for ~4%
-    more train time (full: 2327 MB, ~24% more)."""
+    SiLU, products): one train step of the 19M benchmark model (16 prompts x 8, 1 thread) peaked at 3087 instead
+    of 3789 MB for ~4% more CPU time (full: 2327 MB, ~24% more), but a whole 2-thread run peaked higher with it
+    (benchmarks/README.md): measure before relying on it."""
 
 
 class DataConfig(Section):
