@@ -43,6 +43,9 @@ class RewardFunctionConfig(Section):
     name: str
     """A built-in (`length`, `format`, `exact_match`, `math`) or a user function `module:function` /
     `path/to/file.py:function` with signature `f(prompts, completions, **columns) -> list[float | None]`."""
+    alias: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Name of this function in metrics (`reward/<alias>/mean`); default: the function's name (`length`,
+    `my_fn` for `path/to/file.py:my_fn`), never a path. Letters, digits, `_`, `-`, `.`."""
     weight: float = 1.0
     """Weight of this function in the summed reward."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -57,6 +60,15 @@ class RewardsConfig(Section):
     on_error: Literal["raise", "skip"] = "raise"
     """A reward function that raises: `raise` stops with the function and sample named; `skip` scores that
     batch of the function as missing (None) and counts it in `rewards/errors`."""
+
+    @model_validator(mode="after")
+    def _unique_aliases(self) -> RewardsConfig:
+        aliases = [f.alias for f in self.functions if f.alias]
+        twice = sorted({a for a in aliases if aliases.count(a) > 1})
+        if twice:
+            raise ValueError(f"rewards.functions: alias {', '.join(map(repr, twice))} is given to more than one "
+                             "function; metric names must differ, so give each function its own alias.")
+        return self
 
 
 class VLLMConfig(Section):
@@ -229,8 +241,9 @@ class DistributedConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(0, ge=0)
-    """Save every N steps (0: only at the end and on SIGINT/SIGTERM)."""
+    every_steps: int = Field(20, ge=0)
+    """Save every N steps, so a crash (power, OOM kill, SIGKILL) loses at most N-1 steps; 0: only at the end and
+    on SIGINT/SIGTERM/SIGHUP."""
     keep_last: int = Field(2, ge=1)
     """Checkpoints kept; older ones are deleted after a new one is complete."""
     resume: str | None = None

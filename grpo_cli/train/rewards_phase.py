@@ -40,5 +40,5 @@ def reward_step(cfg: GRPOConfig, fns: list[RewardFn], prompts: list[Prompt], com
     }
     for fn, col in zip(fns, per_func.T, strict=True):
         ok = col[~col.isnan()]
-        metrics[f"reward/{fn.name}/mean"] = float(ok.mean()) if len(ok) else float("nan")
+        metrics[f"reward/{fn.label}/mean"] = float(ok.mean()) if len(ok) else float("nan")
     return advantages, rewards, metrics
