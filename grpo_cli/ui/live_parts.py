@@ -61,7 +61,7 @@ def trend_line(label: str, values: list[float], *, style: str) -> Text:
     return text
 
 
-def phase_bar(metrics: dict[str, float], *, width: int = 40) -> Text:
+def phase_bar(metrics: dict[str, float], *, width: int = 30) -> Text:
     """A stacked bar of the step's phase times, each phase a colour, then the seconds of each."""
     times = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES if metrics.get(f"time/{p}", 0.0) > 0}
     total = sum(times.values())
