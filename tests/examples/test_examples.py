@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -80,21 +81,23 @@ def test_custom_reward_with_columns(tmp_path):
 def test_server_mode_script(tmp_path):
     out_dir = tmp_path / "run"
     out = _run(["bash", str(EXAMPLES / "03-server-mode" / "run.sh"), "--set", "logging.progress=plain"], tmp_path,
-               _env(tmp_path, PORT=str(_free_port()), STEPS="3", OUT=str(out_dir)))
+               _env(tmp_path, PORT=str(_free_port()), STEPS="2", OUT=str(out_dir)))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "rollout server up at" in out.stdout
-    assert len(_metrics(out_dir)) == 3
+    assert len(_metrics(out_dir)) == 2
     assert "listening on" in (out_dir / "server.log").read_text()
 
 
 @pytest.mark.slow
 def test_ray_async_on_a_started_cluster(tmp_path):
     """`ray start --head` (127.0.0.1, a free port, 2 CPUs, its own temp dir); the example joins it through
-    `rollout.ray.address: auto` (RAY_ADDRESS names this head, not any other cluster on the machine)."""
+    `rollout.ray.address: auto` (RAY_ADDRESS names this head, not any other cluster on the machine; its own auth
+    token, not the shared ~/.ray/auth_token that other local clusters rewrite)."""
+    import secrets
     import tempfile
 
     port, temp_dir = _free_port(), tempfile.mkdtemp(prefix="ray-ex-", dir="/tmp")
-    env = _env(tmp_path, RAY_ADDRESS=f"127.0.0.1:{port}")
+    env = _env(tmp_path, RAY_ADDRESS=f"127.0.0.1:{port}", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
     head = subprocess.Popen(["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
                              "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
                              "--temp-dir", temp_dir], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -109,6 +112,7 @@ def test_ray_async_on_a_started_cluster(tmp_path):
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             head.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
     rows = _metrics(tmp_path / "run")
     assert [r["staleness"] for r in rows] == [0, 1, 1]
 
