@@ -48,6 +48,12 @@ class RewardFunctionConfig(Section):
     `my_fn` for `path/to/file.py:my_fn`), never a path. Letters, digits, `_`, `-`, `.`."""
     weight: float = 1.0
     """Weight of this function in the summed reward."""
+    kind: Literal["outcome", "process"] = "outcome"
+    """`outcome`: one reward per completion. `process`: one reward per step, the function also getting `steps`
+    (each completion split on `rewards.step_separator`) and returning one list per completion, a float (or None)
+    per step. With any process function, every step reward of a group is normalised together (an outcome reward
+    counts as a step ending at the last token) and a token's advantage is the sum over the steps ending at or
+    after it."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to the function (e.g. `target` for `length`, `pattern` for `format`)."""
 
@@ -57,6 +63,9 @@ class RewardsConfig(Section):
         default_factory=lambda: [RewardFunctionConfig(name="length", kwargs={"target": 4})]
     )
     """Reward functions; their weighted sum is the reward that advantages normalise."""
+    step_separator: str = Field("\n", min_length=1)
+    """Separator that splits a completion into the steps `process` reward functions score (blank steps are
+    dropped; a step ends with its separator)."""
     on_error: Literal["raise", "skip"] = "raise"
     """A reward function that raises: `raise` stops with the function and sample named; `skip` scores that
     batch of the function as missing (None) and counts it in `rewards/errors`."""

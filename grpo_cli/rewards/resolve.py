@@ -26,6 +26,8 @@ class RewardFn:
     weight: float
     kwargs: dict
     label: str
+    kind: str = "outcome"
+    """`outcome` (one reward per completion) or `process` (one per step)."""
     """Name in metrics (`reward/<label>/mean`): the alias or the function's name, never a path."""
 
 
@@ -75,7 +77,7 @@ def metric_labels(functions) -> list[str]:
 
 def build_reward_fns(functions) -> list[RewardFn]:
     """Resolve every `rewards.functions` entry (fails before training starts)."""
-    return [RewardFn(f.name, resolve(f.name), f.weight, dict(f.kwargs), label)
+    return [RewardFn(f.name, resolve(f.name), f.weight, dict(f.kwargs), label, f.kind)
             for f, label in zip(functions, metric_labels(functions), strict=True)]
 
 

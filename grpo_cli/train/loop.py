@@ -146,7 +146,8 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
     prompts, rollout = rollout_phase(tr, state)
     completions = decode_completions(tr.policy.tokenizer, rollout)
     with tr.timer.phase("reward"):
-        advantages, rewards, metrics = reward_step(cfg, tr.reward_fns, prompts, completions, rollout)
+        advantages, rewards, metrics = reward_step(cfg, tr.reward_fns, prompts, completions, rollout,
+                                                   tr.policy.tokenizer)
     batch = build_batch(rollout, group_size=cfg.train.generations_per_prompt,
                         pad_token_id=tr.policy.tokenizer.pad_token_id)
     batch.advantages = advantages
@@ -166,7 +167,7 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
         metrics["async/in_flight"] = float(len(tr.pipeline.flight))
     samples = [
         {"step": state.step, "prompt": prompts[j // cfg.train.generations_per_prompt].text,
-         "completion": completions[j], "reward": float(rewards[j]), "advantage": float(advantages[j])}
+         "completion": completions[j], "reward": float(rewards[j]), "advantage": float(advantages[j].flatten()[0])}
         for j in range(min(cfg.logging.log_completions, len(completions)))
     ]
     return mean_metrics(metrics, tr.dist), samples

@@ -73,8 +73,9 @@ def test_custom_reward_with_columns(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     rows = _metrics(run)
     assert {k for k in rows[0] if k.startswith("reward/") and k.count("/") == 2} == {
-        "reward/on_topic/mean", "reward/within_budget/mean"}
+        "reward/on_topic/mean", "reward/within_budget/mean", "reward/topic_per_step/mean"}
     assert all(0 <= r["reward/on_topic/mean"] <= 1 and r["reward/within_budget/mean"] <= 0 for r in rows)
+    assert all(0 <= r["reward/topic_per_step/mean"] <= 1 for r in rows)
 
 
 @pytest.mark.slow
