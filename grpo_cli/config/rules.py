@@ -59,6 +59,12 @@ def _check_rollout(cfg: GRPOConfig) -> None:
         raise ValueError(
             "rollout.vllm.sleep_level applies only to rollout.engine=vllm in colocate mode; set it to 0."
         )
+    if r.vllm.sleep_level == 2 and cfg.train.dynamic_sampling.enabled:
+        raise ValueError(
+            "train.dynamic_sampling generates several rounds per step, but rollout.vllm.sleep_level 2 discards the "
+            "engine's weights after each generation (they come back only with the next weight sync); use "
+            "rollout.vllm.sleep_level 1 (weights kept in host memory) or 0."
+        )
 
 
 def _check_async(cfg: GRPOConfig) -> None:
@@ -94,6 +100,18 @@ def _check_distributed(cfg: GRPOConfig) -> None:
         raise ValueError(
             "distributed.offload moves training state off the device while a colocated engine generates; "
             f"with rollout.mode '{cfg.rollout.mode}' nothing shares the device, so turn the offload flags off."
+        )
+    sharded = d.backend == "fsdp2" or (d.backend == "deepspeed" and d.deepspeed.zero_stage == 3)
+    if sharded and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
+        raise ValueError(
+            f"rollout.engine 'hf' in colocate mode generates with the policy's own parameters, which "
+            f"distributed.backend '{d.backend}' shards across processes (each holds 1/N); use rollout.engine=vllm "
+            "(colocated, synced from the shards), rollout.mode=server or async, or distributed.backend=ddp."
+        )
+    if d.backend == "deepspeed" and cfg.model.master_weights != "float32":
+        raise ValueError(
+            "model.master_weights 'compute_dtype' is not available with distributed.backend 'deepspeed': its bf16 "
+            "mode always keeps float32 master weights; set model.master_weights=float32."
         )
     if d.deepspeed.offload_params and d.deepspeed.zero_stage != 3:
         raise ValueError("distributed.deepspeed.offload_params needs zero_stage 3; set zero_stage=3 or turn it off.")

@@ -17,7 +17,14 @@ class ModelConfig(Section):
     """Policy checkpoint: a local folder in Hugging Face format, a hub id already in the local cache, or
     `builtin:tiny`, a 2-layer model and word-level tokenizer that grpo-cli builds on first use (no network)."""
     dtype: DType = "float32"
-    """Training dtype of the policy (and reference) weights. Use float32 on CPU."""
+    """Compute dtype of the policy's and reference's forward/backward passes (and of exported weights). bf16
+    compute comes from the backend's mixed precision (ddp: autocast; fsdp2: MixedPrecisionPolicy; deepspeed: its
+    bf16 mode); the trained weights stay in `master_weights`."""
+    master_weights: Literal["float32", "compute_dtype"] = "float32"
+    """Dtype of the trained (master) weights and the AdamW state. `float32` keeps updates smaller than bf16's
+    spacing (lr 1e-6 on bf16 weights moved 0.95% of the parameters in 5 steps); `compute_dtype` trains the
+    weights in `model.dtype` directly, saving memory and losing those updates (not with deepspeed, whose bf16
+    mode always keeps float32 masters)."""
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
     """Attention kernel used by the trainer's forward passes."""
     gradient_checkpointing: bool = False
@@ -41,8 +48,11 @@ class DataConfig(Section):
 
 class RewardFunctionConfig(Section):
     name: str
-    """A built-in (`length`, `format`, `exact_match`, `math`) or a user function `module:function` /
-    `path/to/file.py:function` with signature `f(prompts, completions, **columns) -> list[float | None]`."""
+    """A built-in (`length`, `format`, `exact_match`, `math`, `overlong`) or a user function `module:function` /
+    `path/to/file.py:function` with signature `f(prompts, completions, **columns) -> list[float | None]`. A
+    function that names `completion_ids` or `max_completion_length` as parameters also receives the token ids
+    and rollout.max_completion_length. `overlong` is DAPO's soft length penalty: 0 up to max_completion_length
+    - buffer tokens, then falling linearly to -1 at the cap (kwargs: `buffer`, required)."""
     alias: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]+$")
     """Name of this function in metrics (`reward/<alias>/mean`); default: the function's name (`length`,
     `my_fn` for `path/to/file.py:my_fn`), never a path. Letters, digits, `_`, `-`, `.`."""
@@ -171,6 +181,17 @@ class RolloutConfig(Section):
     """Server mode settings."""
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO dynamic sampling: train only on groups whose rewards differ."""
+
+    enabled: bool = False
+    """Drop prompt groups whose rewards are all equal (advantage 0, no gradient) and generate completions for
+    more prompts until the step has `prompts_per_step` groups with different rewards."""
+    max_extra_rounds: int = Field(4, ge=1)
+    """Most extra generation rounds per step (each draws `prompts_per_step` new prompts). If the step is still
+    short, it is filled with dropped groups (counted in `dynamic_sampling/short_groups`)."""
+
+
 class TrainConfig(Section):
     steps: int = Field(100, ge=1)
     """Optimizer steps to run (each on a freshly generated batch)."""
@@ -190,6 +211,8 @@ class TrainConfig(Section):
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
+    adam_epsilon: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this value; null disables clipping."""
     seed: int = 0
@@ -198,6 +221,8 @@ class TrainConfig(Section):
     """A non-finite loss or gradient: `skip` the optimizer step (counted), or `stop`."""
     max_consecutive_nonfinite: int = Field(3, ge=1)
     """Stop after this many non-finite steps in a row, even with `skip`."""
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    """DAPO dynamic sampling (drop groups of identical rewards, draw more prompts)."""
 
 
 class DeepSpeedConfig(Section):
@@ -240,7 +265,9 @@ class DistributedConfig(Section):
     launcher: Literal["accelerate", "torchrun"] = "accelerate"
     """How multi-process runs are launched."""
     backend: Literal["ddp", "deepspeed", "fsdp2"] = "ddp"
-    """Data/model parallel backend."""
+    """Training backend: `ddp` (every process holds the whole model), `fsdp2` (`fully_shard` per decoder layer:
+    each process holds 1/N of the parameters, gradients and optimizer state) or `deepspeed` (ZeRO stage per
+    `distributed.deepspeed`)."""
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     """DeepSpeed settings (backend: deepspeed)."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)

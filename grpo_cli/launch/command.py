@@ -17,8 +17,6 @@ def deepspeed_config(cfg: GRPOConfig) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if ds.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if ds.zero_stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
     return {
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
@@ -48,7 +46,7 @@ def external_launch(env: dict[str, str]) -> list[str] | None:
             *([f"distributed.main_process_ip={env['MASTER_ADDR']}"] if world > local and "MASTER_ADDR" in env else [])]
 
 
-def launch_command(cfg: GRPOConfig, argv: list[str], *, deepspeed_file: str = "deepspeed.json") -> list[str]:
+def launch_command(cfg: GRPOConfig, argv: list[str]) -> list[str]:
     """[] for a single process; otherwise the accelerate or torchrun command running `python -m grpo_cli`."""
     d = cfg.distributed
     if d.num_processes * d.num_machines == 1:
@@ -63,15 +61,10 @@ def launch_command(cfg: GRPOConfig, argv: list[str], *, deepspeed_file: str = "d
     if d.num_machines > 1:
         cmd += ["--machine_rank", str(d.machine_rank), "--main_process_ip", str(d.main_process_ip)]
     cmd += ["--main_process_port", str(d.main_process_port)]
-    cmd += ["--mixed_precision", {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.model.dtype, "no")]
-    if d.backend == "deepspeed":
-        cmd += ["--use_deepspeed", "--deepspeed_config_file", deepspeed_file]
-    elif d.backend == "fsdp2":
-        cmd += ["--use_fsdp", "--fsdp_version", "2"]
-    else:
-        # accelerate's `--cpu` runs ONE process; its multi-process (torchrun) launcher is `--multi_gpu`, which
-        # works on CPU too: the workers then join a gloo process group (launch/dist.py).
-        cmd.append("--multi_gpu")
+    # Every backend (ddp, fsdp2, deepspeed) is built inside the workers from the config (train/backends), so
+    # accelerate only starts the processes: its `--multi_gpu` launcher (torchrun) works on CPU too, where the
+    # workers join a gloo group; its `--cpu` would run ONE process.
+    cmd.append("--multi_gpu")
     return [*cmd, *worker]
 
 

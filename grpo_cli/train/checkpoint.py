@@ -1,7 +1,7 @@
 """Atomic checkpoints: everything needed for an exact resume, written to a temp folder and renamed when whole.
 
-Layout of `checkpoint-<step>/`: the policy in HF format (config + model.safetensors + tokenizer), optimizer.pt,
-scheduler.pt, rng.pt, trainer_state.json, config.yaml and MANIFEST.json (sha256 of every file), written last.
+Layout of `checkpoint-<step>/`: the backend's weights + optimizer state (ddp: an HF folder + optimizer.pt;
+fsdp2: `dcp/` shards; deepspeed: its own per-rank files), tokenizer, scheduler.pt, rng.pt, trainer_state.json, config.yaml and MANIFEST.json (sha256 of every file), written last.
 A folder without a valid manifest is partial and is never loaded.
 """
 
@@ -20,6 +20,7 @@ import torch
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.schema import GRPOConfig
+from grpo_cli.launch.dist import barrier
 
 PREFIX = "checkpoint-"
 MANIFEST = "MANIFEST.json"
@@ -65,36 +66,51 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(root: Path, *, step: int, cfg: GRPOConfig, policy, trainer_state: dict, keep_last: int) -> Path:
-    """Write checkpoint-<step> atomically under `root`, then prune to the newest `keep_last` complete ones.
-    On any failure (disk full, kill) only the temp folder is affected; earlier checkpoints stay intact."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step}"
-    tmp = root / f".tmp-{PREFIX}{step}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        policy.module.save_pretrained(tmp, safe_serialization=True)
-        policy.tokenizer.save_pretrained(tmp)
-        torch.save(policy.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(policy.scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        state = {**trainer_state, "step": step, "fingerprint": resume_fingerprint(cfg)}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        (tmp / "config.yaml").write_text(dump_config(cfg))
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=2))
-        for p in tmp.iterdir():
+def _write_manifest_and_fsync(tmp: Path, step: int) -> None:
+    files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=2))
+    for p in tmp.rglob("*"):
+        if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
+
+
+def save_checkpoint(root: Path, *, step: int, cfg: GRPOConfig, policy, trainer_state: dict, keep_last: int) -> Path:
+    """Write checkpoint-<step> atomically under `root`, then prune to the newest `keep_last` complete ones.
+
+    Collective: every rank writes its part of the weights and optimizer state (`backend.save_state`: one HF folder
+    for ddp, DCP shards for fsdp2, DeepSpeed's own files for ZeRO); rank 0 writes the rest, the manifest last, and
+    renames the folder. On any failure (disk full, kill) only the temp folder is affected."""
+    info = policy.backend.info
+    final = root / f"{PREFIX}{step}"
+    tmp = root / f".tmp-{PREFIX}{step}"
+    try:
+        if info.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier(info)
+        policy.backend.save_state(tmp)
+        barrier(info)
+        if info.is_main:
+            policy.tokenizer.save_pretrained(tmp)
+            torch.save(policy.scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(rng_state(), tmp / "rng.pt")
+            state = {**trainer_state, "step": step, "fingerprint": resume_fingerprint(cfg)}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            (tmp / "config.yaml").write_text(dump_config(cfg))
+            _write_manifest_and_fsync(tmp, step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    prune(root, keep_last)
+    barrier(info)
+    if info.is_main:
+        prune(root, keep_last)
     return final
 
 
@@ -138,9 +154,8 @@ def verify_checkpoint(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, *, cfg: GRPOConfig, policy) -> dict:
-    """Restore policy weights, optimizer, scheduler and RNG from `path`; return its trainer_state."""
-    from safetensors.torch import load_file
-
+    """Restore policy weights and optimizer (through the backend), scheduler and RNG from `path`; return its
+    trainer_state. Collective under sharded backends."""
     state = verify_checkpoint(path)
     want, have = resume_fingerprint(cfg), state["fingerprint"]
     diff = sorted(k for k in want if want[k] != have.get(k))
@@ -149,18 +164,7 @@ def load_checkpoint(path: Path, *, cfg: GRPOConfig, policy) -> dict:
             f"{path} was written by a run with different settings in: {', '.join(diff)}. Resume with the same "
             "config (only train.steps may change), or start a new run in another output dir."
         )
-    weights = {}
-    for shard in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(shard))
-    missing, unexpected = policy.module.load_state_dict(weights, strict=False)
-    if unexpected or [m for m in missing if m not in _tied_names(policy.module)]:
-        raise CheckpointError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}.")
-    policy.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    policy.backend.load_state(path)
     policy.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))  # our own file, checksum-verified above
     return state
-
-
-def _tied_names(module) -> set[str]:
-    tied = getattr(module, "_tied_weights_keys", None) or []
-    return set(tied if isinstance(tied, (list, set, tuple)) else tied.keys())

@@ -16,7 +16,6 @@ from grpo_cli.rollout.factory import EngineContext, make_engine, sampling_params
 from grpo_cli.train import checkpoint as ckpt
 from grpo_cli.train.alarms import step_alarms
 from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_seed
-from grpo_cli.train.offload import TrainingStateOffload
 from grpo_cli.train.pipeline import RolloutPipeline
 from grpo_cli.train.policy import eos_token_ids, load_policy, pick_device
 from grpo_cli.train.run_dir import RunDir, default_output_dir
@@ -26,20 +25,12 @@ from grpo_cli.train.trackers import close_trackers, log_trackers, open_trackers
 from grpo_cli.train.watchdog import StallWatchdog
 
 
-def _wrap_ddp(info: DistInfo):
-    if info.world_size == 1:
-        return None
-    from torch.nn.parallel import DistributedDataParallel
-
-    return lambda module: DistributedDataParallel(module)
-
-
 def build_trainer(cfg: GRPOConfig, info: DistInfo, *, log=print) -> Trainer:
     """Load data, rewards, policy and engine for this process."""
     model_path = resolve_model_path(cfg.model.name_or_path)
     device = pick_device(cfg, info.local_rank)
     reward_fns = build_reward_fns(cfg.rewards.functions)
-    policy = load_policy(cfg, model_path, device=device, wrap=_wrap_ddp(info))
+    policy = load_policy(cfg, model_path, device=device, info=info)
     rows = load_rows(cfg.data.source, seed=cfg.train.seed)
     prompts, dropped = tokenize_prompts(
         rows, policy.tokenizer, prompt_column=cfg.data.prompt_column,
@@ -53,7 +44,7 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, *, log=print) -> Trainer:
     if cfg.rollout.mode == "async":
         share_cores(cfg, device)
     engine = make_engine(cfg, ctx, policy=policy.module, broadcast=lambda obj: broadcast_object(obj, info))
-    offload = TrainingStateOffload.from_config(cfg.distributed.offload, policy.module, policy.optimizer)
+    offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload)
     if not engine.shares_policy_weights:
         from grpo_cli.train.weight_sync import sync_weights
@@ -113,6 +104,16 @@ def _resume(tr: Trainer, path: Path, state: LoopState, log) -> None:
         f"{tr.cursor.epoch}, index {tr.cursor.index}) restored; {resynced}")
 
 
+def export_final_model(tr: Trainer, path: Path, log) -> None:
+    """A consolidated Hugging Face folder (`final-model/`, weights in `model.dtype`) gathered from any backend."""
+    out = path / "final-model"
+    tr.policy.backend.export_hf(out)
+    if tr.dist.is_main:
+        tr.policy.tokenizer.save_pretrained(out)
+        log(f"final model ({tr.policy.backend.name}, {tr.cfg.model.dtype}) exported to {out}")
+    barrier(tr.dist)
+
+
 def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=None) -> dict:
     """Train per `cfg`; returns the summary (also written to summary.json). `reporter` renders progress."""
     quiet_hf_stack()
@@ -134,12 +135,10 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
                else ""))
     run_dir = RunDir(path, cfg) if info.is_main else None
 
-    def save(st: LoopState) -> None:
-        if info.is_main:
-            saved = ckpt.save_checkpoint(path, step=st.step, cfg=cfg, policy=trainer.policy,
-                                         trainer_state=_trainer_state(trainer, st), keep_last=cfg.checkpoint.keep_last)
-            log(f"checkpoint saved: {saved}")
-        barrier(info)
+    def save(st: LoopState) -> None:  # collective: sharded backends write one part per rank
+        saved = ckpt.save_checkpoint(path, step=st.step, cfg=cfg, policy=trainer.policy,
+                                     trainer_state=_trainer_state(trainer, st), keep_last=cfg.checkpoint.keep_last)
+        log(f"checkpoint saved: {saved}")
 
     def on_step(step, metrics, samples):
         if run_dir is not None:
@@ -160,6 +159,8 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
                     save(state)  # rollout server gone: keep what was trained
                 raise
             save(state)
+            if flag.signum is None:
+                export_final_model(trainer, path, log)
             if flag.signum is not None:
                 log(f"stopped by signal {flag.reason} after step {state.step}; resume with "
                     f"--set checkpoint.resume=auto --output-dir {path}")
@@ -171,7 +172,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
     first, last = reward_rise(state.reward_history)
     summary = {"steps": state.step, "reward_first_10pct": first, "reward_last_10pct": last,
                "skipped_steps": state.skipped_steps, "output_dir": str(path), "interrupted": flag.signum is not None,
-               "world_size": info.world_size}
+               "world_size": info.world_size, "backend": trainer.policy.backend.name}
     if run_dir is not None:
         run_dir.write_summary(summary)
     return summary

@@ -39,6 +39,17 @@ class StepRewards:
         values = [score_steps(f, prompts, completions, steps, columns) for f in fns if f.kind == "process"]
         return cls(values, ends, [max(0, len(ids) - 1) for ids in rollout.completion_ids])
 
+    def rows(self, idx: list[int]) -> StepRewards:
+        """The given completions, in that order (dynamic sampling keeps informative groups)."""
+        return StepRewards([[fn_rows[j] for j in idx] for fn_rows in self.values], [self.ends[j] for j in idx],
+                           [self.last[j] for j in idx])
+
+    @staticmethod
+    def cat(parts: list[StepRewards]) -> StepRewards:
+        """Completions of several generation rounds, in order."""
+        return StepRewards([[row for p in parts for row in p.values[k]] for k in range(len(parts[0].values))],
+                           [e for p in parts for e in p.ends], [x for p in parts for x in p.last])
+
     def merge(self, fns: list[RewardFn], outcome: list[RewardFn], outcome_table: torch.Tensor) -> torch.Tensor:
         """(B, F) per-function reward of each completion: outcome values as scored, process functions the mean
         of their valid step rewards (NaN without any)."""

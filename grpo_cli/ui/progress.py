@@ -30,12 +30,21 @@ def _async_text(metrics: dict[str, float]) -> str:
     return f" stale={fmt(metrics.get('staleness'), '.0f')} actor_gen={fmt(metrics.get('async/actor_generate_s'), '.2f')}s"
 
 
+def _sampling_text(metrics: dict[str, float]) -> str:
+    """Dynamic sampling: groups dropped (identical rewards) and prompts drawn in extra rounds this step."""
+    if "dynamic_sampling/dropped_groups" not in metrics:
+        return ""
+    return (f" dropped={fmt(metrics['dynamic_sampling/dropped_groups'], '.0f')}"
+            f" redrawn={fmt(metrics.get('dynamic_sampling/drawn_prompts'), '.0f')}")
+
+
 def plain_line(step: int, total: int, metrics: dict[str, float], eta: float | None) -> str:
     m = metrics
     evals = f" eval={fmt(m[EVAL_KEY])}" if EVAL_KEY in m else ""
     return (f"step {step}/{total} reward={fmt(m.get('reward/mean'))} std={fmt(m.get('reward/std'))}{evals} "
             f"loss={fmt(m.get('loss'), '.4f')} kl={fmt(m.get('kl'), '.4f')} "
-            f"tok/s={fmt(m.get('tokens_per_second'), '.0f')} {_phase_text(m)}{_async_text(m)} eta={fmt(eta, '.0f')}s")
+            f"tok/s={fmt(m.get('tokens_per_second'), '.0f')} {_phase_text(m)}{_async_text(m)}{_sampling_text(m)} "
+            f"eta={fmt(eta, '.0f')}s")
 
 
 class ProgressView:
@@ -102,9 +111,9 @@ class ProgressView:
         if self.evals:
             parts.append(trend_line("eval", list(self.evals), style="magenta"))
         parts.append(Text(f"{'':7}loss {fmt(m.get('loss'), '.4f')}  kl {fmt(m.get('kl'), '.4f')}  "
-                          f"k3_kl {fmt(m.get('rollout_correction/k3_kl'), '.2e')}  "
+                          f"entropy {fmt(m.get('entropy'), '.3f')}  k3_kl {fmt(m.get('rollout_correction/k3_kl'), '.2e')}  "
                           f"length {fmt(m.get('completions/mean_length'), '.1f')}  "
-                          f"tok/s {fmt(m.get('tokens_per_second'), '.0f')}{_async_text(m)}"))
+                          f"tok/s {fmt(m.get('tokens_per_second'), '.0f')}{_async_text(m)}{_sampling_text(m)}"))
         parts.append(phase_bar(m))
         alarm = Text("alarm  ", style="bold")
         parts.append(alarm.append(self.last_alarm, style="bold red") if self.last_alarm

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_cli.train.policy import fused_adam_ok
+from grpo_cli.train.backends.base import fused_adam_ok
 
 
 def test_fused_only_for_plain_float_params_on_one_device():

@@ -1,0 +1,57 @@
+"""`ddp`: every rank holds the whole model (float32 masters), DistributedDataParallel averages gradients, and
+bf16/fp16 compute comes from autocast."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
+from grpo_cli.train.backends.hf_io import load_full_weights, load_hf_model, save_hf_folder
+
+
+class DDPBackend(TrainingBackend):
+    name = "ddp"
+
+    def build(self, model_path: str) -> None:
+        cfg = self.cfg
+        self.module = load_hf_model(cfg, model_path, dtype=master_dtype(cfg)).to(self.device)
+        if cfg.model.gradient_checkpointing:
+            self.module.gradient_checkpointing_enable()
+        self.module.train()
+        if cfg.algorithm.kl.beta > 0:
+            ref = load_hf_model(cfg, model_path, dtype=compute_dtype(cfg)).to(self.device)
+            self.ref_model = ref.eval().requires_grad_(False)
+        self.model = self.module
+        if self.info.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.model = DistributedDataParallel(self.module)
+        self.optimizer = make_adamw(cfg, list(self.module.parameters()))
+        self.scheduler = make_scheduler(cfg, self.optimizer)
+
+    def compute_context(self):
+        dtype = compute_dtype(self.cfg)
+        if dtype == next(self.module.parameters()).dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def accumulation_context(self, *, last: bool):
+        if last or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def save_state(self, folder: Path) -> None:
+        if self.info.is_main:
+            self.module.save_pretrained(folder, safe_serialization=True)
+            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load_state(self, folder: Path) -> None:
+        load_full_weights(self.module, folder)
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+
+    def export_hf(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
+        if self.info.is_main:
+            save_hf_folder(self.module, folder, state_dict=None, dtype=dtype or compute_dtype(self.cfg))

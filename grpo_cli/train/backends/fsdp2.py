@@ -1,0 +1,135 @@
+"""`fsdp2`: `fully_shard` on every decoder layer and the root; the model is built on the meta device and each
+rank reads only its own rows of every tensor, so no rank ever holds the whole model (float32 masters, bf16
+compute through `MixedPrecisionPolicy`)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
+from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
+from grpo_cli.train.backends.hf_io import check_names, save_hf_folder, weight_files
+
+DCP_DIR = "dcp"
+
+
+def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one: the classes the model lists as `_no_split_modules`."""
+    names = set(getattr(module, "_no_split_modules", None) or [])
+    layers = [m for m in module.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RuntimeError(f"{type(module).__name__} names no decoder layer class (_no_split_modules); fsdp2 "
+                           "needs one to shard layer by layer.")
+    return layers
+
+
+def build_on_meta(cfg, model_path: str, *, dtype: torch.dtype) -> torch.nn.Module:
+    """The model's structure with parameters on the meta device; buffers (rotary tables) real, on CPU."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                attn_implementation=cfg.model.attn_implementation)
+
+
+def materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Allocate the (sharded) parameters on `device`, keeping the buffers computed at construction."""
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            module.get_buffer(name).copy_(value)
+
+
+def shard_rows(param, rank: int, world: int) -> tuple[int, int]:
+    """[start, stop) of dim 0 that `rank` holds of a `Shard(0)` parameter (torch.chunk's split)."""
+    n = param.shape[0]
+    chunk = -(-n // world)
+    start = min(n, rank * chunk)
+    return start, min(n, start + chunk)
+
+
+@torch.no_grad()
+def load_sharded(module: torch.nn.Module, folder: str, *, rank: int, world: int) -> None:
+    """Fill every DTensor parameter's local shard from the safetensors files, reading only this rank's rows."""
+    from safetensors import safe_open
+
+    files = weight_files(Path(folder))
+    check_names(module, set(files), Path(folder))
+    handles: dict[Path, object] = {}
+    with contextlib.ExitStack() as stack:
+        for name, param in module.named_parameters():
+            path = files[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
+            local = param.to_local() if hasattr(param, "to_local") else param.data
+            start, stop = shard_rows(param, rank, world) if hasattr(param, "to_local") else (0, param.shape[0])
+            rows = handles[path].get_slice(name)[start:stop]
+            local.copy_(rows.to(local.dtype))
+
+
+class FSDP2Backend(TrainingBackend):
+    name = "fsdp2"
+    shards_parameters = True
+
+    def _sharded(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        cfg = self.cfg
+        module = build_on_meta(cfg, model_path, dtype=master_dtype(cfg) if trainable else compute_dtype(cfg))
+        if trainable and cfg.model.gradient_checkpointing:
+            module.gradient_checkpointing_enable()
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32)
+        for layer in decoder_layers(module):
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(module, mp_policy=mp)
+        materialize(module, self.device)
+        load_sharded(module, model_path, rank=self.info.rank, world=self.info.world_size)
+        return module.train() if trainable else module.eval().requires_grad_(False)
+
+    def build(self, model_path: str) -> None:
+        cfg = self.cfg
+        if self.device.type == "cpu":
+            return_large_frees_to_os()
+        self.module = self.model = self._sharded(model_path, trainable=True)
+        if cfg.algorithm.kl.beta > 0:
+            self.ref_model = self._sharded(model_path, trainable=False)
+        self.optimizer = make_adamw(cfg, list(self.module.parameters()))
+        self.scheduler = make_scheduler(cfg, self.optimizer)
+
+    def accumulation_context(self, *, last: bool):
+        self.module.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def _state_dicts(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(self.module, self.optimizer)
+
+    def save_state(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        model_sd, optim_sd = self._state_dicts()
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / DCP_DIR))
+
+    def load_state(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        model_sd, optim_sd = self._state_dicts()
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    def export_hf(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.info.is_main:
+            save_hf_folder(self.module, folder, state_dict=full, dtype=dtype or compute_dtype(self.cfg))
