@@ -26,10 +26,15 @@ class RewardFn:
     fn: Callable
     weight: float
     kwargs: dict
-    label: str
+    label: str = ""
+    """Name in metrics (`reward/<label>/mean`): the alias or the function's name, never a path (default: the
+    function part of `name`)."""
     kind: str = "outcome"
     """`outcome` (one reward per completion) or `process` (one per step)."""
-    """Name in metrics (`reward/<label>/mean`): the alias or the function's name, never a path."""
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            object.__setattr__(self, "label", self.name.rpartition(":")[2])
 
 
 def resolve(name: str) -> Callable:

@@ -10,7 +10,7 @@ from grpo_cli.config.load import build_config
 from grpo_cli.data.prompts import Prompt
 from grpo_cli.rewards.resolve import build_reward_fns
 from grpo_cli.rollout.base import RolloutBatch
-from grpo_cli.train.rewards_phase import reward_step
+from grpo_cli.train.rewards_phase import reward_step, score_rollout
 
 SOURCE = "def score(prompts, completions, **_):\n    return [float(len(c)) for c in completions]\n"
 
@@ -22,15 +22,23 @@ def _config(tmp_path, functions: list[dict]):
                                            "train.micro_batch_size=2"])
 
 
-def _reward_keys(tmp_path, functions: list[dict]) -> list[str]:
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+def _reward_keys(tmp_path, functions: list[dict], tokenizer) -> list[str]:
     cfg = _config(tmp_path, functions)
     fns = build_reward_fns(cfg.rewards.functions)
-    rollout = RolloutBatch(prompt_ids=[[1, 2]], completion_ids=[[3], [4, 5]], finish_reasons=["stop", "stop"])
-    _, _, metrics = reward_step(cfg, fns, [Prompt("p", [1, 2], {})], ["a b", "c"], rollout)
+    rollout = RolloutBatch(prompt_ids=[[1, 2]], completion_ids=[[22, 24], [22]], finish_reasons=["stop", "stop"])
+    scored = score_rollout(cfg, fns, tokenizer, [Prompt("p", [1, 2], {})], rollout)
+    _, _, metrics = reward_step(cfg, fns, scored)
     return [k for k in metrics if k.startswith("reward/") and k.count("/") == 2]
 
 
-def test_file_rewards_are_named_by_function_not_path(tmp_path):
+def test_file_rewards_are_named_by_function_not_path(tmp_path, tokenizer):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     for d in ("a", "b"):
@@ -40,7 +48,7 @@ def test_file_rewards_are_named_by_function_not_path(tmp_path):
         {"name": f"{tmp_path}/b/rew.py:score", "weight": 0.5},
         {"name": "length", "kwargs": {"target": 2}},
         {"name": f"{tmp_path}/a/rew.py:score", "alias": "score-a"},
-    ])
+    ], tokenizer)
     assert keys == ["reward/score_1_of_2/mean", "reward/score_2_of_2/mean", "reward/length/mean",
                     "reward/score-a/mean"]
     for key in keys:

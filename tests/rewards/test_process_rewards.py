@@ -15,7 +15,7 @@ from grpo_cli.data.prompts import Prompt
 from grpo_cli.rewards.process import split_steps, step_end_tokens
 from grpo_cli.rewards.resolve import RewardError, build_reward_fns
 from grpo_cli.rollout.base import RolloutBatch
-from grpo_cli.train.rewards_phase import reward_step
+from grpo_cli.train.rewards_phase import reward_step, score_rollout
 
 STEP_FN = """
 def cat_steps(prompts, completions, *, steps, **_):
@@ -58,8 +58,10 @@ def test_process_and_outcome_rewards_give_token_advantages(tmp_path, tokenizer):
     texts = ["the cat . say words . yes", "the dog . the cat"]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     rollout = RolloutBatch(prompt_ids=[[1]], completion_ids=ids, finish_reasons=["stop", "stop"])
-    advantages, rewards, metrics = reward_step(cfg, build_reward_fns(cfg.rewards.functions), [Prompt("p", [1], {})],
-                                               texts, rollout, tokenizer)
+    fns = build_reward_fns(cfg.rewards.functions)
+    scored = score_rollout(cfg, fns, tokenizer, [Prompt("p", [1], {})], rollout)
+    assert scored.completions == texts
+    advantages, rewards, metrics = reward_step(cfg, fns, scored)
     # completion 0: steps "the cat ." (1.0, ends at token 2), " say words ." (0.0, token 5), " yes" (None);
     # length reward -|3 - 7| = -4 at its last token 6, weight 0.5. Completion 1: "the dog ." (0.0, token 2),
     # " the cat" (1.0, token 4); length -|3 - 5| = -2 at token 4.
@@ -80,4 +82,14 @@ def test_wrong_step_count_names_the_function(tmp_path, tokenizer):
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     rollout = RolloutBatch(prompt_ids=[[1]], completion_ids=ids, finish_reasons=["stop", "stop"])
     with pytest.raises(RewardError, match="process reward .*wrong.* which has 2 steps"):
-        reward_step(cfg, build_reward_fns(cfg.rewards.functions), [Prompt("p", [1], {})], texts, rollout, tokenizer)
+        score_rollout(cfg, build_reward_fns(cfg.rewards.functions), tokenizer, [Prompt("p", [1], {})], rollout)
+
+
+def test_step_rewards_keep_their_rows_through_dynamic_sampling():
+    from grpo_cli.train.step_rewards import StepRewards
+
+    s = StepRewards(values=[[[1.0], [2.0, 3.0], [4.0]]], ends=[[0], [0, 1], [2]], last=[0, 1, 2])
+    kept = s.rows([2, 1])
+    assert kept == StepRewards([[[4.0], [2.0, 3.0]]], [[2], [0, 1]], [2, 1])
+    assert StepRewards.cat([s.rows([0]), kept]) == StepRewards([[[1.0], [4.0], [2.0, 3.0]]], [[0], [2], [0, 1]],
+                                                                [0, 2, 1])
