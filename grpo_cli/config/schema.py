@@ -53,8 +53,17 @@ class RewardFunctionConfig(Section):
     function that names `completion_ids` or `max_completion_length` as parameters also receives the token ids
     and rollout.max_completion_length. `overlong` is DAPO's soft length penalty: 0 up to max_completion_length
     - buffer tokens, then falling linearly to -1 at the cap (kwargs: `buffer`, required)."""
+    alias: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Name of this function in metrics (`reward/<alias>/mean`); default: the function's name (`length`,
+    `my_fn` for `path/to/file.py:my_fn`), never a path. Letters, digits, `_`, `-`, `.`."""
     weight: float = 1.0
     """Weight of this function in the summed reward."""
+    kind: Literal["outcome", "process"] = "outcome"
+    """`outcome`: one reward per completion. `process`: one reward per step, the function also getting `steps`
+    (each completion split on `rewards.step_separator`) and returning one list per completion, a float (or None)
+    per step. With any process function, every step reward of a group is normalised together (an outcome reward
+    counts as a step ending at the last token) and a token's advantage is the sum over the steps ending at or
+    after it."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to the function (e.g. `target` for `length`, `pattern` for `format`)."""
 
@@ -64,9 +73,21 @@ class RewardsConfig(Section):
         default_factory=lambda: [RewardFunctionConfig(name="length", kwargs={"target": 4})]
     )
     """Reward functions; their weighted sum is the reward that advantages normalise."""
+    step_separator: str = Field("\n", min_length=1)
+    """Separator that splits a completion into the steps `process` reward functions score (blank steps are
+    dropped; a step ends with its separator)."""
     on_error: Literal["raise", "skip"] = "raise"
     """A reward function that raises: `raise` stops with the function and sample named; `skip` scores that
     batch of the function as missing (None) and counts it in `rewards/errors`."""
+
+    @model_validator(mode="after")
+    def _unique_aliases(self) -> RewardsConfig:
+        aliases = [f.alias for f in self.functions if f.alias]
+        twice = sorted({a for a in aliases if aliases.count(a) > 1})
+        if twice:
+            raise ValueError(f"rewards.functions: alias {', '.join(map(repr, twice))} is given to more than one "
+                             "function; metric names must differ, so give each function its own alias.")
+        return self
 
 
 class VLLMConfig(Section):
@@ -256,8 +277,9 @@ class DistributedConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(0, ge=0)
-    """Save every N steps (0: only at the end and on SIGINT/SIGTERM)."""
+    every_steps: int = Field(20, ge=0)
+    """Save every N steps, so a crash (power, OOM kill, SIGKILL) loses at most N-1 steps; 0: only at the end and
+    on SIGINT/SIGTERM/SIGHUP."""
     keep_last: int = Field(2, ge=1)
     """Checkpoints kept; older ones are deleted after a new one is complete."""
     resume: str | None = None

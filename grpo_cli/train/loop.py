@@ -205,7 +205,7 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
         metrics["async/in_flight"] = float(len(tr.pipeline.flight))
     samples = [
         {"step": state.step, "prompt": prompts[j // cfg.train.generations_per_prompt].text,
-         "completion": completions[j], "reward": float(rewards[j]), "advantage": float(advantages[j])}
+         "completion": completions[j], "reward": float(rewards[j]), "advantage": float(advantages[j].flatten()[0])}
         for j in range(min(cfg.logging.log_completions, len(completions)))
     ]
     return mean_metrics(metrics, tr.dist), samples

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 from pathlib import Path
 
 from grpo_cli.config.schema import GRPOConfig
@@ -20,6 +19,7 @@ from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_
 from grpo_cli.train.pipeline import RolloutPipeline
 from grpo_cli.train.policy import eos_token_ids, load_policy, pick_device
 from grpo_cli.train.run_dir import RunDir, default_output_dir
+from grpo_cli.train.signals import SignalFlag
 from grpo_cli.train.tiny_model import resolve_model_path
 from grpo_cli.train.trackers import close_trackers, log_trackers, open_trackers
 from grpo_cli.train.watchdog import StallWatchdog
@@ -117,28 +117,6 @@ def export_final_model(tr: Trainer, path: Path, log) -> None:
     barrier(tr.dist)
 
 
-class _SignalFlag:
-    """SIGINT/SIGTERM ask the loop to stop after the current step (and save a checkpoint)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old = {}
-
-    def __enter__(self) -> _SignalFlag:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, _frame) -> None:
-        if self.signum is not None:  # second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
 def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=None) -> dict:
     """Train per `cfg`; returns the summary (also written to summary.json). `reporter` renders progress."""
     quiet_hf_stack()
@@ -170,12 +148,12 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
             run_dir.log_step(step, metrics, samples)
         log_trackers(trackers, step, metrics)
         if reporter is not None and info.is_main:
-            reporter.update(step, metrics)
+            reporter.update(step, metrics, samples)
             for alarm in step_alarms(metrics):
-                reporter.message(f"alarm (step {step}): {alarm}")
+                reporter.alarm(step, alarm)
 
     try:
-        with _SignalFlag() as flag, StallWatchdog(trainer.timer, minutes=cfg.logging.stall_warning_minutes,
+        with SignalFlag() as flag, StallWatchdog(trainer.timer, minutes=cfg.logging.stall_warning_minutes,
                                                   warn=log, dump_path=path / "stacks.log"):
             try:
                 run_loop(trainer, state, on_step, save, should_stop=lambda: flag.signum is not None)
@@ -187,7 +165,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
             if flag.signum is None:
                 export_final_model(trainer, path, log)
             if flag.signum is not None:
-                log(f"stopped by signal {flag.signum} after step {state.step}; resume with "
+                log(f"stopped by signal {flag.reason} after step {state.step}; resume with "
                     f"--set checkpoint.resume=auto --output-dir {path}")
     finally:
         close_trackers(trackers)
