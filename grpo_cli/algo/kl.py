@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from grpo_cli.algo.numerics import masked_log_ratio, masked_values, safe_exp
+from grpo_cli.algo.numerics import expm1_minus_identity, masked_log_ratio, masked_values
 
 # x = ref_logprobs − logprobs (fp32, 0 where masked) -> per-token estimate of KL(π_θ ‖ π_ref).
 KLEstimatorFn = Callable[[Tensor], Tensor]
@@ -24,8 +24,12 @@ def k2(x: Tensor) -> Tensor:
 
 
 def k3(x: Tensor) -> Tensor:
-    """k3 = exp(x) − x − 1 with x clamped to ±20 inside exp (unbiased, ≥ 0; GRPO's choice, arXiv:2402.03300)."""
-    return safe_exp(x) - x - 1.0
+    """k3 = expm1(x̂) − x̂ with x̂ = min(x, 20) (= e^x̂ − x̂ − 1; unbiased, ≥ 0; GRPO's choice, arXiv:2402.03300).
+
+    The clamp applies to x itself, so past it the gradient is 0 (verl, ms-swift), not +1, which would push the
+    policy away from the reference; expm1 keeps fp32 precision at small x (k3(1e-4) = 5.0002e-9, not 0).
+    """
+    return expm1_minus_identity(x)
 
 
 KL_ESTIMATORS: dict[str, KLEstimatorFn] = {"k1": k1, "k2": k2, "k3": k3}

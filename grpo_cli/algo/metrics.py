@@ -10,14 +10,25 @@ import torch
 from torch import Tensor
 
 from grpo_cli.algo.importance import Correction
-from grpo_cli.algo.numerics import masked_values, row_extreme, row_mean, safe_exp, seq_mean, seq_sum, token_mean
+from grpo_cli.algo.numerics import (
+    expm1_minus_identity,
+    masked_values,
+    row_extreme,
+    row_mean,
+    safe_exp,
+    seq_mean,
+    seq_sum,
+    squared_ratio_minus_one,
+    token_mean,
+)
 from grpo_cli.algo.objectives import ObjectiveOutput
 
 
 def clip_metrics(output: ObjectiveOutput, mask: Tensor) -> dict[str, Tensor]:
-    """Fractions of valid tokens whose ratio hit a clip bound (TRL/ms-swift definitions).
+    """Fractions of valid tokens the objective clipped (its `low_clipped`/`high_clipped`), region_mean = either.
 
-    low_mean = mean_tok[r < 1−ε_low ∧ A < 0], high_mean = mean_tok[r > 1+ε_high ∧ A > 0], region_mean = either.
+    clip/gspo (TRL/ms-swift definitions): low = r < 1−ε_low ∧ A < 0, high = r > 1+ε_high ∧ A > 0. CISPO counts
+    the clipped weights, whatever A: high = r > 1+ε_high, low = r < 1 − cispo_epsilon_low (0 without it).
     """
     low, high = output.low_clipped.float(), output.high_clipped.float()
     return {
@@ -40,11 +51,6 @@ def _sequence_metrics(old: Tensor, sampler: Tensor, log_rho: Tensor, mask: Tenso
     rows = mask.any(dim=-1)
     train_nll, rollout_nll = -seq_mean(old, mask), -seq_mean(sampler, mask)
     diff = train_nll - rollout_nll  # = mean_t sampler − mean_t old = log(PPL_train / PPL_rollout)
-    has = rows.any()
-
-    def minus_one(x: Tensor) -> Tensor:
-        return torch.where(has, x - 1.0, torch.zeros_like(x))
-
     return {
         # exp(nll) is capped at e^20 like every exp here, so a garbage-but-finite logprob cannot give inf.
         "training_ppl": row_mean(safe_exp(train_nll), rows),
@@ -56,8 +62,8 @@ def _sequence_metrics(old: Tensor, sampler: Tensor, log_rho: Tensor, mask: Tenso
         "log_ppl_diff_max": row_extreme(diff, rows, largest=True),
         "log_ppl_diff_min": row_extreme(diff, rows, largest=False),
         "ppl_ratio": row_mean(safe_exp(diff), rows),
-        "chi2_seq": minus_one(row_mean(safe_exp(seq_sum(log_rho, mask)) ** 2, rows)),
-        "chi2_seq_geo": minus_one(row_mean(safe_exp(seq_mean(log_rho, mask)) ** 2, rows)),
+        "chi2_seq": row_mean(squared_ratio_minus_one(seq_sum(log_rho, mask)), rows),
+        "chi2_seq_geo": row_mean(squared_ratio_minus_one(seq_mean(log_rho, mask)), rows),
     }
 
 
@@ -67,11 +73,12 @@ def mismatch_metrics(
     """Training–inference mismatch metrics (unprefixed names; callers log them under `rollout_correction/`).
 
     log ρ = old − sampler (from `correction`, validated finite). Token means over valid tokens:
-    kl = mean(sampler − old) (k1 of KL(μ‖π)); k3_kl = mean(ρ − log ρ − 1); chi2_token = mean(ρ²) − 1;
+    kl = mean(sampler − old) (k1 of KL(μ‖π)); k3_kl = mean(ρ − log ρ − 1), computed expm1(x̂) − x̂ with
+    x̂ = min(log ρ, 20); chi2_token = mean(ρ²) − 1 = mean(expm1(2 log ρ)) (log ρ clamped to ±20);
     is_weight_mean = mean(w); clipped_frac = mean(1[out of bounds]); ess = (Σw)²/(N Σw²) over tokens.
     Over sequences: training/rollout ppl = mean_i exp(−mean_t logp) and log_ppl = mean_i(−mean_t logp);
     log_ppl_diff_i = mean_t sampler − mean_t old (mean, |·| mean, max, min), ppl_ratio = mean_i exp(diff_i);
-    chi2_seq = mean_i exp(Σ_t log ρ)² − 1 (product), chi2_seq_geo = mean_i exp(mean_t log ρ)² − 1;
+    chi2_seq = mean_i expm1(2 Σ_t log ρ) (product), chi2_seq_geo = mean_i expm1(2 mean_t log ρ) (sums ±20);
     ess_seq over the per-sequence mean weight. w = correction.proposed: with correction off they describe the
     correction the config would apply. Inputs (b, T); returns detached fp32 scalars.
     """
@@ -79,12 +86,10 @@ def mismatch_metrics(
     old = masked_values(old_logprobs.detach(), mask)
     sampler = masked_values(sampler_logprobs.detach(), mask)
     rows = mask.any(dim=-1)
-    has = mask.any()
-    rho = safe_exp(log_rho)
     metrics = {
         "kl": token_mean(-log_rho, mask),
-        "k3_kl": token_mean(rho - log_rho - 1.0, mask),
-        "chi2_token": torch.where(has, token_mean(rho * rho, mask) - 1.0, 0.0),
+        "k3_kl": token_mean(expm1_minus_identity(log_rho), mask),
+        "chi2_token": token_mean(squared_ratio_minus_one(log_rho), mask),
         "is_weight_mean": token_mean(correction.proposed, mask),
         "clipped_frac": token_mean(correction.out_of_bounds.float(), mask),
         "ess": _ess(correction.proposed, mask),

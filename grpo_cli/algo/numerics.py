@@ -24,6 +24,22 @@ def safe_exp(log_ratio: Tensor) -> Tensor:
     return torch.exp(log_ratio.float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
+def expm1_minus_identity(x: Tensor) -> Tensor:
+    """e^x̂ − x̂ − 1 written expm1(x̂) − x̂, x̂ = min(x, 20), returned in fp32: the k3 form.
+
+    The clamp is on x itself, so past 20 the value is constant and its gradient 0 (not +1, as clamping only
+    inside exp would give); for x ≪ 0 it stays exact (expm1 → −1). The subtraction runs in float64: in fp32,
+    expm1(x)'s own rounding (~ulp(x)) is 3e-4 of the result at |x| = 1e-4; in float64 it is ~1e-7 (fp32 output).
+    """
+    x_hat = x.double().clamp(max=LOG_RATIO_CLAMP)
+    return (torch.expm1(x_hat) - x_hat).float()
+
+
+def squared_ratio_minus_one(log_ratio: Tensor) -> Tensor:
+    """ρ² − 1 = expm1(2·clamp(x, -20, 20)), fp32, for ρ = e^x: no cancellation when ρ ≈ 1 (χ² metrics)."""
+    return torch.expm1(2.0 * log_ratio.float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
 def masked_values(values: Tensor, mask: Tensor) -> Tensor:
     """fp32 copy of `values` with masked positions replaced by 0 (value and gradient)."""
     values = values.float()

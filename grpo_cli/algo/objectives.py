@@ -24,8 +24,9 @@ class ObjectiveOutput(NamedTuple):
     """ratio > 1 + ε_high with A > 0 (the upper clip bound is active)."""
 
 
-# (logprobs, old_logprobs, advantages, mask, *, epsilon_low, epsilon_high, dual_clip_c) -> ObjectiveOutput.
-# Inputs are already validated: log-ratio fp32 and 0 where masked, advantages (b, T) fp32 and 0 where masked.
+# (logprobs, log_ratio, advantages, mask, *, epsilon_low, epsilon_high, dual_clip_c, cispo_epsilon_low)
+# -> ObjectiveOutput. Inputs are already validated: logprobs and log-ratio fp32 and 0 where masked (logprobs with
+# grad), advantages (b, T) fp32 and 0 where masked.
 ObjectiveFn = Callable[..., ObjectiveOutput]
 
 
@@ -45,13 +46,15 @@ def _clipped_surrogate(
 
 
 def clip_objective(
-    log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float, dual_clip_c: float | None
+    logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float,
+    dual_clip_c: float | None, cispo_epsilon_low: float | None,
 ) -> ObjectiveOutput:
     """PPO clipped surrogate per token, r_t = exp(logp_t − old_t) (Schulman et al. 2017, arXiv:1707.06347).
 
     Clip-higher ε_high ≠ ε_low from DAPO (arXiv:2503.14476); dual clip c > 1 from Ye et al. 2020
     (arXiv:1912.09729). log_ratio, adv, mask: (b, T).
     """
+    del logprobs, cispo_epsilon_low
     ratio = safe_exp(log_ratio)
     return _clipped_surrogate(
         ratio, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip_c=dual_clip_c
@@ -59,10 +62,12 @@ def clip_objective(
 
 
 def gspo_objective(
-    log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float, dual_clip_c: float | None
+    logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float,
+    dual_clip_c: float | None, cispo_epsilon_low: float | None,
 ) -> ObjectiveOutput:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): the clipped surrogate with the sequence ratio
     s_i = exp((1/L_i) Σ_t m (logp − old)) (geometric mean of token ratios) broadcast to every token of i."""
+    del logprobs, cispo_epsilon_low
     seq_ratio = safe_exp(seq_mean(log_ratio, mask)).unsqueeze(1).expand_as(log_ratio)
     return _clipped_surrogate(
         seq_ratio, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip_c=dual_clip_c
@@ -70,13 +75,15 @@ def gspo_objective(
 
 
 def gspo_token_objective(
-    log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float, dual_clip_c: float | None
+    logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float,
+    dual_clip_c: float | None, cispo_epsilon_low: float | None,
 ) -> ObjectiveOutput:
     """GSPO-token (arXiv:2507.18071): s_it = sg(s_i) · exp(log_ratio_t − sg(log_ratio_t)).
 
     Same value as GSPO's s_i, but each token's gradient is its own ∇logp_t scaled by s_i, so token-level
     advantages A_it can be used.
     """
+    del logprobs, cispo_epsilon_low
     seq_log = seq_mean(log_ratio, mask).detach().unsqueeze(1)
     token_ratio = safe_exp(seq_log + log_ratio - log_ratio.detach())
     return _clipped_surrogate(
@@ -85,22 +92,25 @@ def gspo_token_objective(
 
 
 def cispo_objective(
-    log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float, dual_clip_c: float | None
+    logprobs: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float, epsilon_high: float,
+    dual_clip_c: float | None, cispo_epsilon_low: float | None,
 ) -> ObjectiveOutput:
-    """CISPO (MiniMax-M1, arXiv:2506.13585): ℓ_t = −sg(clip(r_t, 1−ε_low, 1+ε_high)) · A · log π_θ(y_t).
+    """CISPO (MiniMax-M1, arXiv:2506.13585 eq. 4): ℓ_t = −sg(w_t) · A · log π_θ(y_t), w_t = min(r_t, 1 + ε_high).
 
-    Gradient flows through every token (the weight, not the token, is clipped). Written with the
-    log-ratio, whose gradient equals that of logp: −sg(w)·A·(logp − old) has ∇ = −sg(w)·A·∇logp.
-    Bounds are relative like `clip` (TRL's absolute cap 5.0 ≙ epsilon_high 4.0). dual_clip_c is rejected
-    by the config for CISPO and ignored here.
+    Gradient flows through every token (the weight, not the token, is clipped): ∇ℓ_t = −w_t·A·∇logp_t. As
+    published (TRL and ms-swift agree) there is no lower clamp; with cispo_epsilon_low set the weight is
+    max(w_t, 1 − cispo_epsilon_low) (slime/NeMo style). epsilon_low and dual_clip_c are not used (the config
+    refuses them). Clip indicators mark what is clipped, whatever the sign of A: high = r > 1 + ε_high,
+    low = r < 1 − cispo_epsilon_low (TRL's cispo_clip_ratio also requires A > 0). Bounds are relative like
+    `clip`: TRL's absolute cap 5.0 is epsilon_high 4.0.
     """
-    del dual_clip_c
-    ratio = safe_exp(log_ratio)
-    weight = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high).detach()
-    loss = -weight * adv * log_ratio
-    r = ratio.detach()
-    low = mask & (r < 1.0 - epsilon_low) & (adv < 0)
-    high = mask & (r > 1.0 + epsilon_high) & (adv > 0)
+    del epsilon_low, dual_clip_c
+    ratio = safe_exp(log_ratio).detach()
+    lower = None if cispo_epsilon_low is None else 1.0 - cispo_epsilon_low
+    weight = ratio.clamp(min=lower, max=1.0 + epsilon_high)
+    loss = -weight * adv * logprobs
+    high = mask & (ratio > 1.0 + epsilon_high)
+    low = mask & (ratio < lower) if lower is not None else torch.zeros_like(mask)
     return ObjectiveOutput(masked_values(loss, mask), low, high)
 
 
@@ -123,6 +133,7 @@ def policy_objective(
     epsilon_low: float,
     epsilon_high: float,
     dual_clip_c: float | None,
+    cispo_epsilon_low: float | None,
 ) -> ObjectiveOutput:
     """Per-token loss of objective `kind` (see OBJECTIVES).
 
@@ -132,5 +143,6 @@ def policy_objective(
     log_ratio = masked_log_ratio(logprobs, old_logprobs.detach(), mask, name="logprobs - old_logprobs")
     adv = token_advantages(advantages, mask)
     return OBJECTIVES[kind](
-        log_ratio, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip_c=dual_clip_c
+        masked_values(logprobs, mask), log_ratio, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+        dual_clip_c=dual_clip_c, cispo_epsilon_low=cispo_epsilon_low,
     )

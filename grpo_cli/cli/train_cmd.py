@@ -32,21 +32,16 @@ def check_gpus(cfg: GRPOConfig) -> None:
 
 def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker: bool, argv: list[str]) -> int:
     """Exit code of the training command."""
-    ds_file = Path(output_dir or cfg.logging.output_dir or ".") / "deepspeed.json"
-    cmd = launch_command(cfg, argv, deepspeed_file=str(ds_file))
-    uses_ds = cfg.distributed.backend == "deepspeed" and bool(cmd)
+    cmd = launch_command(cfg, argv)
     if dry_run:
         typer.echo("# resolved config\n" + dump_config(cfg))
         typer.echo(render_plan(cfg, gpu_mem=None))
-        if uses_ds:
-            typer.echo(f"\n# {ds_file} (written at launch)\n" + deepspeed_json(cfg))
+        if cfg.distributed.backend == "deepspeed":
+            typer.echo("\n# DeepSpeed config (each worker builds it from the config above)\n" + deepspeed_json(cfg))
         typer.echo("\n# launch command\n" + (" ".join(cmd) if cmd else "(single process: runs in this process)"))
         return 0
     check_gpus(cfg)
     if cmd and not worker:
-        if uses_ds:
-            ds_file.parent.mkdir(parents=True, exist_ok=True)
-            ds_file.write_text(deepspeed_json(cfg))
         typer.echo("launching: " + " ".join(cmd))
         return subprocess.call(cmd)
     from grpo_cli.train.run import run_training

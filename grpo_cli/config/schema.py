@@ -48,8 +48,11 @@ class DataConfig(Section):
 
 class RewardFunctionConfig(Section):
     name: str
-    """A built-in (`length`, `format`, `exact_match`, `math`) or a user function `module:function` /
-    `path/to/file.py:function` with signature `f(prompts, completions, **columns) -> list[float | None]`."""
+    """A built-in (`length`, `format`, `exact_match`, `math`, `overlong`) or a user function `module:function` /
+    `path/to/file.py:function` with signature `f(prompts, completions, **columns) -> list[float | None]`. A
+    function that names `completion_ids` or `max_completion_length` as parameters also receives the token ids
+    and rollout.max_completion_length. `overlong` is DAPO's soft length penalty: 0 up to max_completion_length
+    - buffer tokens, then falling linearly to -1 at the cap (kwargs: `buffer`, required)."""
     weight: float = 1.0
     """Weight of this function in the summed reward."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -157,6 +160,17 @@ class RolloutConfig(Section):
     """Server mode settings."""
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO dynamic sampling: train only on groups whose rewards differ."""
+
+    enabled: bool = False
+    """Drop prompt groups whose rewards are all equal (advantage 0, no gradient) and generate completions for
+    more prompts until the step has `prompts_per_step` groups with different rewards."""
+    max_extra_rounds: int = Field(4, ge=1)
+    """Most extra generation rounds per step (each draws `prompts_per_step` new prompts). If the step is still
+    short, it is filled with dropped groups (counted in `dynamic_sampling/short_groups`)."""
+
+
 class TrainConfig(Section):
     steps: int = Field(100, ge=1)
     """Optimizer steps to run (each on a freshly generated batch)."""
@@ -186,6 +200,8 @@ class TrainConfig(Section):
     """A non-finite loss or gradient: `skip` the optimizer step (counted), or `stop`."""
     max_consecutive_nonfinite: int = Field(3, ge=1)
     """Stop after this many non-finite steps in a row, even with `skip`."""
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    """DAPO dynamic sampling (drop groups of identical rewards, draw more prompts)."""
 
 
 class DeepSpeedConfig(Section):

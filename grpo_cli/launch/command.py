@@ -9,8 +9,8 @@ from grpo_cli.config.schema import GRPOConfig
 
 
 def deepspeed_config(cfg: GRPOConfig) -> dict:
-    """DeepSpeed JSON for `distributed.deepspeed`: the one config the launcher writes and the deepspeed backend
-    passes to `deepspeed.initialize`. Batch sizes are the batch plan's (one optimizer step per `clip_and_step`);
+    """DeepSpeed JSON for `distributed.deepspeed`: what the deepspeed backend passes to `zero.Init` and
+    `deepspeed.initialize` (and `--dry-run` prints). Batch sizes are the batch plan's (one optimizer step per `clip_and_step`);
     the optimizer is grpo-cli's torch AdamW (`zero_force_ds_cpu_optimizer: false` lets it step on the host under
     `offload_optimizer`); bf16/fp16 mode keeps float32 masters and skips steps whose gradient is not finite."""
     from grpo_cli.config.plan import batch_plan
@@ -22,8 +22,6 @@ def deepspeed_config(cfg: GRPOConfig) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if ds.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if ds.zero_stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
     micro, accumulation = plan["micro_batch_size"], max(1, plan["gradient_accumulation"])
     return {
         "zero_optimization": zero,
@@ -59,7 +57,7 @@ def external_launch(env: dict[str, str]) -> list[str] | None:
             *([f"distributed.main_process_ip={env['MASTER_ADDR']}"] if world > local and "MASTER_ADDR" in env else [])]
 
 
-def launch_command(cfg: GRPOConfig, argv: list[str], *, deepspeed_file: str = "deepspeed.json") -> list[str]:
+def launch_command(cfg: GRPOConfig, argv: list[str]) -> list[str]:
     """[] for a single process; otherwise the accelerate or torchrun command running `python -m grpo_cli`."""
     d = cfg.distributed
     if d.num_processes * d.num_machines == 1:
@@ -74,15 +72,10 @@ def launch_command(cfg: GRPOConfig, argv: list[str], *, deepspeed_file: str = "d
     if d.num_machines > 1:
         cmd += ["--machine_rank", str(d.machine_rank), "--main_process_ip", str(d.main_process_ip)]
     cmd += ["--main_process_port", str(d.main_process_port)]
-    cmd += ["--mixed_precision", {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.model.dtype, "no")]
-    if d.backend == "deepspeed":
-        cmd += ["--use_deepspeed", "--deepspeed_config_file", deepspeed_file]
-    elif d.backend == "fsdp2":
-        cmd += ["--use_fsdp", "--fsdp_version", "2"]
-    else:
-        # accelerate's `--cpu` runs ONE process; its multi-process (torchrun) launcher is `--multi_gpu`, which
-        # works on CPU too: the workers then join a gloo process group (launch/dist.py).
-        cmd.append("--multi_gpu")
+    # Every backend (ddp, fsdp2, deepspeed) is built inside the workers from the config (train/backends), so
+    # accelerate only starts the processes: its `--multi_gpu` launcher (torchrun) works on CPU too, where the
+    # workers join a gloo group; its `--cpu` would run ONE process.
+    cmd.append("--multi_gpu")
     return [*cmd, *worker]
 
 

@@ -58,4 +58,18 @@ def math(prompts, completions, *, answer: list | None = None, column: str = "ans
     return out
 
 
-BUILTIN_REWARDS = {"length": length, "format": format_reward, "exact_match": exact_match, "math": math}
+def overlong(prompts, completions, *, completion_ids: list[list[int]], max_completion_length: int, buffer: int,
+             **_columns) -> list[float]:
+    """DAPO's soft overlong punishment (arXiv:2503.14476 eq. 13) on the completion's token count L, with
+    L_max = rollout.max_completion_length: 0 if L ≤ L_max − buffer, (L_max − buffer − L) / buffer if
+    L_max − buffer < L ≤ L_max (falling linearly to −1 at the cap), −1 beyond."""
+    if not 0 < buffer <= max_completion_length:
+        raise ValueError(f"overlong reward: kwargs.buffer={buffer} must lie in [1, rollout.max_completion_length="
+                         f"{max_completion_length}]")
+    free = max_completion_length - buffer
+    return [0.0 if len(ids) <= free else max(-1.0, (free - len(ids)) / buffer) for ids in completion_ids]
+
+
+BUILTIN_REWARDS = {
+    "length": length, "format": format_reward, "exact_match": exact_match, "math": math, "overlong": overlong,
+}

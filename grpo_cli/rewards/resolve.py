@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math as _math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,14 +78,24 @@ def _check_output(rf: RewardFn, values, n: int, completions: list[str]) -> list[
     return out
 
 
+def _named_extras(rf: RewardFn, extras: dict) -> dict:
+    """The rollout facts (`extras`) whose names `rf`'s function declares as parameters, unless kwargs set them."""
+    try:
+        params = inspect.signature(rf.fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return {}
+    return {k: v for k, v in extras.items() if k in params and k not in rf.kwargs}
+
+
 def score(fns: list[RewardFn], prompts: list[str], completions: list[str], columns: dict[str, list],
-          *, on_error: str) -> tuple[list[list[float]], int]:
+          *, on_error: str, extras: dict | None = None) -> tuple[list[list[float]], int]:
     """Rewards (B, F) as nested lists with NaN for None, and the number of function calls that raised and were
-    skipped (`on_error: skip`)."""
+    skipped (`on_error: skip`). `extras` (e.g. `completion_ids`, `max_completion_length`) go only to functions
+    that name them as parameters, so `f(prompts, completions, **columns)` functions see the data columns only."""
     table, errors = [], 0
     for rf in fns:
         try:
-            values = rf.fn(prompts, completions, **columns, **rf.kwargs)
+            values = rf.fn(prompts, completions, **columns, **rf.kwargs, **_named_extras(rf, extras or {}))
         except Exception as exc:  # noqa: BLE001 - user code: report which function and sample
             if on_error == "skip":
                 errors += 1

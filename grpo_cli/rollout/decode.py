@@ -45,11 +45,14 @@ def supports_cache(model) -> bool:
 
 def new_cache(model, *, max_len: int):
     """An empty KV cache for `model`: preallocated for `max_len` positions (static: written in place, no per-step
-    concatenation) when the model's attention supports it, else a growing dynamic cache."""
+    concatenation) when the model's attention supports it and no autocast is on, else a growing dynamic cache."""
     from transformers import DynamicCache, StaticCache
 
     config = model.config.get_text_config(decoder=True)
-    if getattr(model, "_can_compile_fullgraph", False):
+    # Under autocast (bf16 compute over float32 weights) keys leave RoPE in float32 while values stay bf16; a
+    # static cache takes one dtype from the first keys, so the growing cache is used there.
+    autocast = torch.is_autocast_enabled(next(model.parameters()).device.type)
+    if getattr(model, "_can_compile_fullgraph", False) and not autocast:
         return StaticCache(config=config, max_cache_len=max_len)
     return DynamicCache(config=config)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from grpo_cli.algo.entropy import token_entropy
 from grpo_cli.rollout.packing import attention_cost, completion_widths, packed_mask, plan_packing
 
 MIN_SAVING = 0.1
@@ -63,12 +64,9 @@ def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: i
     return logits[packing.row[:, None], packing.pos - (prompt_len - 1)]
 
 
-def completion_logprobs(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int, temperature: float
-) -> torch.Tensor:
-    """Logprobs (B, T = logits_to_keep) of the last T tokens of `input_ids` (B, S), each given the tokens before it,
-    from logits divided by `temperature` (matching the sampler's processed logprobs); 0 after a row's last
-    unmasked position.
+def _completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int,
+                       temperature: float) -> torch.Tensor:
+    """Logits (B, T, V) / temperature predicting the last T = logits_to_keep tokens of `input_ids` (B, S).
 
     Position ids are (cumsum(mask) − 1) clamped at 0, as in generation. Rows run packed (`_packed_logits`) when the
     model allows it and it pays, else as one padded batch; both compute the same logits.
@@ -84,11 +82,40 @@ def completion_logprobs(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             use_cache=False, logits_to_keep=logits_to_keep + 1,
         ).logits[:, :-1]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = selective_log_softmax(logits, input_ids[:, prompt_len:])
-    widths = completion_widths(attention_mask[:, prompt_len:])
-    return logprobs * (torch.arange(logits_to_keep, device=widths.device) < widths[:, None])
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _valid_positions(attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    """(B, T) bool: completion position t lies before the row's last unmasked position + 1."""
+    widths = completion_widths(attention_mask[:, attention_mask.shape[1] - logits_to_keep :])
+    return torch.arange(logits_to_keep, device=widths.device) < widths[:, None]
+
+
+def completion_logprobs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int, temperature: float
+) -> torch.Tensor:
+    """Logprobs (B, T = logits_to_keep) of the last T tokens of `input_ids` (B, S), each given the tokens before it,
+    from logits divided by `temperature` (matching the sampler's processed logprobs); 0 after a row's last
+    unmasked position."""
+    logits = _completion_logits(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
+                                temperature=temperature)
+    logprobs = selective_log_softmax(logits, input_ids[:, input_ids.shape[1] - logits_to_keep :])
+    return logprobs * _valid_positions(attention_mask, logits_to_keep)
+
+
+def completion_logprobs_entropy(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int, temperature: float,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`completion_logprobs` and the entropy (B, T) of the tempered policy at the same positions, from the same
+    logits (no second forward, no second (B, T, V) buffer); 0 after a row's last unmasked position. The entropy
+    carries a gradient only with `entropy_grad` (the entropy bonus)."""
+    logits = _completion_logits(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
+                                temperature=temperature)
+    valid = _valid_positions(attention_mask, logits_to_keep)
+    logprobs = selective_log_softmax(logits, input_ids[:, input_ids.shape[1] - logits_to_keep :])
+    entropy = token_entropy(logits if entropy_grad else logits.detach())
+    return logprobs * valid, entropy * valid
 
 
 @torch.no_grad()

@@ -20,6 +20,8 @@ class TrainBatch:
     sampler_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    """(B,) bool: the completion hit the length cap (finish reason `length`)."""
 
     @property
     def num_completion_tokens(self) -> int:
@@ -57,4 +59,5 @@ def build_batch(rollout: RolloutBatch, *, group_size: int, pad_token_id: int) ->
         cmask[j, : len(c)] = 1.0
         if sampler is not None:
             sampler[j, : len(c)] = torch.tensor(rollout.sampler_logprobs[j], dtype=torch.float32)
-    return TrainBatch(ids, attn, cmask, sampler_logprobs=sampler)
+    truncated = torch.tensor([r == "length" for r in rollout.finish_reasons], dtype=torch.bool)
+    return TrainBatch(ids, attn, cmask, sampler_logprobs=sampler, truncated=truncated)

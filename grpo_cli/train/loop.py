@@ -17,9 +17,11 @@ from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutEngine, RolloutError
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
+from grpo_cli.train.dynamic_sampling import ROUND_SEED_STRIDE, fill_step
+from grpo_cli.train.loss import trained_mask
 from grpo_cli.train.pipeline import RolloutPipeline, take_step_prompts
 from grpo_cli.train.policy import Policy
-from grpo_cli.train.rewards_phase import decode_completions, reward_step
+from grpo_cli.train.rewards_phase import ScoredRollout, reward_step, score_rollout
 from grpo_cli.train.step import NonFiniteStep, batch_logprobs, optimizer_step
 from grpo_cli.train.timing import PhaseTimer, peak_rss_mb
 
@@ -73,17 +75,47 @@ def rollout_phase(tr: Trainer, state: LoopState):
             return tr.pipeline.take(step, state.weight_version)
     prompts = take_step_prompts(tr.cursor, prompts_per_step=cfg.train.prompts_per_step, rank=tr.dist.rank,
                                 world_size=tr.dist.world_size)
+    return prompts, generate_phase(tr, prompts, seed=step_seed(cfg, step))
+
+
+def generate_phase(tr: Trainer, prompts, *, seed: int):
+    """Sample G completions of each prompt with the engine (training state offloaded meanwhile, if configured)."""
     if tr.offload is not None:
         with tr.timer.phase("offload"):
             tr.offload.offload()
     # The hf engine runs the policy's own forward: it computes in the trainer's dtype (autocast under ddp).
     compute = tr.policy.backend.compute_context() if tr.engine.shares_policy_weights else contextlib.nullcontext()
     with tr.timer.phase("generate"), compute:
-        rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling_params(cfg, seed=step_seed(cfg, step)))
+        rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling_params(tr.cfg, seed=seed))
     if tr.offload is not None:
         with tr.timer.phase("offload"):
             tr.offload.reload()
-    return prompts, rollout
+    return rollout
+
+
+def extra_round(tr: Trainer, state: LoopState, round_index: int) -> ScoredRollout:
+    """Dynamic sampling: this rank's share of `prompts_per_step` new prompts, generated (with the current
+    weights, also in async mode) and scored."""
+    cfg = tr.cfg
+    prompts = take_step_prompts(tr.cursor, prompts_per_step=cfg.train.prompts_per_step, rank=tr.dist.rank,
+                                world_size=tr.dist.world_size)
+    rollout = generate_phase(tr, prompts, seed=step_seed(cfg, state.step) + round_index * ROUND_SEED_STRIDE)
+    with tr.timer.phase("reward"):
+        return score_rollout(cfg, tr.reward_fns, tr.policy.tokenizer, prompts, rollout)
+
+
+def score_phase(tr: Trainer, state: LoopState) -> tuple[ScoredRollout, ScoredRollout, dict[str, float]]:
+    """Generate and score the step's batch: (batch to train on, everything generated, metrics). With
+    `train.dynamic_sampling`, groups of identical rewards are replaced by groups of new prompts."""
+    cfg = tr.cfg
+    prompts, rollout = rollout_phase(tr, state)
+    with tr.timer.phase("reward"):
+        scored = score_rollout(cfg, tr.reward_fns, tr.policy.tokenizer, prompts, rollout)
+    ds = cfg.train.dynamic_sampling
+    if not ds.enabled:
+        return scored, scored, {}
+    return fill_step(scored, lambda r: extra_round(tr, state, r), weights=[f.weight for f in tr.reward_fns],
+                     group_size=cfg.train.generations_per_prompt, max_extra_rounds=ds.max_extra_rounds, dist=tr.dist)
 
 
 def generate_with_recovery(tr: Trainer, prompt_ids: list[list[int]], sampling):
@@ -102,19 +134,18 @@ def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:
     """Old-policy logprobs only when μ > 1 (at μ = 1 they equal the first forward, detached); reference only
     when β > 0."""
     cfg, micro, temp = tr.cfg, tr.cfg.train.micro_batch_size, tr.cfg.rollout.temperature
-    with tr.timer.phase("logprobs"):
+    with tr.timer.phase("logprobs"), tr.policy.backend.compute_context():
         if cfg.algorithm.num_iterations > 1:
-            batch.old_logprobs = batch_logprobs(tr.policy, tr.policy.model, batch, micro_batch_size=micro,
-                                                temperature=temp)
+            batch.old_logprobs = batch_logprobs(tr.policy.model, batch, micro_batch_size=micro, temperature=temp)
         if tr.policy.ref_model is not None:
-            batch.ref_logprobs = batch_logprobs(tr.policy, tr.policy.ref_model, batch, micro_batch_size=micro,
-                                                temperature=temp)
+            batch.ref_logprobs = batch_logprobs(tr.policy.ref_model, batch, micro_batch_size=micro, temperature=temp)
 
 
 def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, float]:
     """μ optimizer steps on the batch; non-finite steps are skipped (counted) or stop the run."""
     cfg = tr.cfg
-    num_items = all_reduce_sum(float(batch.completion_mask.sum()), tr.dist)
+    trained = trained_mask(batch.completion_mask, batch.truncated, algorithm=cfg.algorithm)
+    num_items = all_reduce_sum(float(trained.sum()), tr.dist)
     out: dict[str, float] = {}
     with tr.timer.phase("train"):
         for _ in range(cfg.algorithm.num_iterations):
@@ -147,10 +178,11 @@ def sync_phase(tr: Trainer, state: LoopState) -> dict[str, float]:
 def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict]]:
     """One full GRPO step; returns rank-averaged metrics and a few sample completions."""
     cfg, start = tr.cfg, time.perf_counter()
-    prompts, rollout = rollout_phase(tr, state)
-    completions = decode_completions(tr.policy.tokenizer, rollout)
+    scored, generated, sampling_metrics = score_phase(tr, state)
+    prompts, rollout, completions = scored.prompts, scored.rollout, scored.completions
     with tr.timer.phase("reward"):
-        advantages, rewards, metrics = reward_step(cfg, tr.reward_fns, prompts, completions, rollout)
+        advantages, rewards, metrics = reward_step(cfg, tr.reward_fns, scored, generated)
+    metrics.update(sampling_metrics)
     batch = build_batch(rollout, group_size=cfg.train.generations_per_prompt,
                         pad_token_id=tr.policy.tokenizer.pad_token_id)
     batch.advantages = advantages

@@ -14,7 +14,7 @@ from grpo_cli.algo.aggregation import aggregate_loss
 from grpo_cli.algo.importance import off_policy_sequence_mask, rollout_correction
 from grpo_cli.algo.kl import kl_penalty
 from grpo_cli.algo.metrics import clip_metrics, mismatch_metrics as _mismatch_metrics
-from grpo_cli.algo.numerics import as_mask, token_mean
+from grpo_cli.algo.numerics import as_mask, masked_values, token_mean
 from grpo_cli.algo.objectives import policy_objective
 from grpo_cli.config.algorithm import AlgorithmConfig
 
@@ -57,6 +57,15 @@ def mismatch_metrics(
     return {MISMATCH_PREFIX + name: value for name, value in metrics.items()}
 
 
+def trained_mask(completion_mask: Tensor, truncated: Tensor | None, *, algorithm: AlgorithmConfig) -> Tensor:
+    """The tokens the loss trains on: the completion mask, without the rows of truncated completions (finish
+    reason `length`, (b,) bool) when `algorithm.mask_truncated_completions` is on."""
+    mask = as_mask(completion_mask)
+    if algorithm.mask_truncated_completions and truncated is not None:
+        mask = mask & ~truncated.bool().unsqueeze(1)
+    return mask
+
+
 def compute_loss(
     *,
     logprobs: Tensor,
@@ -69,22 +78,27 @@ def compute_loss(
     num_items_in_batch: float,
     num_sequences_in_batch: int,
     max_completion_length: int,
+    entropy: Tensor | None = None,
+    truncated: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one micro-batch, scaled so that the sum over the step's micro-batches (all ranks) is the step loss.
 
-    ℓ_t = w_t · keep_i · objective_t + β · KL_t: IS weights w (old vs sampler) and the OPSM keep-mask scale the
-    surrogate only; the KL term is not IS-weighted. old_logprobs None means on-policy (logprobs.detach()).
-    Returns (loss with grad, detached scalar metrics).
+    ℓ_t = w_t · keep_i · objective_t + β · KL_t − c · H_t: IS weights w (old vs sampler) and the OPSM keep-mask
+    scale the surrogate only; the KL term and the entropy bonus (c = entropy_coef, H = token entropy (b, T))
+    are not IS-weighted. old_logprobs None means on-policy (logprobs.detach()). Tokens of `truncated` rows
+    leave the loss when mask_truncated_completions is on (`trained_mask`); the mismatch and entropy metrics keep
+    them. num_items_in_batch must count the trained tokens. Returns (loss with grad, detached scalar metrics).
     """
-    mask = as_mask(completion_mask)
+    full = as_mask(completion_mask)
+    mask = trained_mask(completion_mask, truncated, algorithm=algorithm)
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     out = policy_objective(logprobs, old, advantages, mask, **algorithm.objective.model_dump())
     per_token = out.loss
     metrics = {f"clip_ratio/{name}": value for name, value in clip_metrics(out, mask).items()}
     if sampler_logprobs is not None:
-        correction = rollout_correction(old, sampler_logprobs, mask, **algorithm.is_correction.model_dump())
+        correction = rollout_correction(old, sampler_logprobs, full, **algorithm.is_correction.model_dump())
         per_token = per_token * correction.weights
-        mismatch = _mismatch_metrics(old, sampler_logprobs, mask, correction)
+        mismatch = _mismatch_metrics(old, sampler_logprobs, full, correction)
         metrics.update({MISMATCH_PREFIX + name: value for name, value in mismatch.items()})
     if algorithm.off_policy_sequence_mask_delta is not None:
         behaviour = old if sampler_logprobs is None else sampler_logprobs
@@ -100,6 +114,12 @@ def compute_loss(
         kl = kl_penalty(logprobs, ref_logprobs, mask, **algorithm.kl.model_dump())
         per_token = per_token + kl.penalty
         metrics["kl"] = token_mean(kl.kl, mask).detach()
+    if entropy is not None:
+        metrics["entropy"] = token_mean(entropy.detach(), full)
+        if algorithm.entropy_coef > 0:
+            per_token = per_token - algorithm.entropy_coef * masked_values(entropy, mask)
+    elif algorithm.entropy_coef > 0:
+        raise ValueError("algorithm.entropy_coef > 0 needs the token entropy (completion_logprobs_entropy)")
     loss = aggregate_loss(
         per_token,
         mask,

@@ -95,8 +95,10 @@ class RolloutPipeline:
         return {"in_flight": saved, "cursor": self.cursor.state_dict()}
 
     def load_state_dict(self, saved: list[dict]) -> None:
-        """Restore saved in-flight batches: re-take their prompts from the saved cursor positions (the cursor
-        ends where it stood at the checkpoint) and mark them ready."""
+        """Restore saved in-flight batches: re-take their prompts from the saved cursor positions and mark them
+        ready. The cursor ends where it was on entry (the checkpoint's position, which is past these prompts and
+        past any prompts taken after them, e.g. by dynamic sampling's extra rounds)."""
+        end = self.cursor.state_dict()
         for entry in saved:
             self.cursor.load_state_dict(entry["cursor_before"])
             prompts = take_step_prompts(self.cursor, **self._take)
@@ -109,3 +111,4 @@ class RolloutPipeline:
                 )
             self.flight[entry["step"]] = InFlight(entry["step"], prompts, entry["cursor_before"], batch)
             self.next_step = max(self.next_step, entry["step"] + 1)
+        self.cursor.load_state_dict(end)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from grpo_cli.algo.advantages import informative_groups, weighted_rewards
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import Prompt
 from grpo_cli.rewards.resolve import RewardFn, score
@@ -11,34 +14,63 @@ from grpo_cli.rollout.base import RolloutBatch
 from grpo_cli.train.loss import compute_advantages
 
 
+@dataclass
+class ScoredRollout:
+    """P prompts, their P·G completions (group-contiguous) and each reward function's scores (B, F), NaN = None."""
+
+    prompts: list[Prompt]
+    rollout: RolloutBatch
+    completions: list[str]
+    per_func: torch.Tensor
+    errors: int = 0
+    """Reward-function calls that raised and were skipped (`rewards.on_error: skip`)."""
+
+
 def decode_completions(tokenizer, rollout: RolloutBatch) -> list[str]:
     return tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
 
 
-def reward_step(cfg: GRPOConfig, fns: list[RewardFn], prompts: list[Prompt], completions: list[str],
-                rollout: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(advantages (B,), rewards (B,), metrics) for completions of `prompts`, each repeated G times."""
+def score_rollout(cfg: GRPOConfig, fns: list[RewardFn], tokenizer, prompts: list[Prompt],
+                  rollout: RolloutBatch) -> ScoredRollout:
+    """Decode the completions of `prompts` (each repeated G times) and score them with every reward function.
+    Functions that name `completion_ids` or `max_completion_length` as parameters receive them."""
     g = cfg.train.generations_per_prompt
+    completions = decode_completions(tokenizer, rollout)
     texts = [p.text for p in prompts for _ in range(g)]
     keys = prompts[0].columns.keys() if prompts else []
     columns = {k: [p.columns.get(k) for p in prompts for _ in range(g)] for k in keys}
-    table, errors = score(fns, texts, completions, columns, on_error=cfg.rewards.on_error)
-    per_func = torch.tensor(table, dtype=torch.float32)
-    advantages, rewards = compute_advantages(
-        per_func, weights=[f.weight for f in fns], group_size=g, algorithm=cfg.algorithm
-    )
-    grouped = rewards.view(-1, g)
+    extras = {"completion_ids": rollout.completion_ids, "max_completion_length": cfg.rollout.max_completion_length}
+    table, errors = score(fns, texts, completions, columns, on_error=cfg.rewards.on_error, extras=extras)
+    per_func = torch.tensor(table, dtype=torch.float32).reshape(len(completions), len(fns))
+    return ScoredRollout(prompts, rollout, completions, per_func, errors)
+
+
+def reward_metrics(cfg: GRPOConfig, fns: list[RewardFn], scored: ScoredRollout) -> dict[str, float]:
+    """Reward, length and truncation statistics of the scored completions."""
+    g = cfg.train.generations_per_prompt
+    rewards = weighted_rewards(scored.per_func, [f.weight for f in fns])
     valid = rewards[~rewards.isnan()]
-    lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
+    lengths = torch.tensor([len(c) for c in scored.rollout.completion_ids], dtype=torch.float32)
     metrics = {
         "reward/mean": float(valid.mean()) if len(valid) else float("nan"),
         "reward/std": float(valid.std()) if len(valid) > 1 else 0.0,
-        "reward/frac_zero_std_groups": float((grouped.nan_to_num().std(dim=1) == 0).float().mean()),
-        "rewards/errors": float(errors),
+        "reward/frac_zero_std_groups": 1.0 - float(informative_groups(rewards, g).float().mean()),
+        "rewards/errors": float(scored.errors),
         "completions/mean_length": float(lengths.mean()),
-        "completions/clipped_ratio": sum(r == "length" for r in rollout.finish_reasons) / len(lengths),
+        "completions/clipped_ratio": sum(r == "length" for r in scored.rollout.finish_reasons) / len(lengths),
     }
-    for fn, col in zip(fns, per_func.T, strict=True):
+    for fn, col in zip(fns, scored.per_func.T, strict=True):
         ok = col[~col.isnan()]
         metrics[f"reward/{fn.name}/mean"] = float(ok.mean()) if len(ok) else float("nan")
-    return advantages, rewards, metrics
+    return metrics
+
+
+def reward_step(cfg: GRPOConfig, fns: list[RewardFn], scored: ScoredRollout,
+                generated: ScoredRollout | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(advantages (B,), rewards (B,), metrics) of the completions the step trains on (`scored`); the reward
+    metrics describe everything generated for the step (`generated`, default `scored`)."""
+    advantages, rewards = compute_advantages(
+        scored.per_func, weights=[f.weight for f in fns], group_size=cfg.train.generations_per_prompt,
+        algorithm=cfg.algorithm,
+    )
+    return advantages, rewards, reward_metrics(cfg, fns, scored if generated is None else generated)

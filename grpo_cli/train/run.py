@@ -157,12 +157,10 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
                else ""))
     run_dir = RunDir(path, cfg) if info.is_main else None
 
-    def save(st: LoopState) -> None:
-        if info.is_main:
-            saved = ckpt.save_checkpoint(path, step=st.step, cfg=cfg, policy=trainer.policy,
-                                         trainer_state=_trainer_state(trainer, st), keep_last=cfg.checkpoint.keep_last)
-            log(f"checkpoint saved: {saved}")
-        barrier(info)
+    def save(st: LoopState) -> None:  # collective: sharded backends write one part per rank
+        saved = ckpt.save_checkpoint(path, step=st.step, cfg=cfg, policy=trainer.policy,
+                                     trainer_state=_trainer_state(trainer, st), keep_last=cfg.checkpoint.keep_last)
+        log(f"checkpoint saved: {saved}")
 
     def on_step(step, metrics, samples):
         if run_dir is not None:

@@ -7,7 +7,7 @@ from collections import defaultdict
 import torch
 
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.rollout.scoring import completion_logprobs
+from grpo_cli.rollout.scoring import completion_logprobs, completion_logprobs_entropy
 from grpo_cli.train.backends.base import NonFiniteStep
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.loss import compute_loss
@@ -24,14 +24,12 @@ def forward_logprobs(model, mb: TrainBatch, *, temperature: float) -> torch.Tens
 
 
 @torch.no_grad()
-def batch_logprobs(policy: Policy, model, batch: TrainBatch, *, micro_batch_size: int,
-                   temperature: float) -> torch.Tensor:
-    """No-grad logprobs (B, T) of the whole batch (old-policy or reference pass), in the backend's compute dtype."""
-    with policy.backend.compute_context():
-        parts = [
-            forward_logprobs(model, batch.rows(i, i + micro_batch_size), temperature=temperature)
-            for i in range(0, len(batch), micro_batch_size)
-        ]
+def batch_logprobs(model, batch: TrainBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
+    """No-grad logprobs (B, T) of the whole batch (old-policy or reference pass)."""
+    parts = [
+        forward_logprobs(model, batch.rows(i, i + micro_batch_size), temperature=temperature)
+        for i in range(0, len(batch), micro_batch_size)
+    ]
     return torch.cat(parts)
 
 
@@ -52,12 +50,15 @@ def optimizer_step(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, *, num_it
         mb = batch.rows(start, start + micro)
         with backend.accumulation_context(last=k == len(starts) - 1):
             with backend.compute_context():
-                logprobs = forward_logprobs(policy.model, mb, temperature=cfg.rollout.temperature)
+                logprobs, entropy = completion_logprobs_entropy(
+                    policy.model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
+                    temperature=cfg.rollout.temperature, entropy_grad=cfg.algorithm.entropy_coef > 0,
+                )
             loss, metrics = compute_loss(
                 logprobs=logprobs, old_logprobs=mb.old_logprobs, ref_logprobs=mb.ref_logprobs,
                 sampler_logprobs=mb.sampler_logprobs, advantages=mb.advantages, completion_mask=mb.completion_mask,
                 algorithm=cfg.algorithm, num_items_in_batch=num_items, num_sequences_in_batch=num_sequences,
-                max_completion_length=cfg.rollout.max_completion_length,
+                max_completion_length=cfg.rollout.max_completion_length, entropy=entropy, truncated=mb.truncated,
             )
             if not torch.isfinite(loss):
                 backend.zero_grad()

@@ -146,8 +146,8 @@ def sync_weights(
     wanted = set(checksum_names(model, peft=peft)) if verify and hasattr(engine, "read_weights") else set()
     stats: dict = {"tensors": 0, "bytes": 0, "copies": {}}
     with _sync_context(model, peft=peft):
-        engine.update_weights(stream_named_tensors(model, bucket_mb=bucket_mb, peft=peft, stats=stats,
-                                                   keep_copies=wanted), version)
+        stream = stream_named_tensors(model, bucket_mb=bucket_mb, peft=peft, stats=stats, keep_copies=wanted)
+        engine.update_weights(cast_stream(stream, _engine_dtype(engine)), version)
     metrics = {"sync/seconds": time.perf_counter() - start, "sync/megabytes": stats["bytes"] / 2**20,
                "sync/tensors": float(stats["tensors"])}
     if verify:
@@ -157,11 +157,25 @@ def sync_weights(
     return metrics
 
 
+def _engine_dtype(engine) -> torch.dtype | None:
+    """The dtype the engine holds its weights in, when it says (a torch dtype or its name)."""
+    dtype = getattr(engine, "dtype", None)
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def cast_stream(stream: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None):
+    """Floating tensors cast to the engine's dtype on the way (float32 masters → a bf16 engine: half the bytes)."""
+    for name, tensor in stream:
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        yield name, tensor
+
+
 def _dtype_of(engine, model: torch.nn.Module) -> torch.dtype:
     """The less precise of the engine's and the trainer's dtypes (the one that bounds the probe agreement)."""
     trainer = next(model.parameters()).dtype
-    engine_dtype = getattr(engine, "dtype", None)
-    engine_dtype = getattr(torch, engine_dtype) if isinstance(engine_dtype, str) else engine_dtype
+    engine_dtype = _engine_dtype(engine)
     candidates = [d for d in (trainer, engine_dtype) if isinstance(d, torch.dtype)]
     return max(candidates, key=lambda d: PROBE_TOLERANCE.get(d, 1e-3))
 

@@ -27,6 +27,14 @@ def _async_text(metrics: dict[str, float]) -> str:
     return f" stale={_fmt(metrics.get('staleness'), '.0f')} actor_gen={_fmt(metrics.get('async/actor_generate_s'), '.2f')}s"
 
 
+def _sampling_text(metrics: dict[str, float]) -> str:
+    """Dynamic sampling: groups dropped (identical rewards) and prompts drawn in extra rounds this step."""
+    if "dynamic_sampling/dropped_groups" not in metrics:
+        return ""
+    return (f" dropped={_fmt(metrics['dynamic_sampling/dropped_groups'], '.0f')}"
+            f" redrawn={_fmt(metrics.get('dynamic_sampling/drawn_prompts'), '.0f')}")
+
+
 class ProgressView:
     """Renders `update(step, metrics)` as a live table (mode rich) or as plain lines (mode plain/auto off-TTY)."""
 
@@ -63,6 +71,7 @@ class ProgressView:
             ("reward mean ± std", f"{_fmt(m.get('reward/mean'))} ± {_fmt(m.get('reward/std'))}"),
             ("loss", _fmt(m.get("loss"), ".4f")),
             ("kl (ref)", _fmt(m.get("kl"), ".4f")),
+            ("entropy", _fmt(m.get("entropy"), ".3f")),
             ("mismatch k3_kl", _fmt(m.get("rollout_correction/k3_kl"), ".2e")),
             ("completion length", _fmt(m.get("completions/mean_length"), ".1f")),
             ("tokens/s", _fmt(m.get("tokens_per_second"), ".0f")),
@@ -72,6 +81,10 @@ class ProgressView:
             rows.append(("async: staleness / in flight / actor gen",
                          f"{_fmt(m.get('staleness'), '.0f')} / {_fmt(m.get('async/in_flight'), '.0f')} / "
                          f"{_fmt(m.get('async/actor_generate_s'), '.2f')}s"))
+        if "dynamic_sampling/dropped_groups" in m:
+            rows.append(("dynamic sampling: groups dropped / prompts redrawn",
+                         f"{_fmt(m.get('dynamic_sampling/dropped_groups'), '.0f')} / "
+                         f"{_fmt(m.get('dynamic_sampling/drawn_prompts'), '.0f')}"))
         for name, value in rows:
             table.add_row(name, value)
         return table
@@ -86,7 +99,7 @@ class ProgressView:
             f"step {step}/{self.total} reward={_fmt(metrics.get('reward/mean'))} "
             f"std={_fmt(metrics.get('reward/std'))} loss={_fmt(metrics.get('loss'), '.4f')} "
             f"kl={_fmt(metrics.get('kl'), '.4f')} tok/s={_fmt(metrics.get('tokens_per_second'), '.0f')} "
-            f"{_phase_text(metrics)}{_async_text(metrics)} eta={_fmt(self._eta(step), '.0f')}s",
+            f"{_phase_text(metrics)}{_async_text(metrics)}{_sampling_text(metrics)} eta={_fmt(self._eta(step), '.0f')}s",
             highlight=False, soft_wrap=True,
         )
 

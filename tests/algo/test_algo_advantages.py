@@ -30,22 +30,23 @@ def naive_group_advantages(rewards, group_size, scale_rewards, epsilon):
 
 def test_group_advantages_hand_computed():
     # group 0: mean 0.5, Bessel std sqrt(0.5) = 0.707107 -> ±0.5 / 0.707207; group 1: identical -> 0.
-    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, scale_rewards="group", epsilon=1e-4)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, estimator="grpo", scale_rewards="group", epsilon=1e-4)
     torch.testing.assert_close(adv, torch.tensor([0.707007, -0.707007, 0.0, 0.0]), rtol=1e-5, atol=1e-6)
 
 
 def test_group_advantages_nan_excluded_from_stats():
     # group 0 valid {1, 3}: mean 2, std sqrt(2) = 1.414214; the NaN row gets 0.
-    adv = group_advantages(torch.tensor([1.0, NAN, 3.0, 2.0, 2.0, 2.0]), 3, scale_rewards="group", epsilon=1e-4)
+    adv = group_advantages(torch.tensor([1.0, NAN, 3.0, 2.0, 2.0, 2.0]), 3, estimator="grpo", scale_rewards="group",
+                           epsilon=1e-4)
     expected = torch.tensor([-0.707057, 0.0, 0.707057, 0.0, 0.0, 0.0])
     torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_group_advantages_batch_and_none_hand_computed():
     # batch std of [0, 1, 2, 3] = sqrt(5/3) = 1.290994; group means 0.5 and 2.5.
-    adv = group_advantages(torch.tensor([0.0, 1.0, 2.0, 3.0]), 2, scale_rewards="batch", epsilon=1e-4)
+    adv = group_advantages(torch.tensor([0.0, 1.0, 2.0, 3.0]), 2, estimator="grpo", scale_rewards="batch", epsilon=1e-4)
     torch.testing.assert_close(adv, torch.tensor([-0.387268, 0.387268, -0.387268, 0.387268]), rtol=1e-5, atol=1e-6)
-    adv = group_advantages(torch.tensor([0.0, 1.0, 2.0, 4.0]), 2, scale_rewards="none", epsilon=1e-4)
+    adv = group_advantages(torch.tensor([0.0, 1.0, 2.0, 4.0]), 2, estimator="grpo", scale_rewards="none", epsilon=1e-4)
     torch.testing.assert_close(adv, torch.tensor([-0.5, 0.5, -1.0, 1.0]))
 
 
@@ -55,7 +56,7 @@ def test_group_advantages_match_naive_loop(scale_rewards):
     rewards = torch.randn(24, generator=gen) * 3
     rewards[torch.rand(24, generator=gen) < 0.2] = NAN
     rewards[:4] = NAN  # one all-None group
-    adv = group_advantages(rewards, 4, scale_rewards=scale_rewards, epsilon=1e-4)
+    adv = group_advantages(rewards, 4, estimator="grpo", scale_rewards=scale_rewards, epsilon=1e-4)
     expected = naive_group_advantages(rewards.tolist(), 4, scale_rewards, 1e-4)
     torch.testing.assert_close(adv, torch.tensor(expected), rtol=1e-5, atol=1e-5)
 
@@ -65,15 +66,15 @@ def test_group_advantages_zero_mean_per_group(scale_rewards):
     gen = torch.Generator().manual_seed(1)
     rewards = torch.rand(32, generator=gen)
     rewards[torch.rand(32, generator=gen) < 0.25] = NAN
-    adv = group_advantages(rewards, 8, scale_rewards=scale_rewards, epsilon=1e-4).reshape(4, 8)
+    adv = group_advantages(rewards, 8, estimator="grpo", scale_rewards=scale_rewards, epsilon=1e-4).reshape(4, 8)
     torch.testing.assert_close(adv.sum(dim=1), torch.zeros(4), atol=1e-5, rtol=0)
 
 
 def test_group_advantages_rejects_bad_shapes_and_inf():
     with pytest.raises(ValueError, match="groups of 3"):
-        group_advantages(torch.zeros(4), 3, scale_rewards="group", epsilon=1e-4)
+        group_advantages(torch.zeros(4), 3, estimator="grpo", scale_rewards="group", epsilon=1e-4)
     with pytest.raises(ValueError, match="inf"):
-        group_advantages(torch.tensor([1.0, float("inf")]), 2, scale_rewards="group", epsilon=1e-4)
+        group_advantages(torch.tensor([1.0, float("inf")]), 2, estimator="grpo", scale_rewards="group", epsilon=1e-4)
 
 
 def test_weighted_rewards_hand_computed_and_naive():
@@ -111,7 +112,7 @@ def test_process_advantages_hand_computed():
     # group step rewards {1, 0, 1}: mean 2/3, Bessel std sqrt(1/3) = 0.577350 -> r~ = 0.577250, -1.154500, 0.577250
     step_rewards = torch.tensor([[1.0, 0.0], [1.0, NAN]])
     step_ends = torch.tensor([[1, 4], [2, 0]])
-    adv = process_advantages(step_rewards, step_ends, 2, 5, scale_rewards="group", epsilon=1e-4)
+    adv = process_advantages(step_rewards, step_ends, 2, 5, estimator="grpo", scale_rewards="group", epsilon=1e-4)
     expected = torch.tensor(
         [[-0.577250, -0.577250, -1.154500, -1.154500, -1.154500], [0.577250, 0.577250, 0.577250, 0.0, 0.0]]
     )
@@ -125,7 +126,7 @@ def test_process_advantages_match_naive_and_zero_mean(scale_rewards):
     step_rewards = torch.randn(b, s, generator=gen)
     step_rewards[torch.rand(b, s, generator=gen) < 0.3] = NAN
     step_ends = torch.randint(0, t, (b, s), generator=gen)
-    adv = process_advantages(step_rewards, step_ends, 4, t, scale_rewards=scale_rewards, epsilon=1e-4)
+    adv = process_advantages(step_rewards, step_ends, 4, t, estimator="grpo", scale_rewards=scale_rewards, epsilon=1e-4)
     expected = naive_process_advantages(step_rewards.tolist(), step_ends.tolist(), 4, t, scale_rewards, 1e-4)
     torch.testing.assert_close(adv, torch.tensor(expected), rtol=1e-5, atol=1e-5)
     # Token 0 sums every step of its sequence, so over a group it sums all normalised steps: zero.
@@ -134,5 +135,5 @@ def test_process_advantages_match_naive_and_zero_mean(scale_rewards):
 
 def test_process_advantages_rejects_out_of_range_ends():
     with pytest.raises(ValueError, match="step_ends"):
-        process_advantages(torch.tensor([[1.0], [0.0]]), torch.tensor([[5], [0]]), 2, 5, scale_rewards="group",
-                           epsilon=1e-4)
+        process_advantages(torch.tensor([[1.0], [0.0]]), torch.tensor([[5], [0]]), 2, 5, estimator="grpo",
+                           scale_rewards="group", epsilon=1e-4)

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from grpo_cli.config.algorithm import AlgorithmConfig
-from grpo_cli.train.loss import compute_advantages, compute_loss, compute_process_advantages, mismatch_metrics
+from grpo_cli.train.loss import (
+    compute_advantages,
+    compute_loss,
+    compute_process_advantages,
+    mismatch_metrics,
+    trained_mask,
+)
 
 NAN = float("nan")
 MISMATCH_KEYS = {
@@ -228,3 +234,47 @@ def test_compute_advantages_matches_naive_loop():
         std = math.sqrt(sum((x - mean) ** 2 for x in valid) / (len(valid) - 1)) if len(valid) > 1 else 0.0
         expected += [0.0 if math.isnan(x) else (x - mean) / (std + 1e-4) for x in totals]
     torch.testing.assert_close(adv, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_metric_and_bonus_hand_computed():
+    logp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    entropy = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    loss, m = compute_loss(logprobs=logp, old_logprobs=None, ref_logprobs=None, sampler_logprobs=None, advantages=adv,
+                           completion_mask=mask, algorithm=AlgorithmConfig(), num_items_in_batch=3.0,
+                           num_sequences_in_batch=2, max_completion_length=3, entropy=entropy)
+    torch.testing.assert_close(m["entropy"], torch.tensor(2.0))  # mean over valid tokens (1, 2, 3)
+    torch.testing.assert_close(loss, torch.tensor(-1 / 3))  # on-policy: (-1 - 1 + 1) / 3, no bonus
+    algo = AlgorithmConfig(entropy_coef=0.1)
+    loss, m = compute_loss(logprobs=logp, old_logprobs=None, ref_logprobs=None, sampler_logprobs=None, advantages=adv,
+                           completion_mask=mask, algorithm=algo, num_items_in_batch=3.0,
+                           num_sequences_in_batch=2, max_completion_length=3, entropy=entropy)
+    torch.testing.assert_close(loss, torch.tensor((-1.0 - 0.6) / 3))  # minus 0.1 * (1 + 2 + 3), token_mean
+    loss.backward()
+    torch.testing.assert_close(entropy.grad, torch.tensor([[-0.1 / 3, -0.1 / 3, 0.0], [-0.1 / 3, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="entropy"):
+        compute_loss(logprobs=logp, old_logprobs=None, ref_logprobs=None, sampler_logprobs=None, advantages=adv,
+                     completion_mask=mask, algorithm=algo, num_items_in_batch=3.0, num_sequences_in_batch=2,
+                     max_completion_length=3)
+
+
+def test_mask_truncated_completions_leaves_the_loss_keeps_metrics():
+    logp = torch.zeros(2, 2, requires_grad=True)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    truncated = torch.tensor([False, True])
+    sampler = torch.tensor([[0.0, 0.0], [-0.5, -0.5]])  # only the truncated row has a mismatch
+    entropy = torch.tensor([[1.0, 1.0], [3.0, 3.0]])
+    algo = AlgorithmConfig(mask_truncated_completions=True)
+    trained = trained_mask(mask, truncated, algorithm=algo)
+    assert trained.tolist() == [[True, True], [False, False]]
+    assert trained_mask(mask, truncated, algorithm=AlgorithmConfig()).all()
+    loss, m = compute_loss(logprobs=logp, old_logprobs=None, ref_logprobs=None, sampler_logprobs=sampler,
+                           advantages=torch.tensor([1.0, 5.0]), completion_mask=mask, algorithm=algo,
+                           num_items_in_batch=float(trained.sum()), num_sequences_in_batch=2, max_completion_length=2,
+                           entropy=entropy, truncated=truncated)
+    loss.backward()
+    torch.testing.assert_close(loss, torch.tensor(-1.0))  # only row 0: token mean of -A over its 2 tokens
+    assert (logp.grad[1] == 0).all()
+    torch.testing.assert_close(m["entropy"], torch.tensor(2.0))  # the truncated row stays in the metrics
+    torch.testing.assert_close(m["rollout_correction/kl"], torch.tensor(-0.25))

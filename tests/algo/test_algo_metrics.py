@@ -127,7 +127,7 @@ def test_clip_metrics_hand_computed():
     mask = torch.tensor([[True, True, True, False]])
     logp = torch.zeros(1, 4)
     out = policy_objective(logp, logp - lr, adv, mask, kind="clip", epsilon_low=0.2, epsilon_high=0.2,
-                           dual_clip_c=None)
+                           dual_clip_c=None, cispo_epsilon_low=None)
     m = clip_metrics(out, mask)
     torch.testing.assert_close(m["low_mean"], torch.tensor(1 / 3))
     torch.testing.assert_close(m["high_mean"], torch.tensor(1 / 3))
@@ -140,7 +140,7 @@ def test_clip_metrics_match_naive_loop():
     mask = torch.rand(4, 6, generator=gen) < 0.6
     logp = torch.zeros(4, 6)
     out = policy_objective(logp, logp - lr, adv, mask, kind="clip", epsilon_low=0.2, epsilon_high=0.28,
-                           dual_clip_c=None)
+                           dual_clip_c=None, cispo_epsilon_low=None)
     m = clip_metrics(out, mask)
     toks = [(math.exp(x), a) for rx, ra, rm in zip(lr.tolist(), adv.tolist(), mask.tolist())
             for x, a, v in zip(rx, ra, rm) if v]

@@ -11,11 +11,12 @@ LN = math.log
 KINDS = sorted(OBJECTIVES)
 
 
-def run(kind, lr, adv, mask=None, eps=(0.2, 0.2), c=None):
-    logp = torch.zeros_like(lr, requires_grad=True)
+def run(kind, lr, adv, mask=None, eps=(0.2, 0.2), c=None, logp0=None, cispo_low=None):
+    logp = (torch.zeros_like(lr) if logp0 is None else logp0.clone()).requires_grad_()
     old = (logp - lr).detach()
     mask = torch.ones_like(lr, dtype=torch.bool) if mask is None else mask
-    out = policy_objective(logp, old, adv, mask, kind=kind, epsilon_low=eps[0], epsilon_high=eps[1], dual_clip_c=c)
+    out = policy_objective(logp, old, adv, mask, kind=kind, epsilon_low=eps[0], epsilon_high=eps[1], dual_clip_c=c,
+                           cispo_epsilon_low=cispo_low)
     return logp, out
 
 
@@ -50,29 +51,42 @@ def test_gspo_and_gspo_token_hand_computed():
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.105171, -1.105171, 0.0]]))
 
 
-def test_cispo_hand_computed():
-    lr = torch.tensor([[LN(2.0), LN(0.5)]])
-    logp, out = run("cispo", lr, torch.tensor([1.0]))
-    # w = clip(r, 0.8, 1.2) = [1.2, 0.8]; loss = -w * A * log ratio; gradient = -w * A.
-    torch.testing.assert_close(out.loss, torch.tensor([[-1.2 * LN(2.0), 0.8 * LN(2.0)]]))
+def test_cispo_hand_computed_as_published():
+    """MiniMax-M1: w = min(r, 1 + eps_high), no lower clamp; loss = -w * A * logp; gradient = -w * A."""
+    lr = torch.tensor([[LN(2.0), LN(0.5), LN(1.1)]])
+    logp0 = torch.tensor([[-0.5, -2.0, -1.0]])
+    logp, out = run("cispo", lr, torch.tensor([1.0]), logp0=logp0)
+    # The old code clamped below too (weight 0.8 at r = 0.5) and logged -w * A * (logp - old).
+    torch.testing.assert_close(out.loss, torch.tensor([[-1.2 * -0.5, -0.5 * -2.0, -1.1 * -1.0]]))
     out.loss.sum().backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([[-1.2, -0.8]]))
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.2, -0.5, -1.1]]))
+    # CISPO counts the weights it clipped, whatever the sign of A; nothing below without a lower clamp.
+    _, out = run("cispo", lr, torch.tensor([-1.0]), logp0=logp0)
+    assert out.high_clipped.tolist() == [[True, False, False]] and not out.low_clipped.any()
 
 
-def naive_token_loss(kind, lr, adv, mask, el, eh, c):
+def test_cispo_optional_lower_clamp():
+    lr = torch.tensor([[LN(2.0), LN(0.5), LN(1.1)]])
+    logp, out = run("cispo", lr, torch.tensor([2.0]), logp0=torch.full((1, 3), -1.0), cispo_low=0.2)
+    out.loss.sum().backward()  # w = [1.2, 0.8, 1.1]
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.4, -1.6, -2.2]]))
+    assert out.low_clipped.tolist() == [[False, True, False]] and out.high_clipped.tolist() == [[True, False, False]]
+
+
+def naive_token_loss(kind, lr, adv, mask, el, eh, c, logp):
     """Per-token loss values with Python floats (loops)."""
     out = []
-    for i, (row_lr, row_a, row_m) in enumerate(zip(lr, adv, mask)):
+    for i, (row_lr, row_a, row_m, row_lp) in enumerate(zip(lr, adv, mask, logp)):
         valid = [x for x, m in zip(row_lr, row_m) if m]
         seq = math.exp(sum(valid) / len(valid)) if valid else 1.0
         row = []
-        for x, a, m in zip(row_lr, row_a, row_m):
+        for x, a, m, lp in zip(row_lr, row_a, row_m, row_lp):
             if not m:
                 row.append(0.0)
                 continue
             r = seq if kind in ("gspo", "gspo_token") else math.exp(x)
             if kind == "cispo":
-                row.append(-min(max(r, 1 - el), 1 + eh) * a * x)
+                row.append(-min(r, 1 + eh) * a * lp)
                 continue
             loss = max(-r * a, -min(max(r, 1 - el), 1 + eh) * a)
             if c is not None and a < 0:
@@ -90,8 +104,9 @@ def test_objectives_match_naive_loop(kind, dual_clip_c):
     lr = torch.randn(5, 6, generator=gen) * 0.5
     adv = torch.randn(5, 6, generator=gen)
     mask = torch.rand(5, 6, generator=gen) < 0.7
-    _, out = run(kind, lr, adv, mask, eps=(0.2, 0.28), c=dual_clip_c)
-    expected = naive_token_loss(kind, lr.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, dual_clip_c)
+    logp0 = -torch.rand(5, 6, generator=gen) * 3
+    _, out = run(kind, lr, adv, mask, eps=(0.2, 0.28), c=dual_clip_c, logp0=logp0)
+    expected = naive_token_loss(kind, lr.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, dual_clip_c, logp0.tolist())
     torch.testing.assert_close(out.loss, torch.tensor(expected), rtol=1e-5, atol=1e-5)
 
 
@@ -102,7 +117,7 @@ def test_ratio_one_gives_reinforce_gradient(kind):
     adv = torch.randn(3, generator=gen)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     out = policy_objective(logp, logp.detach(), adv, mask, kind=kind, epsilon_low=0.2, epsilon_high=0.2,
-                           dual_clip_c=None)
+                           dual_clip_c=None, cispo_epsilon_low=None)
     lengths = mask.sum(dim=1, keepdim=True).float()
     # seq_mean_token_mean aggregation: GSPO's shared sequence ratio gives the same gradient as REINFORCE here.
     (out.loss.sum(dim=1, keepdim=True) / lengths).sum().backward()
@@ -122,7 +137,8 @@ def test_masked_garbage_changes_nothing(kind):
         logp = torch.where(mask, base, torch.full_like(base, garbage)).requires_grad_()
         old = torch.where(mask, old_base, torch.full_like(base, -garbage))
         a = torch.where(mask, adv, torch.full_like(adv, garbage))
-        out = policy_objective(logp, old, a, mask, kind=kind, epsilon_low=0.2, epsilon_high=0.2, dual_clip_c=None)
+        out = policy_objective(logp, old, a, mask, kind=kind, epsilon_low=0.2, epsilon_high=0.2, dual_clip_c=None,
+                               cispo_epsilon_low=None)
         out.loss.sum().backward()
         results.append((out.loss.detach(), logp.grad))
     for loss, grad in results[1:]:
@@ -135,11 +151,11 @@ def test_non_finite_valid_log_ratio_raises():
     logp = torch.tensor([[-1.0, float("nan")]])
     with pytest.raises(ValueError, match="non-finite log-ratio"):
         policy_objective(logp, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2, dtype=torch.bool), kind="clip",
-                         epsilon_low=0.2, epsilon_high=0.2, dual_clip_c=None)
+                         epsilon_low=0.2, epsilon_high=0.2, dual_clip_c=None, cispo_epsilon_low=None)
     with pytest.raises(ValueError, match="advantages"):
         policy_objective(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([float("nan")]),
                          torch.ones(1, 2, dtype=torch.bool), kind="clip", epsilon_low=0.2, epsilon_high=0.2,
-                         dual_clip_c=None)
+                         dual_clip_c=None, cispo_epsilon_low=None)
 
 
 def test_huge_log_ratio_is_clamped_not_inf():

@@ -76,11 +76,11 @@ def test_advantages_are_finite(groups, group_size, seed, nan_frac, scale_rewards
     b = groups * group_size
     rewards = torch.randn(b, generator=gen) * magnitude
     rewards[torch.rand(b, generator=gen) < nan_frac] = float("nan")
-    adv = group_advantages(rewards, group_size, scale_rewards=scale_rewards, epsilon=1e-4)
+    adv = group_advantages(rewards, group_size, estimator="grpo", scale_rewards=scale_rewards, epsilon=1e-4)
     assert torch.isfinite(adv).all()
     assert (adv[torch.isnan(rewards)] == 0).all()
     steps = torch.randn(b, 3, generator=gen) * magnitude
     steps[torch.rand(b, 3, generator=gen) < nan_frac] = float("nan")
     ends = torch.randint(0, 4, (b, 3), generator=gen)
-    assert torch.isfinite(process_advantages(steps, ends, group_size, 4, scale_rewards=scale_rewards,
+    assert torch.isfinite(process_advantages(steps, ends, group_size, 4, estimator="grpo", scale_rewards=scale_rewards,
                                              epsilon=1e-4)).all()

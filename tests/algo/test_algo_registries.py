@@ -10,7 +10,8 @@ from typing import get_args
 import pytest
 
 import grpo_cli.algo
-from grpo_cli.algo.advantages import REWARD_SCALES, group_advantages, process_advantages
+import grpo_cli.train.loss
+from grpo_cli.algo.advantages import ADVANTAGE_ESTIMATORS, REWARD_SCALES, group_advantages, process_advantages
 from grpo_cli.algo.aggregation import AGGREGATIONS, aggregate_loss
 from grpo_cli.algo.importance import IS_ACTIONS, IS_LEVELS, off_policy_sequence_mask, rollout_correction
 from grpo_cli.algo.kl import KL_ESTIMATORS, kl_penalty
@@ -40,6 +41,7 @@ def kw_only(fn):
     ("registry", "model", "field"),
     [
         (REWARD_SCALES, AdvantageConfig, "scale_rewards"),
+        (ADVANTAGE_ESTIMATORS, AdvantageConfig, "estimator"),
         (OBJECTIVES, ObjectiveConfig, "kind"),
         (AGGREGATIONS, AlgorithmConfig, "aggregation"),
         (KL_ESTIMATORS, KLConfig, "estimator"),
@@ -73,6 +75,7 @@ def test_registry_entries_share_one_signature():
     assert all(kw_only(f) == set(ObjectiveConfig.model_fields) - {"kind"} for f in OBJECTIVES.values())
     assert all(kw_only(f) == BATCH_FACTS for f in AGGREGATIONS.values())
     assert all(kw_only(f) == {"threshold", "lower"} for f in IS_ACTIONS.values())
+    assert all(kw_only(f) == set(AdvantageConfig.model_fields) - {"estimator"} for f in ADVANTAGE_ESTIMATORS.values())
 
 
 def test_public_algo_functions_have_no_keyword_defaults_and_a_docstring():
@@ -102,3 +105,26 @@ def test_algo_modules_respect_size_limits_and_imports():
                     top = (mod or "").split(".")[0]
                     assert top in {"torch", "grpo_cli", "__future__", "collections", "typing", "math"}, (path, mod)
                     assert not (mod or "").startswith("grpo_cli.") or mod.startswith("grpo_cli.algo"), (path, mod)
+
+
+def test_every_algorithm_setting_reaches_a_function():
+    """Each leaf of `algorithm:` is a keyword of an algo function, or read by name in the train/loss.py bridge or
+    the loop (listed here with where); a new setting must be added to one of them."""
+    consumed = set().union(*(kw_only(f) for f in (group_advantages, policy_objective, kl_penalty,
+                                                   rollout_correction, off_policy_sequence_mask, aggregate_loss)))
+    bridge = {"loss": "preset expansion", "advantage": "section", "objective": "section", "kl": "section",
+              "is_correction": "section", "num_iterations": "train/loop.py", "entropy_coef": "compute_loss",
+              "mask_truncated_completions": "trained_mask"}
+    leaves = set(AlgorithmConfig.model_fields) | set(AdvantageConfig.model_fields) | set(
+        ObjectiveConfig.model_fields) | set(KLConfig.model_fields) | set(ISCorrectionConfig.model_fields)
+    assert leaves - {"kind"} - set(bridge) <= consumed, leaves - {"kind"} - set(bridge) - consumed
+    source = Path(grpo_cli.train.loss.__file__).read_text()
+    assert all(f"algorithm.{name}" in source for name in ("entropy_coef", "mask_truncated_completions"))
+
+
+def test_dynamic_sampling_keywords_equal_config_fields():
+    from grpo_cli.config.schema import DynamicSamplingConfig
+    from grpo_cli.train.dynamic_sampling import fill_step
+
+    assert set(DynamicSamplingConfig.model_fields) - {"enabled"} <= kw_only(fill_step)
+    assert kw_only(fill_step) - set(DynamicSamplingConfig.model_fields) == {"weights", "group_size", "dist"}

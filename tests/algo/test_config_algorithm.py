@@ -104,6 +104,15 @@ def test_is_mode_aliases(mode, level, action):
         ({"off_policy_sequence_mask_delta": -1}, "off_policy_sequence_mask_delta"),
         ({"loss_type": "dapo"}, "Extra inputs"),
         ({"objective": {"epsilon": 0.2}}, "Extra inputs"),
+        ({"objective": {"cispo_epsilon_low": 0.2}}, "applies to kind 'cispo' only"),
+        ({"objective": {"kind": "cispo", "epsilon_low": 0.3}}, "cispo_epsilon_low for a lower clamp"),
+        ({"objective": {"kind": "cispo", "cispo_epsilon_low": 1.5}}, "cispo_epsilon_low"),
+        ({"advantage": {"estimator": "rloo", "scale_rewards": "batch"}}, "no effect with advantage.estimator 'rloo'"),
+        ({"advantage": {"estimator": "rloo", "epsilon": 1e-3}}, "advantage.epsilon has no effect"),
+        ({"advantage": {"estimator": "reinforce_pp", "scale_rewards": "none"}}, "reinforce_pp"),
+        ({"loss": "dr_grpo", "advantage": {"estimator": "rloo"}}, "dr_grpo sets scale_rewards"),
+        ({"advantage": {"estimator": "gae"}}, "estimator"),
+        ({"entropy_coef": -0.1}, "entropy_coef"),
     ],
 )
 def test_bad_values_are_rejected(section, match):
@@ -112,6 +121,9 @@ def test_bad_values_are_rejected(section, match):
 
 
 def test_accepted_edge_values():
+    assert AlgorithmConfig(objective={"kind": "cispo", "cispo_epsilon_low": 0.5}).objective.cispo_epsilon_low == 0.5
+    assert AlgorithmConfig(objective={"kind": "cispo", "epsilon_high": 4.0}).objective.cispo_epsilon_low is None
+    assert AlgorithmConfig(advantage={"estimator": "reinforce_pp", "epsilon": 1e-6}).advantage.epsilon == 1e-6
     assert AlgorithmConfig(objective={"dual_clip_c": 3.0}).objective.dual_clip_c == 3.0
     assert ISCorrectionConfig(action="truncate", threshold=0.9).lower is None  # truncate: upper side only
     assert ISCorrectionConfig(action="mask", threshold=1.002, lower=0.999).lower == 0.999
@@ -129,3 +141,13 @@ def test_models_are_frozen_strict_and_documented():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             assert field.default_factory is not None, name
+
+
+def test_dynamic_sampling_refuses_vllm_sleep_level_2():
+    from grpo_cli.config.schema import GRPOConfig
+
+    base = {"rollout": {"engine": "vllm", "vllm": {"sleep_level": 2}}, "train": {"dynamic_sampling": {"enabled": True}}}
+    with pytest.raises(ValidationError, match="sleep_level 1"):
+        GRPOConfig.model_validate(base)
+    base["rollout"]["vllm"]["sleep_level"] = 1
+    assert GRPOConfig.model_validate(base).train.dynamic_sampling.max_extra_rounds == 4

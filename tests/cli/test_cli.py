@@ -49,7 +49,8 @@ def test_dry_run_72b_prints_config_plan_and_deepspeed_launch():
     out = result.output
     assert "# resolved config" in out and "name_or_path: Qwen/Qwen2.5-Math-72B" in out
     assert "# batch plan" in out and "# memory per GPU" in out
-    assert "accelerate.commands.launch --num_processes 8" in out and "--use_deepspeed" in out
+    assert "accelerate.commands.launch --num_processes 8" in out and "--multi_gpu" in out
+    assert "# DeepSpeed config" in out and '"stage": 3' in out
     assert '"offload_optimizer"' in out and '"overlap_comm": true' in out
 
 

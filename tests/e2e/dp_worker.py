@@ -1,6 +1,6 @@
 """Worker for test_dp_parity: 3 optimizer steps on a fixed, replayed global batch; rank 0 saves the params.
 
-Run as `python dp_worker.py CKPT OUT AGGREGATION [OVERRIDE ...]` (1 process) or under torchrun (each rank
+Run as `[DP_WORKER_STEPS=3] python dp_worker.py CKPT OUT AGGREGATION [OVERRIDE ...]` (1 process) or under torchrun (each rank
 trains its rows); overrides such as `distributed.backend=fsdp2` pick the training backend. Rank 0 saves the
 consolidated parameters (gathered from shards by the backend's `export_hf`).
 """
@@ -8,6 +8,7 @@ consolidated parameters (gathered from shards by the backend's `export_hf`).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from grpo_cli.config.load import build_config
 from grpo_cli.launch.dist import all_reduce_sum, init_from_env
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.policy import load_policy
-from grpo_cli.train.step import optimizer_step
+from grpo_cli.train.step import batch_logprobs, optimizer_step
 
 B, P, T = 16, 5, 7
 
@@ -35,8 +36,22 @@ def fixed_batch(vocab: int) -> TrainBatch:
     return TrainBatch(ids, attn, cmask, advantages=adv, sampler_logprobs=sampler)
 
 
+def held_bytes(policy) -> dict[str, int]:
+    """Bytes of weights, gradients and AdamW state this rank holds (its shards only)."""
+
+    def size(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list(policy.module.parameters())
+    states = [v for st in policy.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"weights": sum(size(p) for p in params), "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(v) for v in states)}
+
+
 def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
     info = init_from_env("cpu")
+    steps = int(os.environ.get("DP_WORKER_STEPS", "3"))
     cfg = build_config(overrides=[f"model.name_or_path={ckpt}", f"algorithm.aggregation={aggregation}",
                                   "train.micro_batch_size=4", "train.learning_rate=1e-2",
                                   "train.prompts_per_step=2", "train.generations_per_prompt=8",
@@ -45,16 +60,19 @@ def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
     full = fixed_batch(policy.module.config.vocab_size)
     per = B // info.world_size
     batch = full.rows(info.rank * per, (info.rank + 1) * per)
-    for _ in range(3):
+    if policy.ref_model is not None:  # β > 0: the reference (sharded like the policy) scores the batch
+        with policy.backend.compute_context():
+            batch.ref_logprobs = batch_logprobs(policy.ref_model, batch, micro_batch_size=4, temperature=1.0)
+    for _ in range(steps):
         num_items = all_reduce_sum(float(batch.completion_mask.sum()), info)
         optimizer_step(policy, batch, cfg, num_items=num_items, num_sequences=B)
     folder = Path(out).with_suffix(".hf")
-    policy.backend.export_hf(folder)
+    policy.backend.export_hf(folder, dtype=torch.float32)  # the master weights, exactly
     if info.rank == 0:
         weights = load_file(folder / "model.safetensors")
         save_file({k: v.contiguous() for k, v in weights.items()}, out)
         local, total = policy.backend.param_numel()
-        Path(out).with_suffix(".json").write_text(json.dumps({"local": local, "total": total}))
+        Path(out).with_suffix(".json").write_text(json.dumps({"local": local, "total": total, **held_bytes(policy)}))
 
 
 if __name__ == "__main__":

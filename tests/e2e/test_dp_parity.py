@@ -1,38 +1,54 @@
-"""Data-parallel correctness: a 2-process gloo run (torchrun) on the same replayed global batch and seed ends
-with the same parameters as the 1-process run (token_mean counts tokens across ranks; DDP scaling is right)."""
+"""Data-parallel and sharded correctness: a 2-process gloo run (torchrun) on the same replayed global batch and seed
+ends with the same parameters as the 1-process DDP run (token_mean counts tokens across ranks; each backend's
+gradient scaling is right), and the sharded backends hold only their share of the parameters."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
+import json
 from pathlib import Path
 
 import pytest
+from dp_harness import SHARDED, run_worker
 from safetensors.torch import load_file
 
-WORKER = str(Path(__file__).with_name("dp_worker.py"))
+from grpo_cli.config.load import build_config
+from grpo_cli.config.plan import model_shape, training_state_bytes
+
+KL = ["algorithm.kl.beta=0.5"]
+
+@pytest.fixture(scope="module")
+def one_process(tiny_checkpoint, tmp_path_factory):
+    """The 1-process DDP reference, per aggregation."""
+    tmp = tmp_path_factory.mktemp("one")
+    runs = {agg: run_worker(tiny_checkpoint, tmp / f"{agg}.safetensors", agg, procs=1)
+            for agg in ("token_mean", "seq_mean_token_mean")}
+    runs["kl"] = run_worker(tiny_checkpoint, tmp / "kl.safetensors", "token_mean", *KL, procs=1)
+    return runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
-def test_two_process_gloo_equals_one_process(tmp_path, tiny_checkpoint, aggregation):
-    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
-    # A clean environment for the workers: earlier in-process vLLM tests leave RANK/WORLD_SIZE/MASTER_* set.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    env.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
-    subprocess.run([sys.executable, WORKER, tiny_checkpoint, str(one), aggregation], check=True, timeout=300, env=env)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-                    "--master_addr=127.0.0.1", WORKER, tiny_checkpoint, str(two), aggregation],
-                   check=True, timeout=180, env=env)
-    a, b = load_file(one), load_file(two)
+@pytest.mark.parametrize("reference,backend", [
+    ("token_mean", []), ("seq_mean_token_mean", []), ("token_mean", SHARDED), ("kl", SHARDED),
+])
+def test_two_processes_equal_one_process(tmp_path, tiny_checkpoint, one_process, reference, backend):
+    """`reference` names the 1-process run: an aggregation, or `kl` (β > 0: a sharded reference model)."""
+    out = tmp_path / "two.safetensors"
+    aggregation, extra = ("token_mean", KL) if reference == "kl" else (reference, [])
+    a = one_process[reference]
+    b = run_worker(tiny_checkpoint, out, aggregation, *backend, *extra, procs=2)
     initial = load_file(Path(tiny_checkpoint) / "model.safetensors")
     moved = max(float((a[k] - initial[k]).abs().max()) for k in initial)
     assert moved > 1e-3, "the steps must actually change the weights"
+    assert a.keys() == b.keys()
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= 1e-5, f"2-process params differ from 1-process by {worst}"
+    held = json.loads(out.with_suffix(".json").read_text())
+    share = held["local"] / held["total"]
+    assert share <= 0.55 if backend else share == 1.0, held
+    # `grpo plan` computes per-process bytes from the same rules the backends follow
+    cfg = build_config(overrides=[f"model.name_or_path={tiny_checkpoint}", "distributed.num_processes=2", *backend,
+                                  *extra])
+    plan = training_state_bytes(cfg, model_shape(tiny_checkpoint).params)
+    assert model_shape(tiny_checkpoint).params == held["total"]
+    for item in ("weights", "gradients", "optimizer"):
+        assert plan[item] == pytest.approx(held[item], rel=0.01), (item, plan, held)

@@ -10,7 +10,7 @@ import torch
 
 from grpo_cli.rollout import scoring
 from grpo_cli.rollout.packing import packed_mask, plan_packing
-from grpo_cli.rollout.scoring import completion_logprobs
+from grpo_cli.rollout.scoring import completion_logprobs, completion_logprobs_entropy
 
 T = 12
 
@@ -118,3 +118,21 @@ def test_plan_and_mask_of_a_small_batch():
     assert m[5].tolist() == [False, True, True, False, False, True]  # 2nd completion: prompt + itself, not the 1st
     assert m[4].tolist() == [False, True, True, True, True, False]
     assert m[0].tolist() == [True, False, False, False, False, False]  # padding sees only itself
+
+
+def test_entropy_from_the_same_forward_equals_a_full_softmax(tiny_checkpoint):
+    """completion_logprobs_entropy: same logprobs as completion_logprobs; entropy equals -sum p log p of the
+    tempered full softmax at each completion position; its gradient reaches the model only with entropy_grad."""
+    model, (ids, mask) = load(tiny_checkpoint, "sdpa"), group_batch()
+    lp, h = completion_logprobs_entropy(model, ids, mask, logits_to_keep=T, temperature=0.8, entropy_grad=True)
+    torch.testing.assert_close(lp, completion_logprobs(model, ids, mask, logits_to_keep=T, temperature=0.8))
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -T - 1 : -1].double() / 0.8
+        ref = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    widths = (mask[:, -T:] * torch.arange(1, T + 1)).amax(1)
+    valid = torch.arange(T) < widths[:, None]
+    torch.testing.assert_close(h[valid].double(), ref[valid], rtol=1e-4, atol=1e-5)
+    assert (h[~valid] == 0).all() and h.requires_grad
+    _, h = completion_logprobs_entropy(model, ids, mask, logits_to_keep=T, temperature=0.8, entropy_grad=False)
+    assert not h.requires_grad

@@ -161,6 +161,7 @@ class TrainingBackend:
         """Collective: restore what `save_state` wrote."""
         raise NotImplementedError
 
-    def export_hf(self, folder: Path) -> None:
-        """Collective: a consolidated Hugging Face folder (weights in `model.dtype`) written by rank 0."""
+    def export_hf(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
+        """Collective: a consolidated Hugging Face folder written by rank 0, weights in `dtype` (default
+        `model.dtype`; float32 gives the master weights exactly)."""
         raise NotImplementedError

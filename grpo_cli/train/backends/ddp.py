@@ -52,6 +52,6 @@ class DDPBackend(TrainingBackend):
         load_full_weights(self.module, folder)
         self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
 
-    def export_hf(self, folder: Path) -> None:
+    def export_hf(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
         if self.info.is_main:
-            save_hf_folder(self.module, folder, state_dict=None, dtype=compute_dtype(self.cfg))
+            save_hf_folder(self.module, folder, state_dict=None, dtype=dtype or compute_dtype(self.cfg))

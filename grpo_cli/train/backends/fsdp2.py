@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
+from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
 from grpo_cli.train.backends.hf_io import check_names, save_hf_folder, weight_files
 
 DCP_DIR = "dcp"
@@ -93,6 +94,8 @@ class FSDP2Backend(TrainingBackend):
 
     def build(self, model_path: str) -> None:
         cfg = self.cfg
+        if self.device.type == "cpu":
+            return_large_frees_to_os()
         self.module = self.model = self._sharded(model_path, trainable=True)
         if cfg.algorithm.kl.beta > 0:
             self.ref_model = self._sharded(model_path, trainable=False)
@@ -124,9 +127,9 @@ class FSDP2Backend(TrainingBackend):
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
 
-    def export_hf(self, folder: Path) -> None:
+    def export_hf(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.info.is_main:
-            save_hf_folder(self.module, folder, state_dict=full, dtype=compute_dtype(self.cfg))
+            save_hf_folder(self.module, folder, state_dict=full, dtype=dtype or compute_dtype(self.cfg))

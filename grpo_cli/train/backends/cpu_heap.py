@@ -1,0 +1,28 @@
+"""glibc heap settings for sharded training on CPU: large tensors come from mmap and go back to the OS when freed.
+
+FSDP2 gathers and frees every layer's full parameters and gradients at each step; with glibc's dynamic mmap
+threshold those buffers land in the heap after the first large free and stay resident as fragments. Measured on
+the 50M benchmark model, 2 gloo ranks, 3 AdamW steps: peak RSS 1512 MB (more than ddp's 1475 MB) with the
+defaults, 994 MB with a fixed 1 MiB threshold; the default `grpo train` ran 47 vs 50 s (noise) with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+THRESHOLD_BYTES = 1 << 20
+
+
+def return_large_frees_to_os() -> bool:
+    """Fix glibc's mmap and trim thresholds at 1 MiB for this process (True when glibc took them)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False

@@ -1,0 +1,36 @@
+"""Run tests/e2e/dp_worker.py on 1 or 2 gloo processes and read back the parameters rank 0 saved."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+WORKER = str(Path(__file__).with_name("dp_worker.py"))
+# A clean environment for the workers: earlier in-process vLLM tests leave RANK/WORLD_SIZE/MASTER_* set.
+_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+SHARDED = ["distributed.backend=fsdp2", "rollout.engine=vllm"]  # hf colocate cannot share sharded weights
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    env.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
+    return env
+
+
+def run_worker(ckpt: str, out: Path, aggregation: str, *overrides: str, procs: int) -> dict:
+    """Run dp_worker.py on `procs` processes; returns the consolidated parameters rank 0 saved."""
+    if procs == 1:
+        cmd = [sys.executable, WORKER]
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={port}",
+               "--master_addr=127.0.0.1", WORKER]
+    subprocess.run([*cmd, ckpt, str(out), aggregation, *overrides], check=True, timeout=300, env=_env())
+    return load_file(out)
