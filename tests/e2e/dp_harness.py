@@ -14,6 +14,9 @@ WORKER = str(Path(__file__).with_name("dp_worker.py"))
 # A clean environment for the workers: earlier in-process vLLM tests leave RANK/WORLD_SIZE/MASTER_* set.
 _DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
 SHARDED = ["distributed.backend=fsdp2", "rollout.engine=vllm"]  # hf colocate cannot share sharded weights
+ZERO2 = ["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=2"]
+ZERO3 = ["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=3", "rollout.engine=vllm"]
+ZERO3_OFFLOAD = [*ZERO3, "distributed.deepspeed.offload_optimizer=true"]
 
 
 def _env() -> dict:
@@ -22,8 +25,9 @@ def _env() -> dict:
     return env
 
 
-def run_worker(ckpt: str, out: Path, aggregation: str, *overrides: str, procs: int) -> dict:
-    """Run dp_worker.py on `procs` processes; returns the consolidated parameters rank 0 saved."""
+def run_worker(ckpt: str, out: Path, aggregation: str, *overrides: str, procs: int, **env: str) -> dict:
+    """Run dp_worker.py on `procs` processes (extra environment `env`, e.g. DP_WORKER_STEPS); returns the
+    consolidated parameters rank 0 saved."""
     if procs == 1:
         cmd = [sys.executable, WORKER]
     else:
@@ -32,5 +36,5 @@ def run_worker(ckpt: str, out: Path, aggregation: str, *overrides: str, procs: i
             port = sock.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={port}",
                "--master_addr=127.0.0.1", WORKER]
-    subprocess.run([*cmd, ckpt, str(out), aggregation, *overrides], check=True, timeout=300, env=_env())
+    subprocess.run([*cmd, ckpt, str(out), aggregation, *overrides], check=True, timeout=600, env={**_env(), **env})  # 1st DeepSpeed run JIT-builds its shm op
     return load_file(out)

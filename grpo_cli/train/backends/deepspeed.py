@@ -135,7 +135,8 @@ class DeepSpeedBackend(TrainingBackend):
         config = reference_config(ds_config)
         ref = build_partitioned(self.cfg, model_path, ds_config=config, dtype=dtype).eval().requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=ref, config=config)
-        return engine.eval()
+        engine.eval()  # DeepSpeedEngine.eval returns None
+        return engine
 
     # ---- one optimizer step ------------------------------------------------------------------------------
     def accumulation_context(self, *, last: bool):
@@ -217,17 +218,29 @@ class DeepSpeedBackend(TrainingBackend):
         if path is None:
             raise CheckpointError(f"{folder / TAG} holds no DeepSpeed checkpoint; resume from another checkpoint.")
 
-    def export_hf(self, folder: Path) -> None:
-        """Gather parameters bucket by bucket (`weight_sync.stream_named_tensors`); rank 0 keeps host copies."""
-        from grpo_cli.train.weight_sync import stream_named_tensors
-
-        stats: dict = {"tensors": 0, "bytes": 0, "copies": {}}
+    def export_hf(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
+        """Rank 0 writes the gathered parameters: the module's (compute-dtype) weights bucket by bucket
+        (`weight_sync.stream_named_tensors`), or DeepSpeed's float32 masters when float32 is asked of a 16-bit run."""
+        dtype = dtype or compute_dtype(self.cfg)
         full: dict[str, torch.Tensor] = {}
-        for name, tensor in stream_named_tensors(self.module, bucket_mb=self.cfg.distributed.weight_sync_bucket_mb,
-                                                 peft=False, stats=stats, keep_copies=set()):
+        for name, tensor in self._full_tensors(masters=dtype == torch.float32 != compute_dtype(self.cfg)):
             if self.info.is_main:
                 full[name] = tensor.to("cpu", copy=True)
         if self.info.is_main:
             buffers = {n for n, _ in self.module.named_buffers()}
             full.update({k: v for k, v in self.module.state_dict().items() if k in buffers})
-            save_hf_folder(self.module, folder, state_dict=full, dtype=compute_dtype(self.cfg))
+            save_hf_folder(self.module, folder, state_dict=full, dtype=dtype)
+
+    def _full_tensors(self, *, masters: bool):
+        """(name, full tensor) of every parameter; collective."""
+        if masters:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            for name, param in self.module.named_parameters():
+                yield name, safe_get_full_fp32_param(param)
+            return
+        from grpo_cli.train.weight_sync import stream_named_tensors
+
+        stats: dict = {"tensors": 0, "bytes": 0, "copies": {}}
+        yield from stream_named_tensors(self.module, bucket_mb=self.cfg.distributed.weight_sync_bucket_mb,
+                                        peft=False, stats=stats, keep_copies=set())
