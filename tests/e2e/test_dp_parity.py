@@ -75,17 +75,3 @@ def test_zero3_checkpoint_round_trip_is_exact(tmp_path, tiny_checkpoint, one_pro
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= 1e-5, f"resumed params differ from the uninterrupted run by {worst}"
 
-
-@pytest.mark.slow
-def test_zero3_bf16_moves_float32_masters(tmp_path, tiny_checkpoint):
-    """model.dtype=bfloat16 under ZeRO-3: bf16 compute, float32 masters (DeepSpeed bf16 mode). At lr 1e-6, 5 steps
-    move ≥ 99% of the master weights away from where they started (the checkpoint rounded to bf16 by the load);
-    updates this small vanish below bf16's spacing when the weights themselves are bf16 (0.95% moved)."""
-    out = tmp_path / "bf16.safetensors"
-    moved = run_worker(tiny_checkpoint, out, "token_mean", *ZERO3, "model.dtype=bfloat16",
-                       "train.learning_rate=1e-6", procs=2, DP_WORKER_STEPS="5")
-    start = {k: v.to(torch.bfloat16).float() for k, v in load_file(Path(tiny_checkpoint) / "model.safetensors").items()}
-    changed = sum(int((moved[k] != start[k]).sum()) for k in start) / sum(v.numel() for v in start.values())
-    assert changed >= 0.99, f"only {changed:.2%} of the parameters changed"
-    config = json.loads((out.parent / "bf16.hf" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"]
