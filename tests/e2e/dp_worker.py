@@ -1,7 +1,7 @@
 """Worker for test_dp_parity: 3 optimizer steps on a fixed, replayed global batch; rank 0 saves the params.
 
 With `DP_WORKER_RESUME_AT=k` the run writes a checkpoint after step k (train/checkpoint.py, through the backend)
-and continues from it in a freshly built policy; rank 0 also saves the weights just before the save and just after
+and continues from it in a freshly built policy (`DP_WORKER_ABANDON=1`: a step abandoned mid-accumulation first); rank 0 also saves the weights just before the save and just after
 the load (OUT with suffixes .saved / .loaded). Run as `[DP_WORKER_STEPS=3] python dp_worker.py CKPT OUT AGGREGATION [OVERRIDE ...]` (1 process) or under torchrun (each rank
 trains its rows); overrides such as `distributed.backend=fsdp2` pick the training backend. Rank 0 saves the
 consolidated parameters (gathered from shards by the backend's `export_hf`).
@@ -21,7 +21,7 @@ from grpo_cli.config.load import build_config
 from grpo_cli.launch.dist import all_reduce_sum, init_from_env
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.policy import load_policy
-from grpo_cli.train.step import batch_logprobs, optimizer_step
+from grpo_cli.train.step import batch_logprobs, forward_logprobs, optimizer_step
 
 B, P, T = 16, 5, 7
 
@@ -59,6 +59,17 @@ def export(policy, out: Path, info) -> None:
         save_file({k: v.contiguous() for k, v in load_file(folder / "model.safetensors").items()}, out)
 
 
+def abandon_accumulation(policy, batch: TrainBatch) -> None:
+    """What a non-finite loss on a later micro-batch leaves behind: one micro-batch's gradients accumulated (large,
+    ×100), then the step abandoned with `zero_grad`. The next steps must not see any of it."""
+    backend = policy.backend
+    backend.zero_grad()
+    with backend.accumulation_context(last=False), backend.compute_context():
+        logprobs = forward_logprobs(policy.model, batch.rows(0, 4), temperature=1.0)
+        backend.backward((logprobs * batch.completion_mask[:4]).sum() * 100.0)
+    backend.zero_grad()
+
+
 def save_and_reload(policy, cfg, ckpt: str, out: Path, info):
     """Checkpoint (collective), then a fresh policy restored from it: the round trip a resume takes."""
     from grpo_cli.train.checkpoint import load_checkpoint, save_checkpoint
@@ -85,6 +96,8 @@ def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
     if policy.ref_model is not None:  # β > 0: the reference (sharded like the policy) scores the batch
         with policy.backend.compute_context():
             batch.ref_logprobs = batch_logprobs(policy.ref_model, batch, micro_batch_size=4, temperature=1.0)
+    if os.environ.get("DP_WORKER_ABANDON"):
+        abandon_accumulation(policy, batch)
     resume_at = int(os.environ.get("DP_WORKER_RESUME_AT", "-1"))
     for step in range(steps):
         num_items = all_reduce_sum(float(batch.completion_mask.sum()), info)

@@ -156,19 +156,17 @@ class DeepSpeedBackend(TrainingBackend):
         self.engine.zero_grad()
 
     def _discard_accumulated(self) -> None:
-        """DeepSpeed's own clean-up after an overflow: gradients, partitions and host buffers emptied."""
-        opt = self.optimizer
-        opt.zero_grad(set_to_none=True)
+        """Drop gradients accumulated before an abandoned step. ZeRO-1/2: one boundary micro-batch with a NaN loss,
+        so DeepSpeed's own overflow path clears every buffer and applies nothing; ZeRO-3: its overflow clean-up
+        directly (its parameters are partitioned). Collective, like the step it replaces."""
         if self.stage == 3:
-            opt._overflow_clean_up(opt.loss_scale)
+            self.optimizer._overflow_clean_up(self.optimizer.loss_scale)
         else:
-            opt._release_preflattened_grad_buffers()
-            if opt.cpu_offload:
-                opt.reset_cpu_buffers()
-            for k in list(opt.averaged_gradients):
-                opt.averaged_gradients[k] = None
-                opt.all_grad_tensors[k] = None
-            opt.micro_step_id = -1  # INITIAL_MICRO_STEP_ID, as after a step
+            self.engine.set_gradient_accumulation_boundary(True)
+            ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            loss = self.engine(input_ids=ids).logits.float().sum() * math.nan
+            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.step()
         self.engine.set_gradient_accumulation_boundary(True)
         self._pending = False
 
