@@ -36,5 +36,6 @@ def run_worker(ckpt: str, out: Path, aggregation: str, *overrides: str, procs: i
             port = sock.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={port}",
                "--master_addr=127.0.0.1", WORKER]
-    subprocess.run([*cmd, ckpt, str(out), aggregation, *overrides], check=True, timeout=600, env={**_env(), **env})  # 1st DeepSpeed run JIT-builds its shm op
+    # timeout: the first DeepSpeed run JIT-builds its shared-memory allreduce op (minutes on a loaded machine)
+    subprocess.run([*cmd, ckpt, str(out), aggregation, *overrides], check=True, timeout=600, env={**_env(), **env})
     return load_file(out)

@@ -1,10 +1,11 @@
 """Worker for test_dp_parity: 3 optimizer steps on a fixed, replayed global batch; rank 0 saves the params.
 
-With `DP_WORKER_RESUME_AT=k` the run writes a checkpoint after step k (train/checkpoint.py, through the backend)
-and continues from it in a freshly built policy (`DP_WORKER_ABANDON=1`: a step abandoned mid-accumulation first); rank 0 also saves the weights just before the save and just after
-the load (OUT with suffixes .saved / .loaded). Run as `[DP_WORKER_STEPS=3] python dp_worker.py CKPT OUT AGGREGATION [OVERRIDE ...]` (1 process) or under torchrun (each rank
-trains its rows); overrides such as `distributed.backend=fsdp2` pick the training backend. Rank 0 saves the
-consolidated parameters (gathered from shards by the backend's `export_hf`).
+Run as `[DP_WORKER_STEPS=3] python dp_worker.py CKPT OUT AGGREGATION [OVERRIDE ...]` (1 process) or under torchrun
+(each rank trains its rows); overrides such as `distributed.backend=fsdp2` pick the training backend. Rank 0 saves
+the consolidated parameters (gathered from shards by the backend's `export_hf`). `DP_WORKER_ABANDON=1` first
+abandons a step mid-accumulation; `DP_WORKER_RESUME_AT=k` writes a checkpoint after step k (train/checkpoint.py,
+through the backend) and continues from it in a freshly built policy, rank 0 also saving the weights just before
+the save and just after the load (OUT with suffixes .saved / .loaded).
 """
 
 from __future__ import annotations

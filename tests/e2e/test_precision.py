@@ -1,6 +1,6 @@
 """bf16 compute with float32 master weights: small updates are kept (lr 1e-6 on bf16 weights used to move under 1%
-of the parameters), under ddp (autocast), fsdp2 (MixedPrecisionPolicy) and DeepSpeed ZeRO-3 (its bf16 mode), and a bf16 run of the default preset
-learns."""
+of the parameters), under ddp (autocast), fsdp2 (MixedPrecisionPolicy) and DeepSpeed ZeRO-3 (its bf16 mode), and
+a bf16 run of the default preset learns."""
 
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ def test_bf16_small_lr_moves_the_parameters_zero3(tmp_path, tiny_checkpoint):
     start as the checkpoint rounded to bf16 (the weights it loads). `export_hf(dtype=float32)` writes the masters."""
     out = tmp_path / "w.safetensors"
     after = run_worker(tiny_checkpoint, out, "token_mean", *ZERO3, *BF16_SMALL_LR, procs=2, DP_WORKER_STEPS="5")
-    initial = {k: v.to(torch.bfloat16).float() for k, v in load_file(Path(tiny_checkpoint) / "model.safetensors").items()}
+    checkpoint = load_file(Path(tiny_checkpoint) / "model.safetensors")
+    initial = {k: v.to(torch.bfloat16).float() for k, v in checkpoint.items()}
     assert after["lm_head.weight"].dtype == torch.float32
     assert moved_fraction(initial, after, exclude=("model.embed_tokens",)) >= 0.99
     config = json.loads((out.with_suffix(".hf") / "config.json").read_text())

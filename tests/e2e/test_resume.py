@@ -25,8 +25,8 @@ VARIANTS = {
     "tiny-cpu": ["--preset", "tiny-cpu"],
     "tiny-cpu-async": ["--preset", "tiny-cpu-async"],
     "fsdp2": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set", "distributed.backend=fsdp2"],
-    "zero3": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set", "distributed.backend=deepspeed",
-              "--set", "distributed.deepspeed.zero_stage=3"],
+    "zero3": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2",
+              "--set", "distributed.backend=deepspeed", "--set", "distributed.deepspeed.zero_stage=3"],
 }
 
 
