@@ -11,8 +11,9 @@ from grpo_cli.config.schema import GRPOConfig
 def deepspeed_config(cfg: GRPOConfig) -> dict:
     """DeepSpeed JSON for `distributed.deepspeed`: what the deepspeed backend passes to `zero.Init` and
     `deepspeed.initialize` (and `--dry-run` prints). Batch sizes are the batch plan's (one optimizer step per
-    `clip_and_step`); the optimizer is grpo-cli's torch AdamW (`zero_force_ds_cpu_optimizer: false` lets it step on the host under
-    `offload_optimizer`); bf16/fp16 mode keeps float32 masters and skips steps whose gradient is not finite."""
+    `clip_and_step`); the optimizer is grpo-cli's torch AdamW (`zero_force_ds_cpu_optimizer: false` lets it step
+    on the host under `offload_optimizer`); bf16/fp16 mode keeps float32 masters and skips steps whose gradient is
+    not finite."""
     from grpo_cli.config.plan import batch_plan
 
     ds, plan = cfg.distributed.deepspeed, batch_plan(cfg)
