@@ -115,6 +115,13 @@ def _check_distributed(cfg: GRPOConfig) -> None:
         )
     if d.deepspeed.offload_params and d.deepspeed.zero_stage != 3:
         raise ValueError("distributed.deepspeed.offload_params needs zero_stage 3; set zero_stage=3 or turn it off.")
+    if d.backend == "deepspeed" and d.deepspeed.zero_stage == 3 and d.offload.optimizer \
+            and not d.deepspeed.offload_optimizer:
+        raise ValueError(
+            "distributed.offload.optimizer with ZeRO-3: DeepSpeed's offload_states moves ZeRO-3 optimizer state only "
+            "for its CUDA FusedAdam, and grpo-cli steps torch AdamW. Set distributed.deepspeed.offload_optimizer=true "
+            "(the optimizer state then stays in host memory, nothing to move) or distributed.offload.optimizer=false."
+        )
 
 
 def check_rules(cfg: GRPOConfig) -> None:

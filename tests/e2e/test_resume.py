@@ -1,8 +1,9 @@
 """Exact resume: a run killed (SIGKILL), interrupted (SIGINT) or hung up (SIGHUP: its terminal closed) and resumed
 ends with the same parameters as an uninterrupted run with the same seed, in sync mode (tiny-cpu), in async mode
 (tiny-cpu-async: the batches in flight at the checkpoint are saved and restored, the Ray rollout actor is
-re-synced), and sharded: fsdp2 on 2 gloo processes with vLLM colocated (DCP shards; the whole process group is
-killed, as when a node dies)."""
+re-synced), and sharded: fsdp2 (DCP shards) and DeepSpeed ZeRO-3 (its own per-rank files) on 2 gloo processes with
+vLLM colocated, the whole process tree killed, as when a node dies. SIGINT and SIGHUP take the same save path as
+each other, so the sharded variants run SIGKILL only and SIGHUP runs in sync mode only (CI time)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ VARIANTS = {
     "tiny-cpu": ["--preset", "tiny-cpu"],
     "tiny-cpu-async": ["--preset", "tiny-cpu-async"],
     "fsdp2": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set", "distributed.backend=fsdp2"],
+    "zero3": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2",
+              "--set", "distributed.backend=deepspeed", "--set", "distributed.deepspeed.zero_stage=3"],
 }
 
 
@@ -62,12 +65,25 @@ def _signal_tree(pid: int, sig: int) -> None:
         p.send_signal(sig)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def reference_run(request, tmp_path_factory) -> tuple[str, Path]:
-    tmp = tmp_path_factory.mktemp("ref")
-    subprocess.run(_cmd(request.param, tmp / "run"), check=True, env=_env(tmp), cwd=tmp, capture_output=True,
-                   timeout=600)
-    return request.param, tmp / "run"
+CASES = [("tiny-cpu", signal.SIGKILL), ("tiny-cpu", signal.SIGINT), ("tiny-cpu", signal.SIGHUP),
+         ("tiny-cpu-async", signal.SIGKILL), ("tiny-cpu-async", signal.SIGINT),
+         ("fsdp2", signal.SIGKILL), ("zero3", signal.SIGKILL)]
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory):
+    """The uninterrupted run of each variant, made on first use."""
+    runs: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in runs:
+            tmp = tmp_path_factory.mktemp("ref")
+            subprocess.run(_cmd(variant, tmp / "run"), check=True, env=_env(tmp), cwd=tmp, capture_output=True,
+                           timeout=600)
+            runs[variant] = tmp / "run"
+        return runs[variant]
+
+    return get
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -77,13 +93,8 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGHUP])
-def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_run, sig):
-    preset, reference = reference_run
-    if sig == signal.SIGHUP and preset != "tiny-cpu":
-        pytest.skip("SIGHUP takes the SIGINT path; checked once, in sync mode")
-    if preset == "fsdp2" and sig == signal.SIGINT:
-        pytest.skip("the sharded variant runs SIGKILL only (SIGINT takes the same save path; CI time)")
+@pytest.mark.parametrize("preset,sig", CASES, ids=[f"{v}-{s.name}" for v, s in CASES])
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_runs, preset, sig):
     run = tmp_path / "run"
     proc = subprocess.Popen(_cmd(preset, run, "--set", "checkpoint.every_steps=2"), env=_env(tmp_path), cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -106,4 +117,4 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_run, 
     assert "resumed from" in resumed.stdout and "data cursor" in resumed.stdout
     if preset == "tiny-cpu-async":
         assert "1 rollout batch(es) in flight restored" in resumed.stdout, resumed.stdout
-    _assert_same(_weights(run), _weights(reference))
+    _assert_same(_weights(run), _weights(reference_runs(preset)))
