@@ -36,6 +36,8 @@ def apply_lora(cfg: GRPOConfig, module: torch.nn.Module) -> torch.nn.Module:
         task_type="CAUSAL_LM", r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
         target_modules=lc.target_modules, modules_to_save=list(lc.modules_to_save) or None,
     )
+    if cfg.model.gradient_checkpointing:  # checkpointed blocks need an input that requires grad (frozen embeddings)
+        module.enable_input_require_grads()
     try:
         return peft.get_peft_model(module, config)
     except ValueError as exc:
