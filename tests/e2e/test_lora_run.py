@@ -32,6 +32,14 @@ def test_tiny_cpu_lora_learns_and_exports_the_adapter(tmp_path):
     assert peft.PeftConfig.from_pretrained(str(adapter)).r == 16
     assert not (tmp_path / "run" / "final-model").exists()  # merged export only on request
     assert "eval/reward/mean" in rows[9] and "eval/reward/mean" not in rows[8]
+    # `grpo eval` on the run: the adapter merged into its base, evaluated like the last in-training eval.
+    env = {**os.environ, "GRPO_CLI_CACHE": str(tmp_path / "cache")}
+    ev = subprocess.run([sys.executable, "-m", "grpo_cli", "eval", str(tmp_path / "run")], capture_output=True,
+                        text=True, timeout=600, env=env, cwd=tmp_path)
+    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["model"].endswith("final-adapter") and report["data"] == "builtin:words:heldout"
+    assert abs(report["metrics"]["eval/reward/mean"] - rows[-1]["eval/reward/mean"]) < 0.5, (report, rows[-1])
 
 
 TOPOLOGIES = {

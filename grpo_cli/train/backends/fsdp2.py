@@ -12,6 +12,7 @@ import torch
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
 from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
 from grpo_cli.train.backends.hf_io import check_names, save_hf_folder, weight_files
+from grpo_cli.train.checkpoint import CheckpointError
 from grpo_cli.train.lora import apply_lora, checkpoint_name, init_adapter
 
 DCP_DIR = "dcp"
@@ -71,7 +72,8 @@ def load_sharded(module: torch.nn.Module, folder: str, *, rank: int, world: int,
             if source is None:
                 continue
             if source not in files:
-                check_names(module.get_base_model(), set(files), Path(folder))
+                raise CheckpointError(f"{folder} has no tensor '{source}' (for the LoRA model's {name}); "
+                                      "model.name_or_path must be the base model the adapter is trained on.")
             path = files[source]
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
