@@ -2,7 +2,8 @@
 uninterrupted run with the same seed, in sync mode (tiny-cpu), in async mode (tiny-cpu-async: the batches
 in flight at the checkpoint are saved and restored, the Ray rollout actor is re-synced), and sharded: fsdp2 on 2
 gloo processes with vLLM colocated (DCP shards; the whole process group is killed, as when a node dies), and a
-LoRA policy (tiny-cpu-lora: the checkpoint holds the adapter and its optimizer state; the adapter is compared)."""
+LoRA policy, on ddp (tiny-cpu-lora) and fsdp2 (the checkpoint holds the adapter and its optimizer state, the
+frozen base is read again; the adapter is compared)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ VARIANTS = {
     "tiny-cpu-async": ["--preset", "tiny-cpu-async"],
     "fsdp2": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set", "distributed.backend=fsdp2"],
     "tiny-cpu-lora": ["--preset", "tiny-cpu-lora"],
+    "fsdp2-lora": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set",
+                   "distributed.backend=fsdp2", "--set", "model.lora={modules_to_save: [lm_head]}"],
 }
 
 
@@ -84,7 +87,7 @@ def _assert_same(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_run, sig):
     preset, reference = reference_run
-    if preset in ("fsdp2", "tiny-cpu-lora") and sig == signal.SIGINT:
+    if preset in ("fsdp2", "tiny-cpu-lora", "fsdp2-lora") and sig == signal.SIGINT:
         pytest.skip("the sharded and LoRA variants run SIGKILL only (SIGINT takes the same save path; CI time)")
     run = tmp_path / "run"
     proc = subprocess.Popen(_cmd(preset, run, "--set", "checkpoint.every_steps=2"), env=_env(tmp_path), cwd=tmp_path,

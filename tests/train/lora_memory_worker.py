@@ -1,12 +1,16 @@
-"""Worker for test_lora_memory: build a policy (`CKPT OVERRIDE...`), run the reference and policy logprob passes
-and one optimizer step as the loop does, and print the process's peak RSS in MB as JSON."""
+"""Worker for test_lora_memory: build a policy (`CKPT OVERRIDE...`), run the reference and policy forward passes
+and one optimizer step as the loop does, and print the resident memory that stays allocated (RSS after garbage
+collection and `malloc_trim`, so transient load-time buffers do not count) and the peak, in MB, as JSON."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import resource
 import sys
 
+import psutil
 import torch
 
 from grpo_cli.config.load import build_config
@@ -23,7 +27,11 @@ def main(ckpt: str, *sets: str) -> None:
     loss = policy.model(input_ids=ids, labels=ids).loss
     policy.backend.backward(loss)
     policy.backend.clip_and_step()
-    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    anon = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+    print(json.dumps({"anon_rss_mb": anon / 1024, "rss_mb": psutil.Process().memory_info().rss / 2**20,
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 if __name__ == "__main__":

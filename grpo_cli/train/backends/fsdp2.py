@@ -146,7 +146,7 @@ class FSDP2Backend(TrainingBackend):
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=self._options())
+                       optim_state_dict=state["optim"], options=self._options(strict=self.cfg.model.lora is None))
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
