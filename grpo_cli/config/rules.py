@@ -124,8 +124,28 @@ def _check_distributed(cfg: GRPOConfig) -> None:
         )
 
 
+def _check_lora_and_eval(cfg: GRPOConfig) -> None:
+    if cfg.model.lora is not None and cfg.distributed.backend == "deepspeed":
+        raise ValueError(
+            "model.lora is not available with distributed.backend 'deepspeed' yet; use distributed.backend=ddp or "
+            "fsdp2 (fsdp2 shards the frozen base as well), or set model.lora: null."
+        )
+    e, world = cfg.eval, cfg.distributed.num_processes * cfg.distributed.num_machines
+    if e.every_steps and e.source == "auto" and not cfg.data.source.startswith("builtin:"):
+        raise ValueError(
+            f"eval.source 'auto' is the held-out split of a built-in task, but data.source is '{cfg.data.source}'; "
+            "point eval.source at your evaluation prompts (.jsonl, .parquet or a saved datasets folder)."
+        )
+    if e.every_steps and e.num_prompts % world:
+        raise ValueError(
+            f"eval.num_prompts={e.num_prompts} is not divisible by the {world} training processes that share the "
+            f"evaluation; use a multiple of {world}."
+        )
+
+
 def check_rules(cfg: GRPOConfig) -> None:
     """Raise ValueError (naming the field and the fix) when fields contradict each other."""
     _check_batch(cfg)
     _check_rollout(cfg)
     _check_distributed(cfg)
+    _check_lora_and_eval(cfg)

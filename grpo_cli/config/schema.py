@@ -12,6 +12,25 @@ from grpo_cli.config.base import Section
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+class LoraConfig(Section):
+    """A LoRA adapter (PEFT) trained in place of the full weights."""
+
+    r: int = Field(16, ge=1)
+    """Rank of the low-rank update B·A of every targeted weight."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale of the update: W + (alpha / r)·B·A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training (0 keeps the training forward deterministic)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (suffixes, e.g. `[q_proj, v_proj]`) that get an adapter; `all-linear` targets every linear
+    layer except the output head."""
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Modules trained in full beside the adapter (e.g. `[lm_head]`); saved with the adapter."""
+    export_merged: bool = False
+    """Also export the merged model (base + adapter, an ordinary Hugging Face folder) as `final-model/` at the end
+    of the run; the adapter alone is always exported as `final-adapter/`."""
+
+
 class ModelConfig(Section):
     name_or_path: str = "builtin:tiny"
     """Policy checkpoint: a local folder in Hugging Face format, a hub id already in the local cache, or
@@ -29,6 +48,10 @@ class ModelConfig(Section):
     """Attention kernel used by the trainer's forward passes."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter (PEFT, `pip install 'grpo-cli[lora]'`) instead of every weight; null trains the full
+    model. The reference model (β > 0) is the same model with the adapter disabled, and weight sync sends the
+    merged weights."""
 
 
 class DataConfig(Section):
@@ -286,6 +309,30 @@ class CheckpointConfig(Section):
     """`auto` (latest checkpoint in the output dir) or a checkpoint path."""
 
 
+class EvalConfig(Section):
+    """Held-out evaluation during training: the run's own engine samples, the run's reward functions score."""
+
+    source: str = "auto"
+    """Evaluation prompts, in any format `data.source` takes; `auto` is the held-out split of a built-in task
+    (`builtin:NAME:heldout`, prompts the training split never contains)."""
+    every_steps: int = Field(0, ge=0)
+    """Evaluate every N optimizer steps (and after the last one); 0 turns evaluation off."""
+    num_prompts: int = Field(32, ge=1)
+    """Prompts evaluated each time (the first N of `source`, fixed across evaluations), split over processes."""
+    generations_per_prompt: int = Field(4, ge=1)
+    """Completions sampled per evaluation prompt (n of pass@k; k runs over 1, 2, 4, … up to n)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of evaluation completions."""
+    max_completion_length: int | None = Field(None, ge=1)
+    """Most tokens per evaluation completion; default `rollout.max_completion_length`."""
+    pass_threshold: float = 1.0
+    """A completion counts as correct for pass@k when its (weighted, summed) reward is at least this."""
+    metrics: list[Literal["reward", "per_function", "pass_at_k", "length"]] = Field(
+        default_factory=lambda: ["reward", "per_function", "pass_at_k", "length"])
+    """What to log: `reward` (eval/reward/mean), `per_function` (eval/<fn>/mean), `pass_at_k` (eval/pass@k),
+    `length` (eval/completions/mean_length)."""
+
+
 class LoggingConfig(Section):
     output_dir: str | None = None
     """Run directory; default `runs/<preset>-<timestamp>`."""
@@ -318,6 +365,8 @@ class GRPOConfig(Section):
     """Processes, devices, parallelism and offload."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Saving and resuming."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation during training (and the settings `grpo eval` uses)."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Progress display and logs."""
 

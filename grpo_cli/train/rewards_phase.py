@@ -35,16 +35,18 @@ def decode_completions(tokenizer, rollout: RolloutBatch) -> list[str]:
     return tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
 
 
-def score_rollout(cfg: GRPOConfig, fns: list[RewardFn], tokenizer, prompts: list[Prompt],
-                  rollout: RolloutBatch) -> ScoredRollout:
-    """Decode the completions of `prompts` (each repeated G times) and score them with every reward function.
-    Functions that name `completion_ids` or `max_completion_length` as parameters receive them."""
-    g = cfg.train.generations_per_prompt
+def score_rollout(cfg: GRPOConfig, fns: list[RewardFn], tokenizer, prompts: list[Prompt], rollout: RolloutBatch,
+                  *, group_size: int | None = None, max_completion_length: int | None = None) -> ScoredRollout:
+    """Decode the completions of `prompts` (each repeated G times; G = `group_size`, default the training group
+    size) and score them with every reward function. Functions that name `completion_ids` or
+    `max_completion_length` (default `rollout.max_completion_length`) as parameters receive them."""
+    g = group_size or cfg.train.generations_per_prompt
     completions = decode_completions(tokenizer, rollout)
     texts = [p.text for p in prompts for _ in range(g)]
     keys = prompts[0].columns.keys() if prompts else []
     columns = {k: [p.columns.get(k) for p in prompts for _ in range(g)] for k in keys}
-    extras = {"completion_ids": rollout.completion_ids, "max_completion_length": cfg.rollout.max_completion_length}
+    extras = {"completion_ids": rollout.completion_ids,
+              "max_completion_length": max_completion_length or cfg.rollout.max_completion_length}
     outcome = [f for f in fns if f.kind == "outcome"]
     table, errors = score(outcome, texts, completions, columns, on_error=cfg.rewards.on_error, extras=extras)
     per_func = torch.tensor(table, dtype=torch.float32).reshape(len(completions), len(outcome))

@@ -57,6 +57,10 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, *, log=print) -> Trainer:
                                 verify=verify, probe=[prompts[0].ids])
 
         trainer.sync = sync
+    if cfg.eval.every_steps:
+        from grpo_cli.eval.runner import training_hook
+
+        trainer.evaluate = training_hook(trainer)
     if cfg.rollout.mode == "async":
         trainer.pipeline = RolloutPipeline(
             engine, cursor, max_staleness=cfg.rollout.max_staleness, total_steps=cfg.train.steps,
@@ -108,12 +112,24 @@ def _resume(tr: Trainer, path: Path, state: LoopState, log) -> None:
 
 
 def export_final_model(tr: Trainer, path: Path, log) -> None:
-    """A consolidated Hugging Face folder (`final-model/`, weights in `model.dtype`) gathered from any backend."""
-    out = path / "final-model"
-    tr.policy.backend.export_hf(out)
+    """A consolidated Hugging Face folder (`final-model/`, weights in `model.dtype`) gathered from any backend;
+    with `model.lora`, the adapter folder (`final-adapter/`) and, with `model.lora.export_merged`, the merged
+    model as `final-model/`."""
+    backend, lora = tr.policy.backend, tr.cfg.model.lora
+    folders = []
+    if lora is not None:
+        backend.export_adapter(path / "final-adapter")
+        folders.append(("LoRA adapter", path / "final-adapter"))
+        if lora.export_merged:
+            backend.export_merged(path / "final-model")
+            folders.append(("merged model", path / "final-model"))
+    else:
+        backend.export_hf(path / "final-model")
+        folders.append(("final model", path / "final-model"))
     if tr.dist.is_main:
-        tr.policy.tokenizer.save_pretrained(out)
-        log(f"final model ({tr.policy.backend.name}, {tr.cfg.model.dtype}) exported to {out}")
+        for what, out in folders:
+            tr.policy.tokenizer.save_pretrained(out)
+            log(f"{what} ({backend.name}, {tr.cfg.model.dtype}) exported to {out}")
     barrier(tr.dist)
 
 
