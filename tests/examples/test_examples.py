@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_env import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -28,12 +28,6 @@ def _run(cmd: list[str], cwd: Path, env: dict, timeout: float = 600) -> subproce
 
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_every_example_has_a_readme_and_is_listed_in_the_main_readme():
@@ -82,7 +76,7 @@ def test_custom_reward_with_columns(tmp_path):
 def test_server_mode_script(tmp_path):
     out_dir = tmp_path / "run"
     out = _run(["bash", str(EXAMPLES / "03-server-mode" / "run.sh"), "--set", "logging.progress=plain"], tmp_path,
-               _env(tmp_path, PORT=str(_free_port()), STEPS="2", OUT=str(out_dir)))
+               _env(tmp_path, PORT=str(free_port()), STEPS="2", OUT=str(out_dir)))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "rollout server up at" in out.stdout
     assert len(_metrics(out_dir)) == 2
@@ -97,7 +91,7 @@ def test_ray_async_on_a_started_cluster(tmp_path):
     import secrets
     import tempfile
 
-    port, temp_dir = _free_port(), tempfile.mkdtemp(prefix="ray-ex-", dir="/tmp")
+    port, temp_dir = free_port(), tempfile.mkdtemp(prefix="ray-ex-", dir="/tmp")
     env = _env(tmp_path, RAY_ADDRESS=f"127.0.0.1:{port}", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
     head = subprocess.Popen(["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
                              "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
@@ -147,3 +141,23 @@ def test_mismatch_gate(tmp_path):
     workflow = yaml.safe_load((EXAMPLES / "06-mismatch-gate" / "github-actions.yml").read_text())
     steps = workflow["jobs"]["mismatch"]["steps"]
     assert any("examples/06-mismatch-gate/gate.sh" in s.get("run", "") for s in steps)
+
+
+def test_72b_recipe_plan_and_rehearsal_notes(tmp_path):
+    """The annotated `grpo plan` block of examples/72b-recipe is what the command prints today, and the rehearsal's
+    notes (dry run: the CPU config and its changes, nothing trained) name the changes the README describes. The
+    rehearsal itself runs in tests/e2e/test_rehearse.py."""
+    env = _env(tmp_path)
+    plan = _run([sys.executable, "-m", "grpo_cli", "plan", "qwen-72b-colocate", "--gpu-mem", "80GiB"], tmp_path, env)
+    assert plan.returncode == 0, plan.stderr
+    readme = (EXAMPLES / "72b-recipe" / "README.md").read_text()
+    block = readme.split("```\n# batch plan")[1].split("```")[0]
+    for line in ("# batch plan" + block).splitlines():
+        shown = line.split("<-")[0].rstrip()
+        if shown:
+            assert shown in plan.stdout, f"README line not in `grpo plan` output: {shown!r}"
+    notes = _run([sys.executable, "-m", "grpo_cli", "train", "--preset", "qwen-72b-colocate", "--rehearse",
+                  "--dry-run"], tmp_path, env)
+    assert notes.returncode == 0, notes.stderr
+    assert "tensor_parallel_size 8 → 2" in notes.stdout and "builtin:tiny" in notes.stdout
+    assert "grpo train --preset qwen-72b-colocate --rehearse" in readme
