@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.train.backends.base import NonFiniteStep, TrainingBackend, compute_dtype, make_adamw, make_scheduler
+from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
 from grpo_cli.train.backends.hf_io import check_names, load_hf_model, save_hf_folder, weight_files
 from grpo_cli.train.checkpoint import CheckpointError
 
@@ -110,6 +111,8 @@ class DeepSpeedBackend(TrainingBackend):
         from grpo_cli.launch.command import deepspeed_config
 
         cfg = self.cfg
+        if self.device.type == "cpu":
+            return_large_frees_to_os()
         ensure_process_group(self.device)
         ds_config = deepspeed_config(cfg)
         dtype = compute_dtype(cfg)  # DeepSpeed keeps float32 masters of these weights in its ZeRO optimizer
