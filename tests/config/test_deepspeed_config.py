@@ -12,7 +12,8 @@ def _ds(*overrides: str) -> dict:
 
 def test_each_field_changes_the_config():
     base = _ds()["zero_optimization"]
-    assert base == {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}
+    # builtin:tiny has hidden size 64: buckets of 64² elements (bucket_sizes)
+    assert base == {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 4096}
     assert _ds("distributed.deepspeed.zero_stage=1")["zero_optimization"]["stage"] == 1
     assert _ds("distributed.deepspeed.overlap_comm=false")["zero_optimization"]["overlap_comm"] is False
     assert _ds("distributed.deepspeed.contiguous_gradients=false")["zero_optimization"]["contiguous_gradients"] is False
@@ -21,6 +22,7 @@ def test_each_field_changes_the_config():
     zero3 = _ds("distributed.deepspeed.zero_stage=3", "distributed.deepspeed.offload_params=true",
                 "rollout.engine=vllm")["zero_optimization"]
     assert zero3["stage"] == 3 and zero3["offload_param"]["device"] == "cpu"
+    assert (zero3["stage3_prefetch_bucket_size"], zero3["stage3_param_persistence_threshold"]) == (3686, 640)
 
 
 def test_batch_sizes_precision_and_clipping_follow_the_config():
