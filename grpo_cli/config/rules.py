@@ -134,7 +134,8 @@ def _check_lora_and_eval(cfg: GRPOConfig) -> None:
     if e.every_steps and e.source == "auto" and not cfg.data.source.startswith("builtin:"):
         raise ValueError(
             f"eval.source 'auto' is the held-out split of a built-in task, but data.source is '{cfg.data.source}'; "
-            "point eval.source at your evaluation prompts (.jsonl, .parquet or a saved datasets folder)."
+            "point eval.source at your evaluation prompts (.jsonl, .parquet or a saved datasets folder), or set "
+            "eval.every_steps=0 to train without evaluation."
         )
     if e.every_steps and e.num_prompts % world:
         raise ValueError(
