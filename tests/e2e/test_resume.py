@@ -52,11 +52,11 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "final-model" / "model.safetensors")
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"{path} never appeared"
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"{path} never appeared; the run printed:\n{log.read_text()[-4000:]}"
         time.sleep(0.02)
 
 
@@ -105,11 +105,14 @@ def _assert_same(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("preset,sig", CASES, ids=[f"{v}-{s.name}" for v, s in CASES])
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_runs, preset, sig):
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(preset, run, "--set", "checkpoint.every_steps=2"), env=_env(tmp_path), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    _wait_for(run / "checkpoint-6" / "MANIFEST.json", proc)
-    _signal_tree(proc.pid, sig)
-    out, _ = proc.communicate(timeout=120)
+    log = tmp_path / "interrupted.log"  # a file, not a pipe: nobody reads a pipe while waiting, and a full one blocks
+    with log.open("w") as sink:
+        proc = subprocess.Popen(_cmd(preset, run, "--set", "checkpoint.every_steps=2"), env=_env(tmp_path),
+                                cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        _wait_for(run / "checkpoint-6" / "MANIFEST.json", proc, log)
+        _signal_tree(proc.pid, sig)
+        proc.wait(timeout=120)
+    out = log.read_text()
     if sig in (signal.SIGINT, signal.SIGHUP):
         assert proc.returncode == 0, out
         assert "stopped by signal" in out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -113,6 +114,10 @@ class DeepSpeedBackend(TrainingBackend):
         cfg = self.cfg
         if self.device.type == "cpu":
             return_large_frees_to_os()
+        # DeepSpeed's own collectives use names torch deprecates; any filter change elsewhere (catch_warnings)
+        # re-arms the warning, so unfiltered it repeats on every ZeRO gather (60 KB of output in 3 steps).
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)`"
+                                r" is deprecated", category=FutureWarning)
         ensure_process_group(self.device)
         ds_config = deepspeed_config(cfg)
         dtype = compute_dtype(cfg)  # DeepSpeed keeps float32 masters of these weights in its ZeRO optimizer
