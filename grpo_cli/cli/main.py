@@ -126,6 +126,7 @@ def _register_commands() -> None:
     """Commands defined in their own modules; each imports nothing heavy at load time."""
     from grpo_cli.cli.diagnose import diagnose_mismatch
     from grpo_cli.cli.doctor import doctor
+    from grpo_cli.cli.eval_cmd import eval_command
     from grpo_cli.cli.report import report
     from grpo_cli.cli.serve import serve_rollout
 
@@ -133,6 +134,7 @@ def _register_commands() -> None:
     app.command("diagnose-mismatch")(diagnose_mismatch)
     app.command("doctor")(doctor)
     app.command("report")(report)
+    app.command("eval")(eval_command)
 
 
 _register_commands()

@@ -45,11 +45,14 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
         typer.echo("launching: " + " ".join(cmd))
         return subprocess.call(cmd)
     from grpo_cli.train.run import run_training
+    from grpo_cli.train.run_dir import default_output_dir
     from grpo_cli.ui.progress import ProgressView
 
     main_rank = os.environ.get("RANK", "0") == "0"
-    with ProgressView(cfg.train.steps, mode=cfg.logging.progress if main_rank else "plain") as view:
-        summary = run_training(cfg, output_dir=str(output_dir) if output_dir else None, reporter=view)
+    run_dir = Path(output_dir or cfg.logging.output_dir or default_output_dir(cfg))
+    with ProgressView(cfg.train.steps, mode=cfg.logging.progress if main_rank else "plain",
+                      log_path=run_dir / "train.log" if main_rank else None) as view:
+        summary = run_training(cfg, output_dir=str(run_dir), reporter=view)
         if main_rank:
             view.message(
                 f"done: {summary['steps']} steps; mean reward first 10% = {summary['reward_first_10pct']:.3f}, "

@@ -99,7 +99,7 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:
+def set_path(tree: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:
     nested: Any = value
     for part in reversed(path):
         nested = {part: nested}
@@ -146,7 +146,7 @@ def build_config(
         tree = deep_merge(tree, _read_yaml(Path(file), "config file"))
     for item in overrides:
         path, value = parse_override(item)
-        tree = _set_path(tree, path, value)
+        tree = set_path(tree, path, value)
     return validate_tree(tree)
 
 

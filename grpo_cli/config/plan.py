@@ -93,13 +93,14 @@ def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
     """Bytes one process holds for the policy's weights, gradients and AdamW state, by the backends' rules
     (train/backends): ddp and fsdp2 keep `model.master_weights` (float32 by default) as the trained weights and
     their gradients, AdamW keeps two moments in that dtype; deepspeed keeps weights and gradients in `model.dtype`
-    and, for 16-bit compute, float32 masters beside the moments in its optimizer partition. fsdp2 and ZeRO-3
+    and a float32 copy of its partition (the masters; a clone even when `model.dtype` is float32: ZeRO's
+    `single_partition_of_fp32_groups` / `fp32_partitioned_groups_flat`) beside the moments. fsdp2 and ZeRO-3
     divide weights by the process count, ZeRO-2 gradients, ZeRO-1 the optimizer; offloaded state is on the host."""
     d, world = cfg.distributed, cfg.distributed.num_processes * cfg.distributed.num_machines
     compute = BYTES[cfg.model.dtype]
     if d.backend == "deepspeed":
         weights = grads = compute
-        optimizer = 8 + (4 if compute < 4 else 0)
+        optimizer = 8 + 4
     else:
         weights = grads = 4 if cfg.model.master_weights == "float32" else compute
         optimizer = 2 * weights

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing
+
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
@@ -24,6 +26,14 @@ def _default(field) -> str:
     return f"`{value!r}`".replace("|", "\\|")
 
 
+def _optional_section(ann) -> type[BaseModel] | None:
+    """`Section | None` (a section that is off by default, e.g. `model.lora`) → the section's model."""
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
     for name, field in model.model_fields.items():
@@ -31,6 +41,9 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
         doc = " ".join((field.description or "").split()).replace("|", "\\|")
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows += _rows(ann, f"{prefix}{name}.")
+        elif (section := _optional_section(ann)) is not None:
+            rows.append(f"| `{prefix}{name}` | {_default(field)} | {doc} |")
+            rows += _rows(section, f"{prefix}{name}.")
         else:
             rows.append(f"| `{prefix}{name}` | {_default(field)} | {doc} |")
     return rows

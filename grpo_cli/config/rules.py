@@ -115,6 +115,33 @@ def _check_distributed(cfg: GRPOConfig) -> None:
         )
     if d.deepspeed.offload_params and d.deepspeed.zero_stage != 3:
         raise ValueError("distributed.deepspeed.offload_params needs zero_stage 3; set zero_stage=3 or turn it off.")
+    if d.backend == "deepspeed" and d.deepspeed.zero_stage == 3 and d.offload.optimizer \
+            and not d.deepspeed.offload_optimizer:
+        raise ValueError(
+            "distributed.offload.optimizer with ZeRO-3: DeepSpeed's offload_states moves ZeRO-3 optimizer state only "
+            "for its CUDA FusedAdam, and grpo-cli steps torch AdamW. Set distributed.deepspeed.offload_optimizer=true "
+            "(the optimizer state then stays in host memory, nothing to move) or distributed.offload.optimizer=false."
+        )
+
+
+def _check_lora_and_eval(cfg: GRPOConfig) -> None:
+    if cfg.model.lora is not None and cfg.distributed.backend == "deepspeed":
+        raise ValueError(
+            "model.lora is not available with distributed.backend 'deepspeed' yet; use distributed.backend=ddp or "
+            "fsdp2 (fsdp2 shards the frozen base as well), or set model.lora: null."
+        )
+    e, world = cfg.eval, cfg.distributed.num_processes * cfg.distributed.num_machines
+    if e.every_steps and e.source == "auto" and not cfg.data.source.startswith("builtin:"):
+        raise ValueError(
+            f"eval.source 'auto' is the held-out split of a built-in task, but data.source is '{cfg.data.source}'; "
+            "point eval.source at your evaluation prompts (.jsonl, .parquet or a saved datasets folder), or set "
+            "eval.every_steps=0 to train without evaluation."
+        )
+    if e.every_steps and e.num_prompts % world:
+        raise ValueError(
+            f"eval.num_prompts={e.num_prompts} is not divisible by the {world} training processes that share the "
+            f"evaluation; use a multiple of {world}."
+        )
 
 
 def check_rules(cfg: GRPOConfig) -> None:
@@ -122,3 +149,4 @@ def check_rules(cfg: GRPOConfig) -> None:
     _check_batch(cfg)
     _check_rollout(cfg)
     _check_distributed(cfg)
+    _check_lora_and_eval(cfg)

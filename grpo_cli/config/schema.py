@@ -12,6 +12,25 @@ from grpo_cli.config.base import Section
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+class LoraConfig(Section):
+    """A LoRA adapter (PEFT) trained in place of the full weights."""
+
+    r: int = Field(16, ge=1)
+    """Rank of the low-rank update B·A of every targeted weight."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale of the update: W + (alpha / r)·B·A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training (0 keeps the training forward deterministic)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (suffixes, e.g. `[q_proj, v_proj]`) that get an adapter; `all-linear` targets every linear
+    layer except the output head."""
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Modules trained in full beside the adapter (e.g. `[lm_head]`); saved with the adapter."""
+    export_merged: bool = False
+    """Also export the merged model (base + adapter, an ordinary Hugging Face folder) as `final-model/` at the end
+    of the run; the adapter alone is always exported as `final-adapter/`."""
+
+
 class ModelConfig(Section):
     name_or_path: str = "builtin:tiny"
     """Policy checkpoint: a local folder in Hugging Face format, a hub id already in the local cache, or
@@ -33,6 +52,10 @@ class ModelConfig(Section):
     SiLU, products): one train step of the 19M benchmark model (16 prompts x 8, 1 thread) peaked at 3087 instead
     of 3789 MB for ~4% more CPU time (full: 2327 MB, ~24% more), but a whole 2-thread run peaked higher with it
     (benchmarks/README.md): measure before relying on it."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter (PEFT, `pip install 'grpo-cli[lora]'`) instead of every weight; null trains the full
+    model. The reference model (β > 0) is the same model with the adapter disabled, and weight sync sends the
+    merged weights."""
 
 
 class DataConfig(Section):
@@ -57,8 +80,17 @@ class RewardFunctionConfig(Section):
     function that names `completion_ids` or `max_completion_length` as parameters also receives the token ids
     and rollout.max_completion_length. `overlong` is DAPO's soft length penalty: 0 up to max_completion_length
     - buffer tokens, then falling linearly to -1 at the cap (kwargs: `buffer`, required)."""
+    alias: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Name of this function in metrics (`reward/<alias>/mean`); default: the function's name (`length`,
+    `my_fn` for `path/to/file.py:my_fn`), never a path. Letters, digits, `_`, `-`, `.`."""
     weight: float = 1.0
     """Weight of this function in the summed reward."""
+    kind: Literal["outcome", "process"] = "outcome"
+    """`outcome`: one reward per completion. `process`: one reward per step, the function also getting `steps`
+    (each completion split on `rewards.step_separator`) and returning one list per completion, a float (or None)
+    per step. With any process function, every step reward of a group is normalised together (an outcome reward
+    counts as a step ending at the last token) and a token's advantage is the sum over the steps ending at or
+    after it."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to the function (e.g. `target` for `length`, `pattern` for `format`)."""
 
@@ -68,9 +100,21 @@ class RewardsConfig(Section):
         default_factory=lambda: [RewardFunctionConfig(name="length", kwargs={"target": 4})]
     )
     """Reward functions; their weighted sum is the reward that advantages normalise."""
+    step_separator: str = Field("\n", min_length=1)
+    """Separator that splits a completion into the steps `process` reward functions score (blank steps are
+    dropped; a step ends with its separator)."""
     on_error: Literal["raise", "skip"] = "raise"
     """A reward function that raises: `raise` stops with the function and sample named; `skip` scores that
     batch of the function as missing (None) and counts it in `rewards/errors`."""
+
+    @model_validator(mode="after")
+    def _unique_aliases(self) -> RewardsConfig:
+        aliases = [f.alias for f in self.functions if f.alias]
+        twice = sorted({a for a in aliases if aliases.count(a) > 1})
+        if twice:
+            raise ValueError(f"rewards.functions: alias {', '.join(map(repr, twice))} is given to more than one "
+                             "function; metric names must differ, so give each function its own alias.")
+        return self
 
 
 class VLLMConfig(Section):
@@ -262,12 +306,37 @@ class DistributedConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(0, ge=0)
-    """Save every N steps (0: only at the end and on SIGINT/SIGTERM)."""
+    every_steps: int = Field(20, ge=0)
+    """Save every N steps, so a crash (power, OOM kill, SIGKILL) loses at most N-1 steps; 0: only at the end and
+    on SIGINT/SIGTERM/SIGHUP."""
     keep_last: int = Field(2, ge=1)
     """Checkpoints kept; older ones are deleted after a new one is complete."""
     resume: str | None = None
     """`auto` (latest checkpoint in the output dir) or a checkpoint path."""
+
+
+class EvalConfig(Section):
+    """Held-out evaluation during training: the run's own engine samples, the run's reward functions score."""
+
+    source: str = "auto"
+    """Evaluation prompts, in any format `data.source` takes; `auto` is the held-out split of a built-in task
+    (`builtin:NAME:heldout`, prompts the training split never contains)."""
+    every_steps: int = Field(0, ge=0)
+    """Evaluate every N optimizer steps (and after the last one); 0 turns evaluation off."""
+    num_prompts: int = Field(32, ge=1)
+    """Prompts evaluated each time (the first N of `source`, fixed across evaluations), split over processes."""
+    generations_per_prompt: int = Field(4, ge=1)
+    """Completions sampled per evaluation prompt (n of pass@k; k runs over 1, 2, 4, … up to n)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of evaluation completions."""
+    max_completion_length: int | None = Field(None, ge=1)
+    """Most tokens per evaluation completion; default `rollout.max_completion_length`."""
+    pass_threshold: float = 1.0
+    """A completion counts as correct for pass@k when its (weighted, summed) reward is at least this."""
+    metrics: list[Literal["reward", "per_function", "pass_at_k", "length"]] = Field(
+        default_factory=lambda: ["reward", "per_function", "pass_at_k", "length"])
+    """What to log: `reward` (eval/reward/mean), `per_function` (eval/<fn>/mean), `pass_at_k` (eval/pass@k),
+    `length` (eval/completions/mean_length)."""
 
 
 class LoggingConfig(Section):
@@ -302,6 +371,8 @@ class GRPOConfig(Section):
     """Processes, devices, parallelism and offload."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Saving and resuming."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation during training (and the settings `grpo eval` uses)."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Progress display and logs."""
 

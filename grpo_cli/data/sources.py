@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from grpo_cli.config.errors import UserError
-from grpo_cli.data.tasks import BUILTIN_TASKS
+from grpo_cli.data.tasks import BUILTIN_TASKS, SPLITS
 
 
 class DataError(UserError):
@@ -26,13 +26,14 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def load_rows(source: str, *, seed: int = 0) -> list[dict]:
-    """Rows of `data.source`: `builtin:NAME`, `hf:ID` (from the local hub cache), a .jsonl/.parquet file, or a
-    folder written by `datasets.Dataset.save_to_disk`."""
+    """Rows of `data.source`: `builtin:NAME` (or `builtin:NAME:heldout`, its evaluation split), `hf:ID` (from the
+    local hub cache), a .jsonl/.parquet file, or a folder written by `datasets.Dataset.save_to_disk`."""
     if source.startswith("builtin:"):
-        name = source.removeprefix("builtin:")
-        if name not in BUILTIN_TASKS:
-            raise DataError(f"data.source: unknown built-in task '{name}'; choose one of {sorted(BUILTIN_TASKS)}.")
-        return BUILTIN_TASKS[name](seed=seed)
+        name, _, split = source.removeprefix("builtin:").partition(":")
+        if name not in BUILTIN_TASKS or split not in ("", *SPLITS):
+            raise DataError(f"data.source: unknown built-in task '{source}'; choose one of {sorted(BUILTIN_TASKS)}, "
+                            "optionally with ':heldout' (the evaluation split).")
+        return BUILTIN_TASKS[name](seed=seed, split=split or "train")
     if source.startswith("hf:"):
         import datasets
 

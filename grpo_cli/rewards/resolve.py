@@ -26,6 +26,15 @@ class RewardFn:
     fn: Callable
     weight: float
     kwargs: dict
+    label: str = ""
+    """Name in metrics (`reward/<label>/mean`): the alias or the function's name, never a path (default: the
+    function part of `name`)."""
+    kind: str = "outcome"
+    """`outcome` (one reward per completion) or `process` (one per step)."""
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            object.__setattr__(self, "label", self.name.rpartition(":")[2])
 
 
 def resolve(name: str) -> Callable:
@@ -56,9 +65,26 @@ def resolve(name: str) -> Callable:
     return fn
 
 
+def metric_labels(functions) -> list[str]:
+    """Metric name of each function: its `alias`, else the function name (`length`, `fn` of `dir/f.py:fn`).
+    Names used by several functions become `NAME_1_of_2`, `NAME_2_of_2` (in config order), so the metric says
+    plainly that two functions share the name."""
+    base = [f.alias or f.name.rpartition(":")[2] for f in functions]
+    seen: dict[str, int] = {}
+    out = []
+    for name in base:
+        if base.count(name) == 1:
+            out.append(name)
+            continue
+        seen[name] = seen.get(name, 0) + 1
+        out.append(f"{name}_{seen[name]}_of_{base.count(name)}")
+    return out
+
+
 def build_reward_fns(functions) -> list[RewardFn]:
     """Resolve every `rewards.functions` entry (fails before training starts)."""
-    return [RewardFn(f.name, resolve(f.name), f.weight, dict(f.kwargs)) for f in functions]
+    return [RewardFn(f.name, resolve(f.name), f.weight, dict(f.kwargs), label, f.kind)
+            for f, label in zip(functions, metric_labels(functions), strict=True)]
 
 
 def _check_output(rf: RewardFn, values, n: int, completions: list[str]) -> list[float]:

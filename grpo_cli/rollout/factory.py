@@ -75,7 +75,10 @@ def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy) -> RolloutEng
                         shares_policy_weights=True)
     import copy
 
-    copy_model = copy.deepcopy(policy).to(getattr(torch, dtype)).eval()
+    copy_model = copy.deepcopy(policy)
+    if hasattr(copy_model, "merge_and_unload"):  # LoRA: the engine holds merged weights under checkpoint names
+        copy_model = copy_model.merge_and_unload()
+    copy_model = copy_model.to(getattr(torch, dtype)).eval()
     for p in copy_model.parameters():
         p.requires_grad_(False)
     return HFEngine(copy_model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,

@@ -15,6 +15,7 @@ from grpo_cli.algo.advantages import informative_groups, weighted_rewards
 from grpo_cli.launch.dist import DistInfo, all_reduce_sum
 from grpo_cli.rollout.base import RolloutBatch
 from grpo_cli.train.rewards_phase import ScoredRollout
+from grpo_cli.train.step_rewards import StepRewards
 
 ROUND_SEED_STRIDE = 1_000_000_007
 """Extra round r of a step samples with the step's seed + r · stride (round 0 is the step's usual seed)."""
@@ -37,6 +38,7 @@ def _rows(scored: ScoredRollout, groups: list[int], g: int) -> ScoredRollout:
         completions=[scored.completions[j] for j in rows],
         per_func=scored.per_func[rows],
         errors=scored.errors,
+        steps=None if scored.steps is None else scored.steps.rows(rows),
     )
 
 
@@ -64,6 +66,7 @@ def concat(parts: list[ScoredRollout]) -> ScoredRollout:
         completions=[c for part in parts for c in part.completions],
         per_func=torch.cat([p.per_func for p in parts]),
         errors=sum(p.errors for p in parts),
+        steps=None if parts[0].steps is None else StepRewards.cat([p.steps for p in parts]),
     )
 
 

@@ -14,7 +14,7 @@ from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor
 from grpo_cli.launch.dist import DistInfo, all_reduce_sum, mean_metrics
 from grpo_cli.rewards.resolve import RewardFn
-from grpo_cli.rollout.base import RolloutEngine, RolloutError
+from grpo_cli.rollout.base import RolloutEngine, RolloutError, SamplingParams
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
 from grpo_cli.train.dynamic_sampling import ROUND_SEED_STRIDE, fill_step
@@ -54,6 +54,8 @@ class Trainer:
     offload: object | None = None
     pipeline: RolloutPipeline | None = None
     """Async mode: batches generated ahead of the step that trains on them."""
+    evaluate: Callable[[int], dict[str, float]] | None = None
+    """`eval.every_steps`: held-out metrics after a step (empty when none is due)."""
 
 
 class TrainingStopped(UserError):
@@ -78,15 +80,16 @@ def rollout_phase(tr: Trainer, state: LoopState):
     return prompts, generate_phase(tr, prompts, seed=step_seed(cfg, step))
 
 
-def generate_phase(tr: Trainer, prompts, *, seed: int):
-    """Sample G completions of each prompt with the engine (training state offloaded meanwhile, if configured)."""
+def generate_phase(tr: Trainer, prompts, *, seed: int | None, sampling: SamplingParams | None = None):
+    """Sample G completions of each prompt with the engine (training state offloaded meanwhile, if configured);
+    `sampling` (e.g. evaluation's) replaces the step's sampling parameters."""
     if tr.offload is not None:
         with tr.timer.phase("offload"):
             tr.offload.offload()
     # The hf engine runs the policy's own forward: it computes in the trainer's dtype (autocast under ddp).
     compute = tr.policy.backend.compute_context() if tr.engine.shares_policy_weights else contextlib.nullcontext()
     with tr.timer.phase("generate"), compute:
-        rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling_params(tr.cfg, seed=seed))
+        rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling or sampling_params(tr.cfg, seed=seed))
     if tr.offload is not None:
         with tr.timer.phase("offload"):
             tr.offload.reload()
@@ -137,8 +140,9 @@ def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:
     with tr.timer.phase("logprobs"), tr.policy.backend.compute_context():
         if cfg.algorithm.num_iterations > 1:
             batch.old_logprobs = batch_logprobs(tr.policy.model, batch, micro_batch_size=micro, temperature=temp)
-        if tr.policy.ref_model is not None:
-            batch.ref_logprobs = batch_logprobs(tr.policy.ref_model, batch, micro_batch_size=micro, temperature=temp)
+        if cfg.algorithm.kl.beta > 0:
+            with tr.policy.backend.reference() as ref:
+                batch.ref_logprobs = batch_logprobs(ref, batch, micro_batch_size=micro, temperature=temp)
 
 
 def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, float]:
@@ -205,7 +209,7 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
         metrics["async/in_flight"] = float(len(tr.pipeline.flight))
     samples = [
         {"step": state.step, "prompt": prompts[j // cfg.train.generations_per_prompt].text,
-         "completion": completions[j], "reward": float(rewards[j]), "advantage": float(advantages[j])}
+         "completion": completions[j], "reward": float(rewards[j]), "advantage": float(advantages[j].flatten()[0])}
         for j in range(min(cfg.logging.log_completions, len(completions)))
     ]
     return mean_metrics(metrics, tr.dist), samples
@@ -220,6 +224,8 @@ def run_loop(tr: Trainer, state: LoopState, on_step: StepCallback, on_checkpoint
         metrics, samples = run_step(tr, state)
         state.reward_history.append(metrics["reward/mean"])
         state.step += 1
+        if tr.evaluate is not None:
+            metrics.update(tr.evaluate(state.step))
         on_step(state.step, metrics, samples)
         if on_checkpoint is not None and every and state.step % every == 0 and state.step < tr.cfg.train.steps:
             on_checkpoint(state)

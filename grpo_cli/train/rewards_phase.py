@@ -1,4 +1,5 @@
-"""Score a rollout: decode completions, call the reward functions, compute group advantages and stats."""
+"""Score a rollout: decode completions, call the reward functions, compute group advantages (outcome, or per
+token with process rewards) and stats."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from grpo_cli.data.prompts import Prompt
 from grpo_cli.rewards.resolve import RewardFn, score
 from grpo_cli.rollout.base import RolloutBatch
 from grpo_cli.train.loss import compute_advantages
+from grpo_cli.train.step_rewards import StepRewards
 
 
 @dataclass
@@ -24,25 +26,35 @@ class ScoredRollout:
     per_func: torch.Tensor
     errors: int = 0
     """Reward-function calls that raised and were skipped (`rewards.on_error: skip`)."""
+    steps: StepRewards | None = None
+    """Step rewards and step ends when a process reward function is configured (`per_func` then holds each
+    process function's mean step reward)."""
 
 
 def decode_completions(tokenizer, rollout: RolloutBatch) -> list[str]:
     return tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
 
 
-def score_rollout(cfg: GRPOConfig, fns: list[RewardFn], tokenizer, prompts: list[Prompt],
-                  rollout: RolloutBatch) -> ScoredRollout:
-    """Decode the completions of `prompts` (each repeated G times) and score them with every reward function.
-    Functions that name `completion_ids` or `max_completion_length` as parameters receive them."""
-    g = cfg.train.generations_per_prompt
+def score_rollout(cfg: GRPOConfig, fns: list[RewardFn], tokenizer, prompts: list[Prompt], rollout: RolloutBatch,
+                  *, group_size: int | None = None, max_completion_length: int | None = None) -> ScoredRollout:
+    """Decode the completions of `prompts` (each repeated G times; G = `group_size`, default the training group
+    size) and score them with every reward function. Functions that name `completion_ids` or
+    `max_completion_length` (default `rollout.max_completion_length`) as parameters receive them."""
+    g = group_size or cfg.train.generations_per_prompt
     completions = decode_completions(tokenizer, rollout)
     texts = [p.text for p in prompts for _ in range(g)]
     keys = prompts[0].columns.keys() if prompts else []
     columns = {k: [p.columns.get(k) for p in prompts for _ in range(g)] for k in keys}
-    extras = {"completion_ids": rollout.completion_ids, "max_completion_length": cfg.rollout.max_completion_length}
-    table, errors = score(fns, texts, completions, columns, on_error=cfg.rewards.on_error, extras=extras)
-    per_func = torch.tensor(table, dtype=torch.float32).reshape(len(completions), len(fns))
-    return ScoredRollout(prompts, rollout, completions, per_func, errors)
+    extras = {"completion_ids": rollout.completion_ids,
+              "max_completion_length": max_completion_length or cfg.rollout.max_completion_length}
+    outcome = [f for f in fns if f.kind == "outcome"]
+    table, errors = score(outcome, texts, completions, columns, on_error=cfg.rewards.on_error, extras=extras)
+    per_func = torch.tensor(table, dtype=torch.float32).reshape(len(completions), len(outcome))
+    steps = None
+    if len(outcome) < len(fns):
+        steps = StepRewards.score(cfg, fns, texts, completions, columns, rollout, tokenizer)
+        per_func = steps.merge(fns, outcome, per_func)
+    return ScoredRollout(prompts, rollout, completions, per_func, errors, steps)
 
 
 def reward_metrics(cfg: GRPOConfig, fns: list[RewardFn], scored: ScoredRollout) -> dict[str, float]:
@@ -61,16 +73,22 @@ def reward_metrics(cfg: GRPOConfig, fns: list[RewardFn], scored: ScoredRollout) 
     }
     for fn, col in zip(fns, scored.per_func.T, strict=True):
         ok = col[~col.isnan()]
-        metrics[f"reward/{fn.name}/mean"] = float(ok.mean()) if len(ok) else float("nan")
+        metrics[f"reward/{fn.label}/mean"] = float(ok.mean()) if len(ok) else float("nan")
     return metrics
 
 
 def reward_step(cfg: GRPOConfig, fns: list[RewardFn], scored: ScoredRollout,
                 generated: ScoredRollout | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(advantages (B,), rewards (B,), metrics) of the completions the step trains on (`scored`); the reward
-    metrics describe everything generated for the step (`generated`, default `scored`)."""
-    advantages, rewards = compute_advantages(
-        scored.per_func, weights=[f.weight for f in fns], group_size=cfg.train.generations_per_prompt,
-        algorithm=cfg.algorithm,
-    )
+    """(advantages, rewards (B,), metrics) of the completions the step trains on (`scored`); the reward
+    metrics describe everything generated for the step (`generated`, default `scored`). Advantages are (B,), or
+    (B, T) with process rewards."""
+    weights = [f.weight for f in fns]
+    if scored.steps is None:
+        advantages, rewards = compute_advantages(
+            scored.per_func, weights=weights, group_size=cfg.train.generations_per_prompt, algorithm=cfg.algorithm,
+        )
+    else:
+        rewards = weighted_rewards(scored.per_func, weights)
+        advantages = scored.steps.advantages(cfg, fns, scored.per_func,
+                                             num_tokens=max(1, *map(len, scored.rollout.completion_ids)))
     return advantages, rewards, reward_metrics(cfg, fns, scored if generated is None else generated)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 from pathlib import Path
 
 from grpo_cli.config.schema import GRPOConfig
@@ -20,6 +19,7 @@ from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_
 from grpo_cli.train.pipeline import RolloutPipeline
 from grpo_cli.train.policy import eos_token_ids, load_policy, pick_device
 from grpo_cli.train.run_dir import RunDir, default_output_dir
+from grpo_cli.train.signals import SignalFlag
 from grpo_cli.train.tiny_model import resolve_model_path
 from grpo_cli.train.trackers import close_trackers, log_trackers, open_trackers
 from grpo_cli.train.watchdog import StallWatchdog
@@ -57,6 +57,10 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, *, log=print) -> Trainer:
                                 verify=verify, probe=[prompts[0].ids])
 
         trainer.sync = sync
+    if cfg.eval.every_steps:
+        from grpo_cli.eval.runner import training_hook
+
+        trainer.evaluate = training_hook(trainer)
     if cfg.rollout.mode == "async":
         trainer.pipeline = RolloutPipeline(
             engine, cursor, max_staleness=cfg.rollout.max_staleness, total_steps=cfg.train.steps,
@@ -108,35 +112,25 @@ def _resume(tr: Trainer, path: Path, state: LoopState, log) -> None:
 
 
 def export_final_model(tr: Trainer, path: Path, log) -> None:
-    """A consolidated Hugging Face folder (`final-model/`, weights in `model.dtype`) gathered from any backend."""
-    out = path / "final-model"
-    tr.policy.backend.export_hf(out)
+    """A consolidated Hugging Face folder (`final-model/`, weights in `model.dtype`) gathered from any backend;
+    with `model.lora`, the adapter folder (`final-adapter/`) and, with `model.lora.export_merged`, the merged
+    model as `final-model/`."""
+    backend, lora = tr.policy.backend, tr.cfg.model.lora
+    folders = []
+    if lora is not None:
+        backend.export_adapter(path / "final-adapter")
+        folders.append(("LoRA adapter", path / "final-adapter"))
+        if lora.export_merged:
+            backend.export_merged(path / "final-model")
+            folders.append(("merged model", path / "final-model"))
+    else:
+        backend.export_hf(path / "final-model")
+        folders.append(("final model", path / "final-model"))
     if tr.dist.is_main:
-        tr.policy.tokenizer.save_pretrained(out)
-        log(f"final model ({tr.policy.backend.name}, {tr.cfg.model.dtype}) exported to {out}")
+        for what, out in folders:
+            tr.policy.tokenizer.save_pretrained(out)
+            log(f"{what} ({backend.name}, {tr.cfg.model.dtype}) exported to {out}")
     barrier(tr.dist)
-
-
-class _SignalFlag:
-    """SIGINT/SIGTERM ask the loop to stop after the current step (and save a checkpoint)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old = {}
-
-    def __enter__(self) -> _SignalFlag:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, _frame) -> None:
-        if self.signum is not None:  # second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=None) -> dict:
@@ -170,12 +164,12 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
             run_dir.log_step(step, metrics, samples)
         log_trackers(trackers, step, metrics)
         if reporter is not None and info.is_main:
-            reporter.update(step, metrics)
+            reporter.update(step, metrics, samples)
             for alarm in step_alarms(metrics):
-                reporter.message(f"alarm (step {step}): {alarm}")
+                reporter.alarm(step, alarm)
 
     try:
-        with _SignalFlag() as flag, StallWatchdog(trainer.timer, minutes=cfg.logging.stall_warning_minutes,
+        with SignalFlag() as flag, StallWatchdog(trainer.timer, minutes=cfg.logging.stall_warning_minutes,
                                                   warn=log, dump_path=path / "stacks.log"):
             try:
                 run_loop(trainer, state, on_step, save, should_stop=lambda: flag.signum is not None)
@@ -187,7 +181,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
             if flag.signum is None:
                 export_final_model(trainer, path, log)
             if flag.signum is not None:
-                log(f"stopped by signal {flag.signum} after step {state.step}; resume with "
+                log(f"stopped by signal {flag.reason} after step {state.step}; resume with "
                     f"--set checkpoint.resume=auto --output-dir {path}")
     finally:
         close_trackers(trackers)

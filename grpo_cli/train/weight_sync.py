@@ -13,6 +13,7 @@ from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.flat_weights import byte_buckets
 from grpo_cli.rollout.scoring import score_sequences
 from grpo_cli.rollout.weight_names import tied_aliases
+from grpo_cli.train.lora import merged_tensor
 
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
 """Largest mean |engine − trainer| probe logprob (nats/token) accepted, by the less precise of the two dtypes.
@@ -31,7 +32,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_peft(model) -> bool:
-    return all(hasattr(model, a) for a in ("peft_config", "merge_adapter", "unmerge_adapter"))
+    return all(hasattr(model, a) for a in ("peft_config", "disable_adapter", "get_base_model"))
 
 
 def is_zero3(param: torch.nn.Parameter) -> bool:
@@ -141,6 +142,8 @@ def stream_named_tensors(
         with _gathered([p for _, p in bucket]):
             for name, param in bucket:
                 tensor = _full_tensor(param)
+                if peft:
+                    tensor = merged_tensor(model, name, tensor)  # W + (α/r)·B·A, the trained tensors untouched
                 for out in names[name]:
                     stats["tensors"] += 1
                     stats["bytes"] += tensor.numel() * tensor.element_size()
@@ -153,18 +156,13 @@ def stream_named_tensors(
 
 @contextlib.contextmanager
 def _sync_context(model: torch.nn.Module, *, peft: bool):
-    """LoRA merged into the base weights while streaming (unmerged after, also on error). Under ZeRO-3 the
-    merge needs every weight gathered, and FSDP1 needs `summon_full_params`: both hold the full model."""
+    """FSDP1 needs `summon_full_params` (the full model) while streaming. LoRA is never merged in place: each
+    base weight is sent as W + scaling·B·A (`lora.merged_tensor`), so the trained tensors stay bit-exact."""
     with contextlib.ExitStack() as stack:
         if _is_fsdp1(model):
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             stack.enter_context(FSDP.summon_full_params(model, writeback=False, rank0_only=False))
-        elif peft and any(is_zero3(p) for p in model.parameters()):
-            stack.enter_context(_gathered(list(model.parameters())))
-        if peft:
-            model.merge_adapter()
-            stack.callback(model.unmerge_adapter)
         yield
 
 

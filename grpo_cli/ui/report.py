@@ -22,6 +22,7 @@ SUMMARY_METRICS = (  # (key, label, format); rows appear only for metrics the ru
     ("rollout_correction/k3_kl", "mismatch k3_kl", ".2e"), ("rollout_correction/is_weight_mean", "IS weight mean", ".3f"),
     ("rollout_correction/ess", "IS ess", ".3f"), ("tokens_per_second", "tokens/s", ".0f"),
     ("time/step", "step time (s)", ".2f"), ("memory/peak_rss_mb", "peak RSS (MB)", ".0f"),
+    ("eval/reward/mean", "eval reward (held-out)", ".3f"), ("eval/pass@1", "eval pass@1", ".3f"),
 )
 MISMATCH_METRICS = ("k3_kl", "kl", "chi2_token", "is_weight_mean", "ess", "log_ppl_abs_diff")
 NOT_PHASES = ("time/step",)  # totals, not phases
@@ -244,6 +245,9 @@ def _plot_reward(run: Run, window: int):
     fns = run.reward_functions()
     for i, key in enumerate(fns if len(fns) > 1 else []):
         _line(ax, steps, run.values(key), window, key.split("/")[1], f"C{i + 1}")
+    if run.has("eval/reward/mean"):  # logged every eval.every_steps: points joined, never smoothed
+        points = [(s, v) for s, v in zip(steps, run.values("eval/reward/mean")) if math.isfinite(v)]
+        ax.plot(*zip(*points), color="C3", marker="o", linewidth=1.4, label="eval reward (held-out)")
     ax.set(title="reward", xlabel="step", ylabel="reward")
     ax.legend(loc="best", fontsize="small")
     return fig

@@ -86,6 +86,8 @@ def test_unknown_preset_lists_presets():
     (["distributed.offload.optimizer=true", "rollout.mode=server", 'rollout.server.urls=["http://x:1"]'],
      r"distributed\.offload"),
     (["distributed.deepspeed.offload_params=true"], r"offload_params needs zero_stage 3"),
+    (["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=3", "rollout.engine=vllm",
+      "distributed.offload.optimizer=true"], r"offload\.optimizer with ZeRO-3.*offload_optimizer=true"),
     (["rollout.mode=async", "distributed.num_processes=2"], r"rollout\.ray\.num_actors=1 must be a multiple of the 2"),
     (["rollout.mode=async", "distributed.device=cuda", "distributed.rollout_gpus=1", "rollout.ray.num_actors=2"],
      r"2 GPU\(s\), but distributed\.rollout_gpus x num_machines = 1"),

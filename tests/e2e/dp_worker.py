@@ -1,8 +1,11 @@
 """Worker for test_dp_parity: 3 optimizer steps on a fixed, replayed global batch; rank 0 saves the params.
 
-Run as `[DP_WORKER_STEPS=3] python dp_worker.py CKPT OUT AGGREGATION [OVERRIDE ...]` (1 process) or under torchrun (each rank
-trains its rows); overrides such as `distributed.backend=fsdp2` pick the training backend. Rank 0 saves the
-consolidated parameters (gathered from shards by the backend's `export_hf`).
+Run as `[DP_WORKER_STEPS=3] python dp_worker.py CKPT OUT AGGREGATION [OVERRIDE ...]` (1 process) or under torchrun
+(each rank trains its rows); overrides such as `distributed.backend=fsdp2` pick the training backend. Rank 0 saves
+the consolidated parameters (gathered from shards by the backend's `export_hf`). `DP_WORKER_ABANDON=1` first
+abandons a step mid-accumulation; `DP_WORKER_RESUME_AT=k` writes a checkpoint after step k (train/checkpoint.py,
+through the backend) and continues from it in a freshly built policy, rank 0 also saving the weights just before
+the save and just after the load (OUT with suffixes .saved / .loaded).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from grpo_cli.config.load import build_config
 from grpo_cli.launch.dist import all_reduce_sum, init_from_env
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.policy import load_policy
-from grpo_cli.train.step import batch_logprobs, optimizer_step
+from grpo_cli.train.step import batch_logprobs, forward_logprobs, optimizer_step
 
 B, P, T = 16, 5, 7
 
@@ -49,6 +52,37 @@ def held_bytes(policy) -> dict[str, int]:
             "optimizer": sum(size(v) for v in states)}
 
 
+def export(policy, out: Path, info) -> None:
+    """Rank 0 saves the consolidated float32 (master) weights at `out`."""
+    folder = out.with_suffix(out.suffix + ".hf")
+    policy.backend.export_hf(folder, dtype=torch.float32)
+    if info.rank == 0:
+        save_file({k: v.contiguous() for k, v in load_file(folder / "model.safetensors").items()}, out)
+
+
+def abandon_accumulation(policy, batch: TrainBatch) -> None:
+    """What a non-finite loss on a later micro-batch leaves behind: one micro-batch's gradients accumulated (large,
+    ×100), then the step abandoned with `zero_grad`. The next steps must not see any of it."""
+    backend = policy.backend
+    backend.zero_grad()
+    with backend.accumulation_context(last=False), backend.compute_context():
+        logprobs = forward_logprobs(policy.model, batch.rows(0, 4), temperature=1.0)
+        backend.backward((logprobs * batch.completion_mask[:4]).sum() * 100.0)
+    backend.zero_grad()
+
+
+def save_and_reload(policy, cfg, ckpt: str, out: Path, info):
+    """Checkpoint (collective), then a fresh policy restored from it: the round trip a resume takes."""
+    from grpo_cli.train.checkpoint import load_checkpoint, save_checkpoint
+
+    export(policy, out.with_suffix(".saved"), info)
+    path = save_checkpoint(out.parent / "checkpoints", step=1, cfg=cfg, policy=policy, trainer_state={}, keep_last=1)
+    fresh = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
+    load_checkpoint(path, cfg=cfg, policy=fresh)
+    export(fresh, out.with_suffix(".loaded"), info)
+    return fresh
+
+
 def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
     info = init_from_env("cpu")
     steps = int(os.environ.get("DP_WORKER_STEPS", "3"))
@@ -63,9 +97,14 @@ def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
     if policy.ref_model is not None:  # β > 0: the reference (sharded like the policy) scores the batch
         with policy.backend.compute_context():
             batch.ref_logprobs = batch_logprobs(policy.ref_model, batch, micro_batch_size=4, temperature=1.0)
-    for _ in range(steps):
+    if os.environ.get("DP_WORKER_ABANDON"):
+        abandon_accumulation(policy, batch)
+    resume_at = int(os.environ.get("DP_WORKER_RESUME_AT", "-1"))
+    for step in range(steps):
         num_items = all_reduce_sum(float(batch.completion_mask.sum()), info)
         optimizer_step(policy, batch, cfg, num_items=num_items, num_sequences=B)
+        if step + 1 == resume_at:
+            policy = save_and_reload(policy, cfg, ckpt, Path(out), info)
     folder = Path(out).with_suffix(".hf")
     policy.backend.export_hf(folder, dtype=torch.float32)  # the master weights, exactly
     if info.rank == 0:

@@ -1,6 +1,6 @@
 """bf16 compute with float32 master weights: small updates are kept (lr 1e-6 on bf16 weights used to move under 1%
-of the parameters), under ddp (autocast) and fsdp2 (MixedPrecisionPolicy), and a bf16 run of the default preset
-learns."""
+of the parameters), under ddp (autocast), fsdp2 (MixedPrecisionPolicy) and DeepSpeed ZeRO-3 (its bf16 mode), and
+a bf16 run of the default preset learns."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dp_harness import SHARDED, run_worker
+from dp_harness import SHARDED, ZERO3, run_worker
 from safetensors.torch import load_file
 
 
@@ -52,14 +52,24 @@ def test_bf16_small_lr_moves_the_parameters_ddp(tmp_path):
 def test_bf16_small_lr_moves_the_parameters_fsdp2(tmp_path, tiny_checkpoint):
     """fsdp2 with MixedPrecisionPolicy(bf16): 5 steps at lr 1e-6 on the replayed batch. Embedding rows of tokens the
     batch never uses get no gradient, so they are left out of the count."""
-    os.environ["DP_WORKER_STEPS"] = "5"
-    try:
-        after = run_worker(tiny_checkpoint, tmp_path / "w.safetensors", "token_mean", *SHARDED, *BF16_SMALL_LR,
-                           procs=2)
-    finally:
-        del os.environ["DP_WORKER_STEPS"]
+    after = run_worker(tiny_checkpoint, tmp_path / "w.safetensors", "token_mean", *SHARDED, *BF16_SMALL_LR,
+                       procs=2, DP_WORKER_STEPS="5")
     initial = load_file(Path(tiny_checkpoint) / "model.safetensors")
     assert moved_fraction(initial, after, exclude=("model.embed_tokens",)) >= 0.99
+
+
+@pytest.mark.slow
+def test_bf16_small_lr_moves_the_parameters_zero3(tmp_path, tiny_checkpoint):
+    """DeepSpeed ZeRO-3 in bf16 mode: bf16 weights for compute, float32 masters in its optimizer partitions, which
+    start as the checkpoint rounded to bf16 (the weights it loads). `export_hf(dtype=float32)` writes the masters."""
+    out = tmp_path / "w.safetensors"
+    after = run_worker(tiny_checkpoint, out, "token_mean", *ZERO3, *BF16_SMALL_LR, procs=2, DP_WORKER_STEPS="5")
+    checkpoint = load_file(Path(tiny_checkpoint) / "model.safetensors")
+    initial = {k: v.to(torch.bfloat16).float() for k, v in checkpoint.items()}
+    assert after["lm_head.weight"].dtype == torch.float32
+    assert moved_fraction(initial, after, exclude=("model.embed_tokens",)) >= 0.99
+    config = json.loads((out.with_suffix(".hf") / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"], "from_pretrained must find the model class"
 
 
 @pytest.mark.slow

@@ -1,7 +1,11 @@
-"""Exact resume: a run killed (SIGKILL) or interrupted (SIGINT) and resumed ends with the same parameters as an
-uninterrupted run with the same seed, in sync mode (tiny-cpu), in async mode (tiny-cpu-async: the batches
-in flight at the checkpoint are saved and restored, the Ray rollout actor is re-synced), and sharded: fsdp2 on 2
-gloo processes with vLLM colocated (DCP shards; the whole process group is killed, as when a node dies)."""
+"""Exact resume: a run killed (SIGKILL), interrupted (SIGINT) or hung up (SIGHUP: its terminal closed) and resumed
+ends with the same parameters as an uninterrupted run with the same seed, in sync mode (tiny-cpu), in async mode
+(tiny-cpu-async: the batches in flight at the checkpoint are saved and restored, the Ray rollout actor is
+re-synced), and sharded: fsdp2 (DCP shards) and DeepSpeed ZeRO-3 (its own per-rank files) on 2 gloo processes with
+vLLM colocated, the whole process tree killed, as when a node dies; and a LoRA policy, on ddp (tiny-cpu-lora) and
+fsdp2 (the checkpoint holds the adapter and its optimizer state, the frozen base is read again; the adapter is
+compared). SIGINT and SIGHUP take the same save path as each other, so the sharded and LoRA variants run SIGKILL
+only and SIGHUP runs in sync mode only (CI time)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,11 @@ VARIANTS = {
     "tiny-cpu": ["--preset", "tiny-cpu"],
     "tiny-cpu-async": ["--preset", "tiny-cpu-async"],
     "fsdp2": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set", "distributed.backend=fsdp2"],
+    "zero3": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2",
+              "--set", "distributed.backend=deepspeed", "--set", "distributed.deepspeed.zero_stage=3"],
+    "tiny-cpu-lora": ["--preset", "tiny-cpu-lora"],
+    "fsdp2-lora": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set",
+                   "distributed.backend=fsdp2", "--set", "model.lora={modules_to_save: [lm_head]}"],
 }
 
 
@@ -36,15 +45,18 @@ def _env(tmp_path: Path) -> dict:
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
-    """The consolidated float32 weights exported at the end (the same for every backend)."""
+    """The consolidated float32 weights exported at the end (the same for every backend); for a LoRA run, the
+    exported adapter (and modules_to_save)."""
+    if (run / "final-adapter").exists():
+        return load_file(run / "final-adapter" / "adapter_model.safetensors")
     return load_file(run / "final-model" / "model.safetensors")
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"{path} never appeared"
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"{path} never appeared; the run printed:\n{log.read_text()[-4000:]}"
         time.sleep(0.02)
 
 
@@ -61,12 +73,26 @@ def _signal_tree(pid: int, sig: int) -> None:
         p.send_signal(sig)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def reference_run(request, tmp_path_factory) -> tuple[str, Path]:
-    tmp = tmp_path_factory.mktemp("ref")
-    subprocess.run(_cmd(request.param, tmp / "run"), check=True, env=_env(tmp), cwd=tmp, capture_output=True,
-                   timeout=600)
-    return request.param, tmp / "run"
+CASES = [("tiny-cpu", signal.SIGKILL), ("tiny-cpu", signal.SIGINT), ("tiny-cpu", signal.SIGHUP),
+         ("tiny-cpu-async", signal.SIGKILL), ("tiny-cpu-async", signal.SIGINT),
+         ("fsdp2", signal.SIGKILL), ("zero3", signal.SIGKILL), ("tiny-cpu-lora", signal.SIGKILL),
+         ("fsdp2-lora", signal.SIGKILL)]
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory):
+    """The uninterrupted run of each variant, made on first use."""
+    runs: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in runs:
+            tmp = tmp_path_factory.mktemp("ref")
+            subprocess.run(_cmd(variant, tmp / "run"), check=True, env=_env(tmp), cwd=tmp, capture_output=True,
+                           timeout=600)
+            runs[variant] = tmp / "run"
+        return runs[variant]
+
+    return get
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -76,20 +102,26 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
-def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_run, sig):
-    preset, reference = reference_run
-    if preset == "fsdp2" and sig == signal.SIGINT:
-        pytest.skip("the sharded variant runs SIGKILL only (SIGINT takes the same save path; CI time)")
+@pytest.mark.parametrize("preset,sig", CASES, ids=[f"{v}-{s.name}" for v, s in CASES])
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_runs, preset, sig):
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(preset, run, "--set", "checkpoint.every_steps=2"), env=_env(tmp_path), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    _wait_for(run / "checkpoint-6" / "MANIFEST.json", proc)
-    _signal_tree(proc.pid, sig)
-    out, _ = proc.communicate(timeout=120)
-    if sig == signal.SIGINT:
+    log = tmp_path / "interrupted.log"  # a file, not a pipe: nobody reads a pipe while waiting, and a full one blocks
+    with log.open("w") as sink:
+        proc = subprocess.Popen(_cmd(preset, run, "--set", "checkpoint.every_steps=2"), env=_env(tmp_path),
+                                cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        _wait_for(run / "checkpoint-6" / "MANIFEST.json", proc, log)
+        _signal_tree(proc.pid, sig)
+        proc.wait(timeout=120)
+    out = log.read_text()
+    if sig in (signal.SIGINT, signal.SIGHUP):
         assert proc.returncode == 0, out
         assert "stopped by signal" in out
+        stop_line = f"stopped by signal {signal.Signals(sig).name}"
+        assert stop_line in (run / "train.log").read_text()  # the log outlives the terminal
+        saved = sorted(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+        from grpo_cli.train.checkpoint import verify_checkpoint
+
+        assert verify_checkpoint(saved)["step"] >= 6  # complete (every file checksummed), after the signal
     assert not (run / f"checkpoint-{STEPS}").exists(), "the run was meant to stop early"
     resumed = subprocess.run(_cmd(preset, run, "--set", "checkpoint.resume=auto"), env=_env(tmp_path), cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)
@@ -97,4 +129,4 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_run, 
     assert "resumed from" in resumed.stdout and "data cursor" in resumed.stdout
     if preset == "tiny-cpu-async":
         assert "1 rollout batch(es) in flight restored" in resumed.stdout, resumed.stdout
-    _assert_same(_weights(run), _weights(reference))
+    _assert_same(_weights(run), _weights(reference_runs(preset)))

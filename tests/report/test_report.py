@@ -116,3 +116,27 @@ def test_report_bad_or_empty_run_dir(tmp_path, setup, needle, code):
     result = runner.invoke(app, ["report", str(target)])
     assert result.exit_code == code, result.output
     assert needle in result.output and "Traceback" not in result.output
+
+
+def test_report_plots_eval_beside_train_reward(tmp_path, monkeypatch):
+    """eval/reward/mean is logged every few steps: the reward plot draws those points beside the train reward and
+    the summary reports its last value."""
+    rows = [_row(i, **({"eval/reward/mean": -1.0 + 0.1 * i} if i % 5 == 0 else {})) for i in range(1, 21)]
+    run = _write_run(tmp_path / "run", rows)
+    drawn = []
+    from grpo_cli.ui import report as report_module
+
+    real_plot = report_module._plot_reward
+
+    def spy(run_, window):
+        fig = real_plot(run_, window)
+        drawn.extend(line.get_label() for ax in fig.axes for line in ax.get_lines())
+        return fig
+
+    monkeypatch.setattr(report_module, "_plot_reward", spy)
+    result = runner.invoke(app, ["report", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["metrics"]["eval/reward/mean"]["last"] == pytest.approx(1.0)
+    assert "eval reward (held-out)" in drawn and "reward mean" in drawn
+    _assert_png(run / "report" / "reward.png")

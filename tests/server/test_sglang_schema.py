@@ -1,7 +1,7 @@
 """Every request body SGLangEngine sends, checked against SGLang's own request schemas read from the sglang wheel
 (tests/server/sglang_schema.py: `api/v1/api_types.py`, `srt/managers/io_struct.py`,
 `srt/entrypoints/http_server.py`). The bodies are captured from real client calls against the fake in
-sglang_contract_server.py, for both weight transports and TP 1 and 2. Skipped, with the reason, when pip cannot
+grpo_cli/server/sglang_contract.py, for both weight transports and TP 1 and 2. Skipped, with the reason, when pip cannot
 download the wheel (offline); GRPO_SGLANG_WHEEL=/path/to/sglang-….whl checks a local copy instead."""
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 from served_app import app_in_thread
-from sglang_contract_server import create_contract_app, safetensors_b64_serializer
 from sglang_schema import VERSION, SGLangSchema, download_wheel
 from test_server_sglang import FAST, KEY, launch_args
 
 from grpo_cli.rollout.base import SamplingParams
 from grpo_cli.rollout.sglang_client import SGLangEngine
+from grpo_cli.server.sglang_contract import (
+    create_contract_app,
+    safetensors_b64_serializer,
+)
 
 
 @pytest.fixture(scope="session")

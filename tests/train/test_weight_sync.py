@@ -148,49 +148,24 @@ def test_fsdp_and_compile_wrappers_are_stripped():
     assert hf_name("_fsdp_wrapped_module.model._orig_mod.norm.weight", peft=False) == "model.norm.weight"
 
 
-class FakePeft(torch.nn.Module):
-    """Shaped like a PeftModel: base weights under `base_model.model.`, a LoRA module, merge/unmerge that add and
-    remove a delta on one base weight."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.base_model = torch.nn.Module()
-        self.base_model.model = model
-        self.base_model.lora_A = torch.nn.Linear(2, 2)
-        self.peft_config = {"default": None}
-        self.calls: list[str] = []
-
-    def _target(self):
-        return self.base_model.model.model.norm.weight
-
-    @torch.no_grad()
-    def merge_adapter(self):
-        self.calls.append("merge")
-        self._target().add_(1.0)
-
-    @torch.no_grad()
-    def unmerge_adapter(self):
-        self.calls.append("unmerge")
-        self._target().sub_(1.0)
-
-
-def test_peft_is_merged_for_the_sync_and_unmerged_after(policy):
+def test_lora_is_sent_merged_and_the_trained_tensors_stay_bit_exact(policy):
+    """A real PEFT model: the engine receives W + (alpha/r)·B·A for every targeted weight, the probe logprobs
+    match the adapter's forward, and no trainer tensor is touched (nothing merged in place)."""
+    peft = pytest.importorskip("peft")
     engine = copy_engine(policy)
-    peft = FakePeft(policy)
-    before = policy.model.norm.weight.detach().clone()
-    sync_weights(engine, peft, version=1, bucket_mb=1, verify=False, probe=None)
-    assert peft.calls == ["merge", "unmerge"]
-    assert torch.equal(engine.model.model.norm.weight, before + 1.0)  # the engine got the merged weight
-    assert torch.equal(policy.model.norm.weight, before)  # the trainer's adapter is unmerged again
-
-    class Broken(HFEngine):
-        def update_weights(self, named_tensors, version):
-            raise RuntimeError("transport down")
-
-    broken = Broken(engine.model, eos_token_ids=[1], pad_token_id=0, shares_policy_weights=False)
-    with pytest.raises(RuntimeError, match="transport down"):
-        sync_weights(broken, peft, version=2, bucket_mb=1, verify=False, probe=None)
-    assert peft.calls[-1] == "unmerge" and torch.equal(policy.model.norm.weight, before)
+    model = peft.get_peft_model(policy, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    metrics = sync_weights(engine, model, version=1, bucket_mb=1, verify=True, probe=PROBE)
+    assert metrics["sync/max_probe_diff"] < 1e-4
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    want = q.base_layer.weight + q.lora_B["default"].weight @ q.lora_A["default"].weight * 2.0
+    assert torch.allclose(engine.model.model.layers[0].self_attn.q_proj.weight, want, atol=1e-6)
+    assert metrics["sync/tensors"] == len(list(engine.model.parameters()))
 
 
 def test_lora_merged_sync_of_a_tied_model_sends_the_tied_name(tied_policy):

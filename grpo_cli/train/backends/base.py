@@ -63,7 +63,9 @@ def fused_adam_ok(params: list[torch.Tensor]) -> bool:
 
 
 def make_adamw(cfg: GRPOConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train (with `model.lora`: the adapter and `modules_to_save` only)."""
     t = cfg.train
+    params = [p for p in params if p.requires_grad]
     return torch.optim.AdamW(params, lr=t.learning_rate, betas=t.adam_betas, weight_decay=t.weight_decay,
                              eps=t.adam_epsilon, fused=fused_adam_ok(params))
 
@@ -106,6 +108,13 @@ class TrainingBackend:
     # ---- building ----------------------------------------------------------------------------------
     def build(self, model_path: str) -> None:
         raise NotImplementedError
+
+    def reference(self):
+        """Context yielding the model whose logprobs are the KL reference (β > 0): the frozen copy, or with
+        `model.lora` the policy itself with its adapter disabled (no second copy in memory)."""
+        if self.ref_model is not None:
+            return contextlib.nullcontext(self.ref_model)
+        return _adapter_disabled(self.module)
 
     # ---- one optimizer step ------------------------------------------------------------------------
     def compute_context(self):
@@ -165,3 +174,36 @@ class TrainingBackend:
         """Collective: a consolidated Hugging Face folder written by rank 0, weights in `dtype` (default
         `model.dtype`; float32 gives the master weights exactly)."""
         raise NotImplementedError
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: full (unsharded) tensors of the trained parameters, on CPU (rank 0's copy is used)."""
+        from grpo_cli.train.lora import trainable_state
+
+        return {n: t.cpu() for n, t in trainable_state(self.module).items()}
+
+    def export_adapter(self, folder: Path) -> None:
+        """Collective (`model.lora`): the adapter folder `PeftModel.from_pretrained` loads, written by rank 0."""
+        state = self.trainable_state_dict()
+        if self.info.is_main:
+            self.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
+
+    def export_merged(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
+        """Collective (`model.lora`): base + adapter merged into an ordinary Hugging Face folder (rank 0), the
+        trained weights untouched."""
+        from grpo_cli.train.weight_sync import stream_named_tensors
+
+        stats: dict = {"tensors": 0, "bytes": 0, "copies": {}}
+        merged = {n: t.cpu() for n, t in stream_named_tensors(
+            self.module, bucket_mb=self.cfg.distributed.weight_sync_bucket_mb, peft=True, stats=stats,
+            keep_copies=set())}
+        if self.info.is_main:
+            from grpo_cli.train.backends.hf_io import save_hf_folder
+
+            base = self.module.get_base_model()
+            save_hf_folder(base, folder, state_dict=merged, dtype=dtype or compute_dtype(self.cfg))
+
+
+@contextlib.contextmanager
+def _adapter_disabled(module: torch.nn.Module):
+    with module.disable_adapter():
+        yield module

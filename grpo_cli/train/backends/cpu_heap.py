@@ -1,9 +1,10 @@
 """glibc heap settings for sharded training on CPU: large tensors come from mmap and go back to the OS when freed.
 
-FSDP2 gathers and frees every layer's full parameters and gradients at each step; with glibc's dynamic mmap
-threshold those buffers land in the heap after the first large free and stay resident as fragments. Measured on
-the 50M benchmark model, 2 gloo ranks, 3 AdamW steps: peak RSS 1512 MB (more than ddp's 1475 MB) with the
-defaults, 994 MB with a fixed 1 MiB threshold; the default `grpo train` ran 47 vs 50 s (noise) with it.
+FSDP2 and ZeRO-3 gather and free every layer's full parameters and gradients at each step; with glibc's dynamic
+mmap threshold those buffers land in the heap after the first large free and stay resident as fragments. Measured
+on the 50M benchmark model, 2 gloo ranks, 3 AdamW steps, peak RSS per rank: fsdp2 1512 → 994 MB, ZeRO-3
+1479 → 1303 MB with a fixed 1 MiB threshold (ddp: 1475 MB either way); the default `grpo train` ran 47 vs 50 s
+(noise) with it.
 """
 
 from __future__ import annotations

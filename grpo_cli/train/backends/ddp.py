@@ -11,6 +11,7 @@ import torch
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
 from grpo_cli.train.activations import enable_checkpointing
 from grpo_cli.train.backends.hf_io import load_full_weights, load_hf_model, save_hf_folder
+from grpo_cli.train.lora import apply_lora, is_peft, load_adapter
 
 
 class DDPBackend(TrainingBackend):
@@ -20,8 +21,10 @@ class DDPBackend(TrainingBackend):
         cfg = self.cfg
         self.module = load_hf_model(cfg, model_path, dtype=master_dtype(cfg)).to(self.device)
         enable_checkpointing(self.module, cfg.model.gradient_checkpointing)
+        if cfg.model.lora is not None:
+            self.module = apply_lora(cfg, self.module)
         self.module.train()
-        if cfg.algorithm.kl.beta > 0:
+        if cfg.algorithm.kl.beta > 0 and cfg.model.lora is None:
             ref = load_hf_model(cfg, model_path, dtype=compute_dtype(cfg)).to(self.device)
             self.ref_model = ref.eval().requires_grad_(False)
         self.model = self.module
@@ -49,7 +52,10 @@ class DDPBackend(TrainingBackend):
             torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
 
     def load_state(self, folder: Path) -> None:
-        load_full_weights(self.module, folder)
+        if is_peft(self.module):  # the checkpoint holds the adapter; the frozen base comes from model.name_or_path
+            load_adapter(self.module, folder)
+        else:
+            load_full_weights(self.module, folder)
         self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
 
     def export_hf(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:

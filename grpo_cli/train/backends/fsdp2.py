@@ -13,6 +13,8 @@ from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_ad
 from grpo_cli.train.activations import enable_checkpointing
 from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
 from grpo_cli.train.backends.hf_io import check_names, save_hf_folder, weight_files
+from grpo_cli.train.checkpoint import CheckpointError
+from grpo_cli.train.lora import apply_lora, checkpoint_name, init_adapter
 
 DCP_DIR = "dcp"
 
@@ -60,21 +62,29 @@ def shard_rows(param, rank: int, world: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_sharded(module: torch.nn.Module, folder: str, *, rank: int, world: int) -> None:
-    """Fill every DTensor parameter's local shard from the safetensors files, reading only this rank's rows."""
+def load_sharded(module: torch.nn.Module, folder: str, *, rank: int, world: int, peft: bool = False) -> None:
+    """Fill every DTensor parameter's local shard from the safetensors files, reading only this rank's rows. A
+    PEFT model's base weights are read under their checkpoint names; its adapter is left to `init_adapter`."""
     from safetensors import safe_open
 
     files = weight_files(Path(folder))
-    check_names(module, set(files), Path(folder))
+    if not peft:
+        check_names(module, set(files), Path(folder))
     handles: dict[Path, object] = {}
     with contextlib.ExitStack() as stack:
         for name, param in module.named_parameters():
-            path = files[name]
+            source = checkpoint_name(name) if peft else name
+            if source is None:
+                continue
+            if source not in files:
+                raise CheckpointError(f"{folder} has no tensor '{source}' (for the LoRA model's {name}); "
+                                      "model.name_or_path must be the base model the adapter is trained on.")
+            path = files[source]
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
             local = param.to_local() if hasattr(param, "to_local") else param.data
             start, stop = shard_rows(param, rank, world) if hasattr(param, "to_local") else (0, param.shape[0])
-            rows = handles[path].get_slice(name)[start:stop]
+            rows = handles[path].get_slice(source)[start:stop]
             local.copy_(rows.to(local.dtype))
 
 
@@ -89,12 +99,17 @@ class FSDP2Backend(TrainingBackend):
         module = build_on_meta(cfg, model_path, dtype=master_dtype(cfg) if trainable else compute_dtype(cfg))
         if trainable:
             enable_checkpointing(module, cfg.model.gradient_checkpointing)
+        lora = trainable and cfg.model.lora is not None
+        if lora:  # the adapter is added on meta too, then sharded with its layer
+            module = apply_lora(cfg, module)
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32)
         for layer in decoder_layers(module):
             fully_shard(layer, mp_policy=mp)
         fully_shard(module, mp_policy=mp)
         materialize(module, self.device)
-        load_sharded(module, model_path, rank=self.info.rank, world=self.info.world_size)
+        load_sharded(module, model_path, rank=self.info.rank, world=self.info.world_size, peft=lora)
+        if lora:
+            init_adapter(module, seed=cfg.train.seed, rank=self.info.rank, world=self.info.world_size)
         return module.train() if trainable else module.eval().requires_grad_(False)
 
     def build(self, model_path: str) -> None:
@@ -102,7 +117,7 @@ class FSDP2Backend(TrainingBackend):
         if self.device.type == "cpu":
             return_large_frees_to_os()
         self.module = self.model = self._sharded(model_path, trainable=True)
-        if cfg.algorithm.kl.beta > 0:
+        if cfg.algorithm.kl.beta > 0 and cfg.model.lora is None:
             self.ref_model = self._sharded(model_path, trainable=False)
         self.optimizer = make_adamw(cfg, list(self.module.parameters()))
         self.scheduler = make_scheduler(cfg, self.optimizer)
@@ -111,10 +126,16 @@ class FSDP2Backend(TrainingBackend):
         self.module.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
+    def _options(self, **kw):
+        """With LoRA the frozen base is not checkpointed (it is reloaded from `model.name_or_path`)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.cfg.model.lora is not None, **kw)
+
     def _state_dicts(self):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        return get_state_dict(self.module, self.optimizer)
+        return get_state_dict(self.module, self.optimizer, options=self._options())
 
     def save_state(self, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -130,7 +151,12 @@ class FSDP2Backend(TrainingBackend):
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=self._options(strict=self.cfg.model.lora is None))
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module, options=self._options(full_state_dict=True, cpu_offload=True))
 
     def export_hf(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

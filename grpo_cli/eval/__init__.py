@@ -1,0 +1,1 @@
+"""Held-out evaluation: during training (`eval.every_steps`) with the run's own engine, and `grpo eval`."""

@@ -1,0 +1,92 @@
+"""Pieces of the live training view: progress line, sparkline, phase-time bar, sample panel (rich renderables)."""
+
+from __future__ import annotations
+
+import math
+
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+PHASES = ("generate", "reward", "logprobs", "train", "sync", "offload")
+PHASE_COLORS = {"generate": "green", "reward": "magenta", "logprobs": "blue", "train": "yellow", "sync": "cyan",
+                "offload": "white"}
+BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None or value != value else format(value, spec)
+
+
+def clock(seconds: float | None) -> str:
+    """H:MM:SS, or `-:--:--` when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-:--:--"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def sparkline(values: list[float]) -> str:
+    """One block character per value, scaled between the min and max of `values`; NaN is a space."""
+    finite = [v for v in values if v == v]
+    if not finite:
+        return ""
+    lo, hi = min(finite), max(finite)
+    top = len(BLOCKS) - 1
+    return "".join(" " if v != v else BLOCKS[0 if hi == lo else round((v - lo) / (hi - lo) * top)] for v in values)
+
+
+def rate_text(steps_per_s: float | None) -> str:
+    if not steps_per_s:
+        return "- steps/s"
+    return f"{steps_per_s:.2f} steps/s ({1 / steps_per_s:.1f} s/step)"
+
+
+def progress_line(step: int, total: int, *, elapsed: float, eta: float | None, steps_per_s: float | None) -> Table:
+    grid = Table.grid(padding=(0, 1))
+    grid.add_row(Text("step", style="bold"), ProgressBar(total=max(total, 1), completed=step, width=30),
+                 Text(f"{step}/{total}"), Text(f"elapsed {clock(elapsed)}"), Text(f"ETA {clock(eta)}", style="cyan"),
+                 Text(rate_text(steps_per_s)))
+    return grid
+
+
+def trend_line(label: str, values: list[float], *, style: str) -> Text:
+    """`reward ▁▂▄▆█ -1.250 (min -4.000, max -1.250)` over the recent values."""
+    finite = [v for v in values if v == v]
+    text = Text(f"{label:<7}", style="bold")
+    text.append(sparkline(values), style=style)
+    if finite:
+        text.append(f" {fmt(values[-1])}  (min {fmt(min(finite))}, max {fmt(max(finite))}, last {len(values)} steps)")
+    return text
+
+
+def phase_bar(metrics: dict[str, float], *, width: int = 30) -> Text:
+    """A stacked bar of the step's phase times, each phase a colour, then the seconds of each."""
+    times = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES if metrics.get(f"time/{p}", 0.0) > 0}
+    total = sum(times.values())
+    text = Text("phases ", style="bold")
+    if not total:
+        return text.append("-")
+    for p, t in times.items():
+        text.append("█" * max(1, round(t / total * width)), style=PHASE_COLORS[p])
+    text.append(" ")
+    for p, t in times.items():
+        text.append(f"{p} ", style=PHASE_COLORS[p]).append(f"{t:.2f}s  ")
+    return text
+
+
+def sample_panel(sample: dict | None, *, step: int, max_chars: int = 240) -> Panel:
+    """The first logged completion of the step, truncated, with its reward."""
+    if not sample:
+        return Panel(Text("no completion logged (logging.log_completions: 0)", style="dim"), title="sample")
+    body = Text()
+    body.append("prompt ", style="bold").append(truncate(str(sample.get("prompt", "")), max_chars // 2) + "\n")
+    body.append("completion ", style="bold").append(truncate(str(sample.get("completion", "")), max_chars))
+    title = f"sample (step {step}, reward {fmt(sample.get('reward'))})"
+    return Panel(body, title=title, title_align="left")
+
+
+def truncate(text: str, limit: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"

@@ -1,0 +1,44 @@
+"""Evaluation metrics from scored completions, and the built-in tasks' held-out split."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_cli.config.schema import EvalConfig
+from grpo_cli.data.sources import DataError, load_rows
+from grpo_cli.eval.metrics import local_sums, reduce_means
+from grpo_cli.launch.dist import DistInfo
+
+
+def test_eval_metrics_by_hand():
+    # 2 prompts × G = 2; functions a (weight 1) and b (weight 2); one missing score of b.
+    per_func = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, float("nan")]])
+    cfg = EvalConfig(pass_threshold=1.0)
+    sums = local_sums(cfg, per_func=per_func, names=["a", "b"], weights=[1.0, 2.0],
+                      completion_ids=[[1], [1, 2], [1, 2, 3], [1, 2, 3, 4]], group_size=2)
+    out = reduce_means(sums, DistInfo())
+    # rewards: 1, 0, 3, 0 → mean 1; correct (≥ 1): prompt 0 has 1 of 2, prompt 1 has 1 of 2.
+    assert out["eval/reward/mean"] == 1.0
+    assert out["eval/a/mean"] == 0.5 and out["eval/b/mean"] == pytest.approx(1 / 3)
+    assert out["eval/pass@1"] == 0.5 and out["eval/pass@2"] == 1.0
+    assert out["eval/completions/mean_length"] == 2.5
+
+
+def test_eval_metrics_can_be_chosen():
+    cfg = EvalConfig(metrics=["reward"])
+    sums = local_sums(cfg, per_func=torch.zeros(4, 1), names=["a"], weights=[1.0], completion_ids=[[1]] * 4,
+                      group_size=4)
+    assert set(reduce_means(sums, DistInfo())) == {"eval/reward/mean"}
+    assert math.isnan(reduce_means({"x": (0.0, 0.0)}, DistInfo())["x"])
+
+
+@pytest.mark.parametrize("task", ["words", "arith"])
+def test_builtin_heldout_split_never_appears_in_training(task):
+    text = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
+    train, held = text(load_rows(f"builtin:{task}", seed=0)), text(load_rows(f"builtin:{task}:heldout", seed=0))
+    assert held and train and not (train & held)
+    with pytest.raises(DataError, match="heldout"):
+        load_rows(f"builtin:{task}:test")

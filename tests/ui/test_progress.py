@@ -1,0 +1,70 @@
+"""The live view renders the bar, the trend, the phases, the alarm and a sample; plain lines off a terminal;
+everything also lands in train.log."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from grpo_cli.ui.live_parts import sparkline
+from grpo_cli.ui.progress import ProgressView
+
+
+def _metrics(step: int) -> dict[str, float]:
+    return {"reward/mean": -4.0 + step, "reward/std": 0.5, "loss": 0.01, "kl": 0.002, "tokens_per_second": 900.0,
+            "completions/mean_length": 7.0, "time/generate": 0.6, "time/reward": 0.05, "time/train": 0.3,
+            "time/sync": 0.0, **({"eval/reward/mean": 0.1 * step} if step % 2 == 0 else {})}
+
+
+def _sample(step: int) -> list[dict]:
+    return [{"step": step, "prompt": "please say words about the cat", "completion": "word " * 200,
+             "reward": -1.5, "advantage": 0.3}]
+
+
+def _text(view: ProgressView) -> str:
+    out = Console(file=io.StringIO(), width=140, color_system=None, force_terminal=True)
+    out.print(view.render())
+    return out.file.getvalue()
+
+
+def test_rich_view_shows_bar_trend_phases_alarm_and_sample(tmp_path):
+    console = Console(file=io.StringIO(), width=140, color_system=None, force_terminal=True)
+    with ProgressView(10, mode="rich", console=console, log_path=tmp_path / "train.log") as view:
+        for step in range(1, 5):
+            view.update(step, _metrics(step), _sample(step))
+        view.alarm(4, "most completions hit rollout.max_completion_length")
+        text = _text(view)
+    assert "4/10" in text and "elapsed 0:00:0" in text and "ETA 0:00:0" in text and "steps/s" in text
+    assert "━" in text  # the bar
+    assert "reward ▁▃▆█ 0.000" in text, text  # -3, -2, -1, 0: one block per step, min to max
+    assert "eval" in text and "▁█ 0.400" in text
+    assert "phases" in text and "generate 0.60s" in text and "train 0.30s" in text and "sync" not in text
+    assert "alarm  (step 4) most completions hit" in text
+    assert "sample (step 4, reward -1.500)" in text and "please say words about the cat" in text
+    assert "…" in text and text.count("word") < 80  # 200 words truncated
+    log = (tmp_path / "train.log").read_text()
+    assert log.count("step ") >= 4 and "step 4/10 reward=0.000" in log and "eval=0.400" in log
+    assert "alarm (step 4): most completions" in log
+
+
+def test_plain_view_prints_one_line_per_step_and_logs_errors(tmp_path):
+    console = Console(file=io.StringIO(), width=300, color_system=None)
+    try:
+        with ProgressView(3, mode="auto", console=console, log_path=tmp_path / "train.log") as view:
+            for step in (1, 2):
+                view.update(step, _metrics(step), _sample(step))
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    lines = console.file.getvalue().splitlines()
+    assert [line.split()[:2] for line in lines] == [["step", "1/3"], ["step", "2/3"]]
+    assert "reward=-3.000" in lines[0] and "generate=0.60s" in lines[0]
+    log = (tmp_path / "train.log").read_text()
+    assert "RuntimeError: boom" in log and "Traceback" in log
+
+
+def test_sparkline_scales_between_min_and_max():
+    assert sparkline([0.0, 1.0, 2.0]) == "▁▅█"
+    assert sparkline([1.0, 1.0]) == "▁▁"
+    assert sparkline([float("nan"), 1.0, 3.0]) == " ▁█"
