@@ -55,6 +55,15 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def shutdown(info: DistInfo) -> None:
+    """End of a job: wait for every rank (rank 0 may still be writing), then tear the process group down here
+    rather than in interpreter teardown, where a rank exiting early aborted ("terminate called without an active
+    exception") and its launcher killed the ranks still writing."""
+    if info.world_size > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def broadcast_object(obj, info: DistInfo):
     """Rank 0's `obj` on every rank (a picklable object; collective, every rank calls it)."""
     if info.world_size == 1:

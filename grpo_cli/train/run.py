@@ -9,7 +9,7 @@ from pathlib import Path
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
 from grpo_cli.data.sources import load_rows
-from grpo_cli.launch.dist import DistInfo, barrier, broadcast_object, init_from_env
+from grpo_cli.launch.dist import DistInfo, barrier, broadcast_object, init_from_env, shutdown
 from grpo_cli.launch.quiet import quiet_hf_stack
 from grpo_cli.rewards.resolve import build_reward_fns
 from grpo_cli.rollout.factory import EngineContext, make_engine, sampling_params
@@ -194,4 +194,5 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
                "world_size": info.world_size, "backend": trainer.policy.backend.name}
     if run_dir is not None:
         run_dir.write_summary(summary)
+    shutdown(info)
     return summary

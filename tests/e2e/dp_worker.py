@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo_cli.config.load import build_config
-from grpo_cli.launch.dist import all_reduce_sum, init_from_env
+from grpo_cli.launch.dist import all_reduce_sum, init_from_env, shutdown
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.policy import load_policy
 from grpo_cli.train.step import batch_logprobs, forward_logprobs, optimizer_step
@@ -112,6 +112,7 @@ def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
         save_file({k: v.contiguous() for k, v in weights.items()}, out)
         local, total = policy.backend.param_numel()
         Path(out).with_suffix(".json").write_text(json.dumps({"local": local, "total": total, **held_bytes(policy)}))
+    shutdown(info)
 
 
 if __name__ == "__main__":
