@@ -59,6 +59,7 @@ def worker_grpo(s: dict, engine: str) -> dict:
         f"rewards.functions=[{{name: length, weight: 1.0, kwargs: {{target: {TARGET_WORDS}}}}}]",
         "data.source=builtin:words", "logging.log_completions=0", "checkpoint.every_steps=0",
         f"model.dtype={s.get('dtype', 'float32')}",
+        f"model.gradient_checkpointing={s.get('gradient_checkpointing', False)}",
     ] + list(s.get("grpo_set", []))
     cfg = build_config(preset, None, overrides)
     out = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
@@ -112,6 +113,7 @@ def worker_trl(s: dict) -> dict:
         warmup_steps=0, max_grad_norm=1.0, num_iterations=1, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, bf16=False, fp16=False, seed=0, disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False,
+        gradient_checkpointing=s.get("gradient_checkpointing", False),  # TRL's own default is True
     )
     ds = Dataset.from_list(words_task(256, seed=0))
     tok = AutoTokenizer.from_pretrained(s["ckpt"])
@@ -257,6 +259,9 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=None, help="default: prompts x gens")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="grpo-cli's model.dtype (compute; float32 master weights); TRL stays float32")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="both systems recompute activations in backward (TRL's GRPOConfig default; off here "
+                         "unless given, for both)")
     ap.add_argument("--set", dest="grpo_set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override for the grpo-cli runs (repeatable)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
@@ -278,7 +283,8 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     ckpt, params = build_checkpoint(a.size, root)
     base = dict(ckpt=ckpt, prompts=a.prompts, G=a.G, max_len=a.max_len, micro_batch=a.micro_batch or a.prompts * a.G,
-                steps=a.steps, lr=a.lr, dtype=a.dtype, grpo_set=a.grpo_set)
+                steps=a.steps, lr=a.lr, dtype=a.dtype, grpo_set=a.grpo_set,
+                gradient_checkpointing=a.gradient_checkpointing)
     variants = {f"grpo-hf:{v.split(':', 1)[0]}": v.split(":", 1)[1].split(",") for v in a.variant}
     systems = ["grpo-hf", *variants, "trl"] + (["grpo-vllm"] if a.vllm else [])
     print(f"checkpoint {ckpt} ({params / 1e6:.1f}M params); settings {base}", flush=True)

@@ -50,8 +50,8 @@ class ModelConfig(Section):
     """Recompute activations in the backward pass to save memory: `true` re-runs each decoder layer's forward;
     `selective` keeps the matmul and attention outputs and recomputes only the elementwise ops (norms, rotary,
     SiLU, products): one train step of the 19M benchmark model (16 prompts x 8, 1 thread) peaked at 3087 instead
-    of 3789 MB for ~4% more CPU time (full: 2327 MB, ~24% more), but a whole 2-thread run peaked higher with it
-    (benchmarks/README.md): measure before relying on it."""
+    of 3789 MB for ~4% more CPU time (full: 2327 MB, ~24% more); a whole run's peak can sit elsewhere
+    (generation, the optimizer step): measure on your shapes before relying on it."""
     lora: LoraConfig | None = None
     """Train a LoRA adapter (PEFT, `pip install 'grpo-cli[lora]'`) instead of every weight; null trains the full
     model. The reference model (β > 0) is the same model with the adapter disabled, and weight sync sends the
