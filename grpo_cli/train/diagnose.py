@@ -134,14 +134,10 @@ class Sample:
 def load_training_model(cfg: GRPOConfig, model_path: str, device: torch.device):
     """The policy exactly as `train` loads it (model.dtype, model.attn_implementation, train mode), frozen."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from grpo_cli.rollout.attention import attention_implementation
+    from grpo_cli.train.backends.hf_io import load_hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=getattr(torch, cfg.model.dtype),
-        attn_implementation=attention_implementation(cfg.model.attn_implementation),
-    ).to(device)
+    model = load_hf_model(cfg, model_path, dtype=getattr(torch, cfg.model.dtype)).to(device)
     return model.train().requires_grad_(False)
 
 
