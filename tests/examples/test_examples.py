@@ -47,13 +47,18 @@ def test_scripts_parse():
         assert out.returncode == 0, (script, out.stderr)
 
 
+def _train_example(folder: str, steps: int, tmp_path: Path) -> tuple[Path, list[dict]]:
+    """`grpo train --config config.yaml` run in the example's folder for `steps` steps: its run dir and metrics."""
+    run = tmp_path / "run"
+    out = _run(["grpo", "train", "--config", "config.yaml", "--output-dir", str(run), "--set", f"train.steps={steps}",
+                "--set", "logging.progress=plain"], EXAMPLES / folder, _env(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    return run, _metrics(run)
+
+
 @pytest.mark.slow
 def test_gsm8k_math(tmp_path):
-    run = tmp_path / "run"
-    out = _run(["grpo", "train", "--config", "config.yaml", "--output-dir", str(run), "--set", "train.steps=2",
-                "--set", "logging.progress=plain"], EXAMPLES / "01-gsm8k-math", _env(tmp_path))
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = _metrics(run)
+    run, rows = _train_example("01-gsm8k-math", 2, tmp_path)
     assert len(rows) == 2 and all(0.0 <= r["reward/math/mean"] <= 1.0 for r in rows), rows
     ev = rows[-1]  # eval.jsonl after the last step; pass@1 is the share of completions scored 1 by `math`
     assert ev["eval/pass@1"] == pytest.approx(ev["eval/math/mean"]) and "eval/pass@4" in ev, ev
@@ -63,11 +68,7 @@ def test_gsm8k_math(tmp_path):
 
 @pytest.mark.slow
 def test_custom_reward_with_columns(tmp_path):
-    run = tmp_path / "run"
-    out = _run(["grpo", "train", "--config", "config.yaml", "--output-dir", str(run), "--set", "train.steps=3",
-                "--set", "logging.progress=plain"], EXAMPLES / "02-custom-reward", _env(tmp_path))
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = _metrics(run)
+    _, rows = _train_example("02-custom-reward", 3, tmp_path)
     assert {k for k in rows[0] if k.startswith("reward/") and k.count("/") == 2} == {
         "reward/on_topic/mean", "reward/within_budget/mean", "reward/topic_per_step/mean"}
     assert all(0 <= r["reward/on_topic/mean"] <= 1 and r["reward/within_budget/mean"] <= 0 for r in rows)
