@@ -55,6 +55,11 @@ def _check_rollout(cfg: GRPOConfig) -> None:
         )
     if r.mode == "async":
         _check_async(cfg)
+    if not r.server.shm_keep_file and not (r.mode == "server" and r.server.weight_transport == "shm"):
+        raise ValueError(
+            "rollout.server.shm_keep_file=false applies only to rollout.mode=server with "
+            "rollout.server.weight_transport=shm (no /dev/shm file is written otherwise); remove it."
+        )
     if r.vllm.sleep_level and not (r.engine == "vllm" and r.mode == "colocate"):
         raise ValueError(
             "rollout.vllm.sleep_level applies only to rollout.engine=vllm in colocate mode; set it to 0."

@@ -158,8 +158,14 @@ class ServerConfig(Section):
     weight_transport: Literal["http", "shm", "nccl"] = "http"
     """`grpo serve-rollout` weight sync: `http` streams checksummed safetensors chunks; `shm` (server on the
     trainer's host, same user) writes those chunks once to a file in /dev/shm and sends only its name (token-guarded
-    like every update; each chunk's SHA-256 is checked by the server); `nccl` broadcasts over a NCCL group set up
-    through `/init_communicator` (CUDA on both sides)."""
+    like every update; each chunk's XXH3-128 checksum is checked by the server); `nccl` broadcasts over a NCCL group
+    set up through `/init_communicator` (CUDA on both sides)."""
+    shm_keep_file: bool = True
+    """With `weight_transport: shm`: keep the /dev/shm file between syncs and overwrite it in place (about twice as
+    fast as allocating and freeing a model's worth of shared memory every sync: 0.09 vs 0.22 s for 403 MB here),
+    at the price of holding one copy of the weights in shared memory for the whole run; false frees it after each
+    sync. The file is removed when the run ends; a file left by a killed trainer is removed by the next shm run of
+    the same user."""
     weight_chunk_mb: int = Field(128, ge=1)
     """Size of one weight chunk (HTTP frame, or SGLang tensor bucket)."""
     sglang_weight_transport: Literal["disk", "tensor"] = "disk"

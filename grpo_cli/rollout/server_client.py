@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from grpo_cli.config.schema import GRPOConfig
     from grpo_cli.rollout.factory import EngineContext
+    from grpo_cli.rollout.shm_file import ShmFile
 
 __all__ = ["RolloutServerDown", "ServerEngine", "model_identity"]
 
@@ -45,8 +46,8 @@ class ServerEngine:
 
     def __init__(self, urls: list[str], *, policy: Policy | None = None, token: str | None = None,
                  stop_token_ids: list[int] | None = None, expected: dict | None = None,
-                 chunk_mb: int = 128, transport: str = "http", start_hint: str = "grpo serve-rollout --model PATH",
-                 connect: bool = True) -> None:
+                 chunk_mb: int = 128, transport: str = "http", shm_keep_file: bool = True,
+                 start_hint: str = "grpo serve-rollout --model PATH", connect: bool = True) -> None:
         self.policy = policy or Policy()
         self.http = Transport(urls, token=token, policy=self.policy)
         self.urls = self.http.urls
@@ -57,6 +58,8 @@ class ServerEngine:
         if transport == "shm" and not all(is_loopback(u) for u in self.http.urls):
             raise RolloutError("rollout.server.weight_transport=shm hands the server a file in /dev/shm, so every "
                                f"server must be on this host (a loopback URL), not {list(self.http.urls)}: use http")
+        self.shm_keep_file = shm_keep_file
+        self._shm: ShmFile | None = None
         self.start_hint = start_hint
         self.weight_version = 0
         self.info: dict[str, dict] = {}
@@ -75,7 +78,7 @@ class ServerEngine:
         hint = f"GRPO_ROLLOUT_TOKEN=... grpo serve-rollout --engine hf --model {ctx.model_path}"
         return cls(list(s.urls), policy=policy, token=os.environ.get(s.token_env) or None,
                    stop_token_ids=ctx.eos_token_ids, expected=model_identity(ctx.model_path),
-                   chunk_mb=s.weight_chunk_mb, transport=s.weight_transport,
+                   chunk_mb=s.weight_chunk_mb, transport=s.weight_transport, shm_keep_file=s.shm_keep_file,
                    start_hint=hint)
 
     # -- start-up ---------------------------------------------------------------------------------------
@@ -191,22 +194,26 @@ class ServerEngine:
         return [f.result() for f in futures]
 
     def _update_shm(self, named_tensors, version: int) -> list[dict]:
-        """Same host: write the frames once into a file in /dev/shm (owner-only, hashed while written) and hand
-        its name to every server, which maps it, checks each frame's SHA-256 and loads from the mapping."""
-        from grpo_cli.server.codec import SHM_DIR, write_stream
+        """Same host: write the frames once into an owner-only file in /dev/shm and hand its name to every server,
+        which maps it, checks each frame's checksum and loads from the mapping. The file is kept and overwritten
+        by the next sync unless `shm_keep_file` is false."""
+        from grpo_cli.rollout.shm_file import ShmFile
+        from grpo_cli.server.codec import write_stream
 
-        name = f"grpo-weights-{os.getpid()}-{version}-{os.urandom(6).hex()}"
-        path = Path(SHM_DIR) / name
+        if self._shm is None:
+            self._shm = ShmFile.create()
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb", buffering=0) as out, ThreadPoolExecutor(2) as pool:
-                size = write_stream(out, named_tensors, chunk_bytes=self.chunk_bytes, version=version, pool=pool)
-            body = {"name": name, "bytes": size, "version": version}
+            out = self._shm.rewind()
+            size = write_stream(out, named_tensors, chunk_bytes=self.chunk_bytes, version=version)
+            out.truncate(size)
+            body = {"name": self._shm.path.name, "bytes": size, "version": version}
             futures = [self._pool.submit(self.http.call, url, "POST", "/update_weights_shm", idempotent=False,
                                          json=body) for url in self.urls]
             return [f.result().json() for f in futures]
         finally:
-            path.unlink(missing_ok=True)
+            if not self.shm_keep_file:
+                self._shm.remove()
+                self._shm = None
 
     def _upload(self, url: str, q: queue.Queue, version: int) -> dict:
         finished = False
@@ -255,4 +262,7 @@ class ServerEngine:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+        if self._shm is not None:
+            self._shm.remove()
+            self._shm = None
 

@@ -7,7 +7,6 @@ that fails after a tensor was loaded marks the server `inconsistent` until a com
 from __future__ import annotations
 
 import mmap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anyio
@@ -105,9 +104,8 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
             try:
                 with path.open("rb") as f:  # the mapping outlives the file object; unmapped when the views go
                     mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if body.bytes else b""
-                with ThreadPoolExecutor(2, thread_name_prefix="shm-verify") as pool:
-                    frames = read_stream(memoryview(mapped), max_frame_bytes=max_frame_bytes, pool=pool)
-                    await apply.load_all(_checked(frames, apply, body.version))
+                frames = read_stream(memoryview(mapped), max_frame_bytes=max_frame_bytes)
+                await apply.load_all(_checked(frames, apply, body.version))
                 await anyio.to_thread.run_sync(reset_cache, st.served.engine)
             except Exception as e:
                 apply.failed(e, prior)

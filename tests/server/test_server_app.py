@@ -198,9 +198,11 @@ def test_idempotent_calls_retry_with_backoff_and_surface_the_last_error():
 
 
 def test_shm_transport_loads_the_weights_checks_every_frame_and_removes_the_file(server, tmp_path, monkeypatch):
-    """Same host: the frames go into a /dev/shm file handed over by name (token-guarded); a corrupted file is
-    refused by its checksum and leaves the served weights untouched."""
+    """Same host: the frames go into an owner-only /dev/shm file handed over by name (token-guarded), kept and
+    overwritten by the next sync (removed at close, or after each sync with shm_keep_file=False); a corrupted file
+    is refused by its checksum and leaves the served weights untouched."""
     import os
+    import stat
 
     from grpo_cli.server import codec
 
@@ -212,7 +214,13 @@ def test_shm_transport_loads_the_weights_checks_every_frame_and_removes_the_file
     assert eng.weight_version == 3 and eng.last_sync["bytes"] == sum(t.nbytes for _, t in params)
     for (name, want), (_, got) in zip(params, served.engine.model.named_parameters(), strict=True):
         assert torch.equal(want, got), name
-    assert set(os.listdir(codec.SHM_DIR)) == before  # the client removed its file
+    (kept,) = set(os.listdir(codec.SHM_DIR)) - before
+    assert kept.startswith(f"grpo-weights-{os.getpid()}-")
+    assert stat.S_IMODE(os.stat(os.path.join(codec.SHM_DIR, kept)).st_mode) == 0o600
+    eng.update_weights([(n, t * 2) for n, t in params], 4)  # the same file, overwritten
+    assert set(os.listdir(codec.SHM_DIR)) - before == {kept}
+    for (name, want), (_, got) in zip(params, served.engine.model.named_parameters(), strict=True):
+        assert torch.equal(want * 2, got), name
     body = {"name": "grpo-weights-x", "bytes": 0, "version": 4}
     assert httpx.post(f"{url}/update_weights_shm", json=body).status_code == 401
     assert httpx.post(f"{url}/update_weights_shm", json={**body, "name": "../etc/passwd"},
@@ -223,18 +231,46 @@ def test_shm_transport_loads_the_weights_checks_every_frame_and_removes_the_file
     def corrupt(out, *args, **kwargs):
         size = real_write(out, *args, **kwargs)
         out.seek(size // 2)
-        out.write(b"\xff\xfe")  # flips bytes inside a frame after its digest was taken
+        out.write(b"\xff\xfe")  # flips bytes inside a frame after its checksum was taken
         out.seek(size)
         return size
 
     monkeypatch.setattr(codec, "write_stream", corrupt)
     with pytest.raises(RolloutError, match="checksum mismatch"):
-        eng.update_weights([(n, t + 1.0) for n, t in params], 4)
+        eng.update_weights([(n, t + 1.0) for n, t in params], 5)
     info = httpx.get(f"{url}/info", headers=_auth()).json()
-    assert info["weight_version"] == 3
+    assert info["weight_version"] == 4
     eng.close()
+    assert set(os.listdir(codec.SHM_DIR)) == before  # close removed the file
+    monkeypatch.setattr(codec, "write_stream", real_write)
+    once = ServerEngine([url], policy=FAST, token=TOKEN, transport="shm", chunk_mb=1, shm_keep_file=False)
+    once.update_weights(params, 6)
+    assert set(os.listdir(codec.SHM_DIR)) == before and once.weight_version == 6
+    once.close()
     with pytest.raises(RolloutError, match="loopback"):
         ServerEngine(["http://10.1.2.3:8000"], policy=FAST, transport="shm", connect=False)
+
+
+def test_shm_files_of_dead_trainers_are_swept(tmp_path):
+    """A weight file left by a trainer that was killed (its pid no longer runs) is removed when the next shm file
+    is created; a live process's file and files of other names stay."""
+    import os
+    import subprocess
+    import sys
+
+    from grpo_cli.rollout.shm_file import ShmFile
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = tmp_path / f"grpo-weights-{int(dead.stdout)}-abc123"
+    live = tmp_path / f"grpo-weights-{os.getppid()}-abc123"
+    other = tmp_path / "grpo-weights-notes.txt"
+    for f in (stale, live, other):
+        f.write_bytes(b"x")
+    made = ShmFile.create(str(tmp_path))
+    assert not stale.exists() and live.exists() and other.exists() and made.path.exists()
+    made.remove()
+    assert not made.path.exists()
 
 
 def test_tied_checkpoint_is_served_under_every_name_and_syncs_verified(tmp_path):
