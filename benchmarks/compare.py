@@ -58,6 +58,7 @@ def worker_grpo(s: dict, engine: str) -> dict:
         "train.lr_scheduler=constant", "rollout.temperature=1.0", "algorithm.kl.beta=0.0",
         f"rewards.functions=[{{name: length, weight: 1.0, kwargs: {{target: {TARGET_WORDS}}}}}]",
         "data.source=builtin:words", "logging.log_completions=0", "checkpoint.every_steps=0",
+        "eval.every_steps=0",  # TRL evaluates nothing either
         f"model.dtype={s.get('dtype', 'float32')}",
         f"model.gradient_checkpointing={s.get('gradient_checkpointing', False)}",
     ] + list(s.get("grpo_set", []))

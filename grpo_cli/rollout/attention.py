@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 NAME = "grpo_sdpa"
+LAYOUT_ATTR = "grpo_packed_layout"
+"""Attribute of a packed batch's 4D mask holding its `packed_attention.PackedLayout` (set by `rollout.scoring`)."""
 
 
 def grpo_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -21,6 +23,14 @@ def grpo_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
+    layout = getattr(attention_mask, LAYOUT_ATTR, None)
+    if layout is not None:  # a shared-prompt packed batch (rollout.scoring): structured, not row-wide, attention
+        if query.shape[0] != layout.rows or query.shape[2] != layout.n or dropout > 0.0:
+            raise RuntimeError(f"packed attention layout ({layout.rows} rows x {layout.n}) does not fit the "
+                               f"query {tuple(query.shape)} (dropout {dropout})")
+        from grpo_cli.rollout.packed_attention import packed_attention
+
+        return packed_attention(query, key, value, layout, scale=scaling, gqa=groups > 1), None
     if attention_mask is None or dropout > 0.0 or kwargs.get("position_bias") is not None \
             or key.shape[-1] != value.shape[-1] or kwargs.get("cache") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

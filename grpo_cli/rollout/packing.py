@@ -8,6 +8,7 @@ an unpacked forward pass computes. Pure index bookkeeping; no model code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,13 +20,18 @@ class Packing:
 
     `src` (R, N): flat index b·S + s of the original position copied there, −1 for padding. `segment` (R, N): 0 on
     the prompt, k ≥ 1 on the row's k-th completion, −1 on padding. `row` (B,), `pos` (B, T): the packed row and
-    position whose logits predict completion token t of sequence b (t = 0: the prompt's last position).
+    position whose logits predict completion token t of sequence b (t = 0: the prompt's last position). `start`,
+    `width` (B,): where sequence b's completion begins in its row, and its width (positions
+    [start, start + width) of row `row[b]`). Every row begins with the `prompt_len` positions of its prompt.
     """
 
     src: torch.Tensor
     segment: torch.Tensor
     row: torch.Tensor
     pos: torch.Tensor
+    start: torch.Tensor
+    width: torch.Tensor
+    prompt_len: int
 
 
 def completion_widths(completion_mask: torch.Tensor) -> torch.Tensor:
@@ -49,9 +55,12 @@ def _rows(groups: list[list[int]], widths: list[int], prompt_len: int, max_row: 
     return rows
 
 
-def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *, max_row: int) -> Packing:
+def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *,
+                 max_row: int | Sequence[int]) -> Packing:
     """Pack sequences (B, S) whose first `prompt_len` ids and mask entries are equal into shared rows of at most
-    `max_row` positions (a longer single sequence gets a row of its own)."""
+    `max_row` positions (a longer single sequence gets a row of its own). Given several caps, the one whose packed
+    batch (rows × widest row) is smallest wins: a prompt drawn twice in one batch makes a group twice as long,
+    and one row that long would widen every row."""
     batch, width = input_ids.shape
     key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
     inverse = torch.unique(key, dim=0, return_inverse=True)[1].tolist()
@@ -59,11 +68,17 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
     for b, g in enumerate(inverse):
         groups.setdefault(g, []).append(b)
     widths = completion_widths(attention_mask[:, prompt_len:]).tolist()
-    rows = _rows(list(groups.values()), widths, prompt_len, max_row)
+
+    def size(rows: list[list[int]]) -> int:
+        return len(rows) * max(prompt_len + sum(widths[b] for b in seqs) for seqs in rows)
+
+    caps = [max_row] if isinstance(max_row, int) else list(max_row)
+    rows = min((_rows(list(groups.values()), widths, prompt_len, cap) for cap in caps), key=size)
     n = max(prompt_len + sum(widths[b] for b in seqs) for seqs in rows)
     src = torch.full((len(rows), n), -1, dtype=torch.long)
     segment = torch.full((len(rows), n), -1, dtype=torch.long)
     row_of, pos = torch.zeros(batch, dtype=torch.long), torch.full((batch, width - prompt_len), n - 1)
+    starts = torch.zeros(batch, dtype=torch.long)
     for r, seqs in enumerate(rows):
         src[r, :prompt_len] = seqs[0] * width + torch.arange(prompt_len)
         segment[r, :prompt_len] = 0
@@ -72,12 +87,13 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
             w = widths[b]
             src[r, start : start + w] = b * width + prompt_len + torch.arange(w)
             segment[r, start : start + w] = k
-            row_of[b] = r
+            row_of[b], starts[b] = r, start
             pos[b, 0] = prompt_len - 1
             pos[b, 1:w] = start + torch.arange(w - 1)
             start += w
     device = input_ids.device
-    return Packing(src.to(device), segment.to(device), row_of.to(device), pos.to(device))
+    return Packing(src.to(device), segment.to(device), row_of.to(device), pos.to(device), starts.to(device),
+                   torch.tensor(widths, dtype=torch.long, device=device), prompt_len)
 
 
 def packed_mask(packing: Packing, valid: torch.Tensor) -> torch.Tensor:

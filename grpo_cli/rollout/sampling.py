@@ -1,5 +1,5 @@
 """Next-token sampling of the hf engine: transformers' temperature → top-k → top-p rules on fp32 logits, a
-multinomial draw from a seeded generator, and the drawn token's logprob under the processed distribution."""
+Gumbel-max draw from a seeded generator, and the drawn token's logprob under the processed distribution."""
 
 from __future__ import annotations
 
@@ -29,7 +29,12 @@ def process_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_
 
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw token_b ~ softmax(scores_b) and return (tokens (B,), logprobs (B,)) with
-    logprob_b = scores_b[token_b] − logsumexp(scores_b), in fp32 (no (B, V) log-softmax kept)."""
+    logprob_b = scores_b[token_b] − logsumexp(scores_b), in fp32 (no (B, V) log-softmax kept).
+
+    Gumbel-max: token_b = argmax_v (scores_bv − log(−log u_bv)), u ~ Uniform(0, 1) from `generator`, which is
+    distributed as softmax(scores_b) (−inf scores are never drawn). Same law as `torch.multinomial`, whose CPU
+    draw (an exponential per entry) took 0.27 ms of a 4.7 ms decode step at 128 rows x 101 tokens."""
+    noise = torch.rand(scores.shape, generator=generator, dtype=torch.float32, device=scores.device)
+    tokens = (scores - noise.log_().neg_().log_()).argmax(dim=-1, keepdim=True)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    tokens = torch.multinomial((scores - lse).exp_(), 1, generator=generator)
     return tokens.squeeze(1), (scores.gather(-1, tokens) - lse).squeeze(1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.algo.entropy import token_entropy
+from grpo_cli.rollout.attention import LAYOUT_ATTR
 from grpo_cli.rollout.attention import NAME as ATTENTION
 from grpo_cli.rollout.packing import attention_cost, completion_widths, packed_mask, plan_packing
 
@@ -46,16 +47,30 @@ def _packable(model) -> int | None:
 
 def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: int, hidden_size: int):
     """Logits (B, T, V) predicting each completion token from a packed forward pass, or None when packing would
-    not cut the estimated cost by MIN_SAVING."""
+    not cut the estimated cost by MIN_SAVING.
+
+    With `grpo_sdpa` attention the rows run `packed_attention` (each completion token attends to its prompt and own
+    tokens only: work per token p + W, not the row width), so rows may hold whole groups (of the row caps S·2^k,
+    the one with the smallest packed batch is taken); with `eager`/`sdpa` the row-wide masked attention grows with
+    the row, which is capped at max(S, hidden size) positions."""
     batch, width = input_ids.shape
-    packing = plan_packing(input_ids, attention_mask, prompt_len, max_row=max(width, hidden_size))
+    structured = getattr(model, "module", model).config._attn_implementation == ATTENTION
+    caps = [width << k for k in range(batch.bit_length() + 1)] if structured else max(width, hidden_size)
+    packing = plan_packing(input_ids, attention_mask, prompt_len, max_row=caps)
     rows, n = packing.src.shape
-    if attention_cost(rows, n, hidden_size=hidden_size) > (1 - MIN_SAVING) * attention_cost(
-            batch, width, hidden_size=hidden_size):
+    packed_cost = (rows * n * (1.0 + width / (6.0 * hidden_size)) if structured
+                   else attention_cost(rows, n, hidden_size=hidden_size))
+    if packed_cost > (1 - MIN_SAVING) * attention_cost(batch, width, hidden_size=hidden_size):
         return None
     src = packing.src.clamp(min=0)
     valid = attention_mask.reshape(-1)[src] * (packing.src >= 0)
-    mask = packed_mask(packing, valid)
+    if structured:
+        from grpo_cli.rollout.packed_attention import build_layout
+
+        mask = torch.ones((), dtype=torch.bool, device=src.device).expand(rows, 1, n, n)  # a shape, no N x N memory
+        setattr(mask, LAYOUT_ATTR, build_layout(packing, valid))
+    else:
+        mask = packed_mask(packing, valid)
     dtype = next(model.parameters()).dtype
     if getattr(model, "module", model).config._attn_implementation == "eager":  # additive float mask
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)

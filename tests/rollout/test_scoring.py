@@ -16,8 +16,12 @@ T = 12
 
 
 def load(tiny_checkpoint, attn: str):
+    """`grpo_sdpa` is what the trainer loads for `model.attn_implementation: sdpa` (structured packed attention)."""
     from transformers import AutoModelForCausalLM
 
+    from grpo_cli.rollout.attention import attention_implementation
+
+    attn = attention_implementation("sdpa") if attn == "grpo_sdpa" else attn
     return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32, attn_implementation=attn).train()
 
 
@@ -61,7 +65,7 @@ def spy_on_packing(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "grpo_sdpa"])
 def test_packed_rows_equal_one_plain_pass(tiny_checkpoint, attn, monkeypatch):
     model, (ids, mask) = load(tiny_checkpoint, attn), group_batch()
     calls = spy_on_packing(monkeypatch)
@@ -87,6 +91,43 @@ def test_long_groups_split_over_rows_and_checkpointing_agree(tiny_checkpoint, mo
         model.gradient_checkpointing_disable()
     assert calls[0].src.shape[0] > 4 and calls[0].src.shape[1] <= ids.shape[1]
     assert_same(fast, ref)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_structured_packed_attention_equals_a_plain_pass_with_checkpointing(tmp_path, arch, monkeypatch):
+    """grpo_sdpa runs packed rows as prompt + own-completion attention (`packed_attention`), never the row-wide
+    N x N mask: a whole group in one row, logits and gradients equal to one plain padded pass, on architectures
+    with q/k/v biases and tied embeddings (Qwen2) and q/k norms (Qwen3), with activation checkpointing too (the
+    recomputed forward finds the layout on the same mask). Rows take the cap S·2^k with the smallest packed batch."""
+    import torch.nn.functional as F
+
+    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+
+    path = str(build_tiny_checkpoint(tmp_path / arch, arch=arch))
+    model, (ids, mask) = load(path, "grpo_sdpa"), group_batch(group=16)
+    monkeypatch.setattr(scoring, "MIN_SAVING", 2.0)
+    ref = logprobs_and_grads(model, ids, mask)
+    monkeypatch.setattr(scoring, "MIN_SAVING", 0.1)
+    calls = spy_on_packing(monkeypatch)
+    shapes = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy_sdpa(q, k, v, **kw):
+        shapes.append(tuple(kw["attn_mask"].shape))
+        return real_sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy_sdpa)
+    model.gradient_checkpointing_enable()
+    try:
+        fast = logprobs_and_grads(model, ids, mask)
+    finally:
+        model.gradient_checkpointing_disable()
+    rows, n = calls[0].src.shape
+    assert rows <= 8 and n > 2 * ids.shape[1]  # 64 sequences in a few rows, each many times the padded width
+    assert shapes and all(s[-1] < n for s in shapes)  # no attention call over the whole row
+    assert torch.allclose(fast[0], ref[0], atol=1e-5)
+    for name, g in ref[1].items():  # fp32 summation order: both sit ~1e-6·scale from a float64 pass (measured)
+        assert (fast[1][name] - g).abs().max() <= 1e-6 * max(1.0, g.abs().max().item()), name
 
 
 def test_distinct_full_rows_stay_unpacked(tiny_checkpoint, monkeypatch):

@@ -1,0 +1,93 @@
+"""Attention over shared-prompt packed rows without the row-wide N × N work.
+
+A packed row is [prompt | c_1 | c_2 | …] (`rollout.packing`); a completion token attends only to the prompt and to
+the earlier tokens of its own completion. The dense 4D mask makes SDPA compute every row's N × N scores (N = prompt
++ all the group's completions) and throw most of them away. Here the same attention runs as two small batched
+SDPA calls whose masked-out part is only padding:
+
+- prompt queries (R, H, p): causal over the row's prompt keys;
+- completion queries, gathered per sequence (B, H, W) with W = the widest completion: keys = the row's prompt keys
+  followed by the sequence's own keys (B, KV, p + W), causal within the completion.
+
+Each output position gets softmax(q·kᵀ·scale + mask)·v over exactly the keys the dense mask allows, so the values
+equal the dense computation up to float rounding; work per completion token is p + W keys instead of N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grpo_cli.rollout.packing import Packing
+
+
+@dataclass
+class PackedLayout:
+    """Index bookkeeping of one packed batch (R rows of N positions, B sequences, prompt length p, widest
+    completion W). Flat indices address positions r·N + j."""
+
+    rows: int
+    n: int
+    prompt_len: int
+    query_index: torch.Tensor
+    """(B, W): flat position of completion token i of sequence b (clamped into the row for i ≥ width)."""
+    key_index: torch.Tensor
+    """(B, p + W): the row's prompt positions, then `query_index`."""
+    prompt_mask: torch.Tensor
+    """(R, 1, p, p) bool: causal over valid prompt keys, each position also sees itself."""
+    completion_mask: torch.Tensor
+    """(B, 1, W, p + W) bool: valid prompt keys, then causal over the sequence's own tokens (and itself)."""
+    out_index: torch.Tensor
+    """(M,): flat positions of the M valid completion tokens, in (b, i) order."""
+    out_select: torch.Tensor
+    """(M,): their index into the (B·W) gathered completion queries."""
+
+
+def build_layout(packing: Packing, valid: torch.Tensor) -> PackedLayout:
+    """`valid` (R, N): 1 where the packed position holds an unmasked token."""
+    rows, n = packing.src.shape
+    p, device = packing.prompt_len, packing.src.device
+    widths, starts, row = packing.width, packing.start, packing.row
+    w = max(int(widths.max()), 1) if widths.numel() else 1
+    i = torch.arange(w, device=device)
+    offset = (starts[:, None] + i).clamp(max=n - 1)
+    query_index = row[:, None] * n + offset
+    prompt_keys = row[:, None] * n + torch.arange(p, device=device)
+    key_index = torch.cat([prompt_keys, query_index], dim=1)
+    valid = valid.bool()
+    prompt_valid = valid[:, :p]
+    causal_p = torch.ones(p, p, dtype=torch.bool, device=device).tril()
+    eye_p = torch.eye(p, dtype=torch.bool, device=device)
+    prompt_mask = ((causal_p & prompt_valid[:, None, :]) | eye_p)[:, None]
+    own = i[:, None] >= i[None, :]  # key j ≤ query i
+    own_valid = i[None, :] < widths[:, None]  # (B, W) keys inside the completion
+    completion_mask = torch.cat([
+        prompt_valid[row][:, None, :].expand(-1, w, -1),
+        (own[None] & own_valid[:, None, :]) | torch.eye(w, dtype=torch.bool, device=device)[None],
+    ], dim=2)[:, None]
+    take = (i[None, :] < widths[:, None]).reshape(-1)
+    out_select = take.nonzero().squeeze(1)
+    return PackedLayout(rows, n, p, query_index, key_index, prompt_mask, completion_mask,
+                        query_index.reshape(-1)[out_select], out_select)
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PackedLayout, *,
+                     scale: float | None, gqa: bool) -> torch.Tensor:
+    """Attention output (R, N, H, D) for query (R, H, N, D), key/value (R, KV, N, D) of a packed batch."""
+    rows, heads, n, dim = query.shape
+    p = layout.prompt_len
+    prompt_out = F.scaled_dot_product_attention(query[:, :, :p], key[:, :, :p], value[:, :, :p],
+                                                attn_mask=layout.prompt_mask, scale=scale, enable_gqa=gqa)
+    q_flat = query.transpose(1, 2).reshape(rows * n, heads, dim)
+    k_flat = key.transpose(1, 2).reshape(rows * n, key.shape[1], dim)
+    v_flat = value.transpose(1, 2).reshape(rows * n, value.shape[1], dim)
+    q = q_flat[layout.query_index].transpose(1, 2)  # (B, H, W, D)
+    k = k_flat[layout.key_index].transpose(1, 2)  # (B, KV, p + W, D)
+    v = v_flat[layout.key_index].transpose(1, 2)
+    comp = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.completion_mask, scale=scale, enable_gqa=gqa)
+    comp = comp.transpose(1, 2).reshape(-1, heads, dim)[layout.out_select]  # (M, H, D)
+    out = torch.zeros(rows, n, heads, dim, dtype=query.dtype, device=query.device)
+    out[:, :p] = prompt_out.transpose(1, 2)
+    return out.reshape(rows * n, heads, dim).index_copy(0, layout.out_index, comp).reshape(rows, n, heads, dim)
