@@ -88,6 +88,6 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     v = v_flat[layout.key_index].transpose(1, 2)
     comp = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.completion_mask, scale=scale, enable_gqa=gqa)
     comp = comp.transpose(1, 2).reshape(-1, heads, dim)[layout.out_select]  # (M, H, D)
-    out = torch.zeros(rows, n, heads, dim, dtype=query.dtype, device=query.device)
+    out = torch.zeros(rows, n, heads, dim, dtype=comp.dtype, device=query.device)  # autocast: SDPA's dtype
     out[:, :p] = prompt_out.transpose(1, 2)
     return out.reshape(rows * n, heads, dim).index_copy(0, layout.out_index, comp).reshape(rows, n, heads, dim)

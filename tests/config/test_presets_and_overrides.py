@@ -82,6 +82,8 @@ def test_unknown_preset_lists_presets():
     (["rollout.mode=server"], r"rollout\.server\.urls is empty"),
     (['rollout.server.urls=["http://x:1"]'], r"server URLs are used only in server mode"),
     (["rollout.engine=sglang"], r"'sglang' cannot run in mode 'colocate'"),
+    (["rollout.server.shm_keep_file=false"], r"shm_keep_file=false applies only to rollout\.mode=server with "
+                                             r"rollout\.server\.weight_transport=shm"),
     (["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2"], r"tensor_parallel_size=2 must divide"),
     (["distributed.offload.optimizer=true", "rollout.mode=server", 'rollout.server.urls=["http://x:1"]'],
      r"distributed\.offload"),
