@@ -106,9 +106,10 @@ def packed_mask(packing: Packing, valid: torch.Tensor) -> torch.Tensor:
     return (allowed | torch.eye(n, dtype=torch.bool, device=seg.device))[:, None]
 
 
-def attention_cost(rows: int, width: int, *, hidden_size: int) -> float:
-    """Relative cost of a forward pass over (rows, width) positions: positions × (1 + width / (6·hidden)).
+def attention_cost(rows: int, width: int, *, hidden_size: int, keys: int | None = None) -> float:
+    """Relative cost of a forward pass over (rows, width) positions whose queries each attend to `keys` positions
+    (default: the row width): positions × (1 + keys / (6·hidden)).
 
-    Per position, the linear layers cost ~24·h² FLOPs (per layer) and attention ~4·width·h (it does not skip
-    masked keys), hence the width / 6h term."""
-    return rows * width * (1.0 + width / (6.0 * hidden_size))
+    Per position, the linear layers cost ~24·h² FLOPs (per layer) and attention ~4·keys·h (masked keys count: the
+    kernel does not skip them), hence the keys / 6h term."""
+    return rows * width * (1.0 + (width if keys is None else keys) / (6.0 * hidden_size))

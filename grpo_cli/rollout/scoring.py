@@ -58,8 +58,7 @@ def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: i
     caps = [width << k for k in range(batch.bit_length() + 1)] if structured else max(width, hidden_size)
     packing = plan_packing(input_ids, attention_mask, prompt_len, max_row=caps)
     rows, n = packing.src.shape
-    packed_cost = (rows * n * (1.0 + width / (6.0 * hidden_size)) if structured
-                   else attention_cost(rows, n, hidden_size=hidden_size))
+    packed_cost = attention_cost(rows, n, hidden_size=hidden_size, keys=width if structured else None)
     if packed_cost > (1 - MIN_SAVING) * attention_cost(batch, width, hidden_size=hidden_size):
         return None
     src = packing.src.clamp(min=0)

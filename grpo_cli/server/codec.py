@@ -112,11 +112,14 @@ def encode_stream(
 
 def write_stream(out: BinaryIO, named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int,
                  version: int) -> int:
-    """Write the frames of `encode_stream` into a file (one copy of the tensor bytes); returns the bytes written."""
+    """Write the frames of `encode_stream` into a file (one copy of the tensor bytes); returns the bytes written.
+    Short writes are continued (Linux writes at most ~2 GiB per call: one tensor of a 70B model is more)."""
     size = 0
     for frame in encode_stream(named_tensors, chunk_bytes=chunk_bytes, version=version):
         for piece in frame:
-            out.write(piece)
+            view = memoryview(piece).cast("B")
+            while len(view):
+                view = view[out.write(view):]
             size += len(piece)
     return size
 

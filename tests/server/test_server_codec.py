@@ -128,3 +128,18 @@ def test_file_stream_round_trip_and_checksums(tmp_path):
     data[len(data) // 2] ^= 1
     with pytest.raises(FrameError, match="checksum mismatch"):
         list(read_stream(memoryview(data), max_frame_bytes=1 << 20))
+
+
+def test_file_stream_continues_short_writes():
+    """A raw file may take fewer bytes than asked (Linux: ≤ ~2 GiB per write); write_stream writes the rest."""
+    import io
+
+    from grpo_cli.server.codec import write_stream
+
+    class Trickle(io.BytesIO):
+        def write(self, b) -> int:
+            return super().write(bytes(memoryview(b)[:7]))
+
+    out = Trickle()
+    size = write_stream(out, _tensors(), chunk_bytes=40, version=2)
+    assert out.getvalue() == _bytes(encode_stream(_tensors(), chunk_bytes=40, version=2)) and size == len(out.getvalue())
