@@ -212,8 +212,13 @@ class ServerEngine:
             return [f.result().json() for f in futures]
         finally:
             if not self.shm_keep_file:
-                self._shm.remove()
-                self._shm = None
+                self._release_shm()
+
+    def _release_shm(self) -> None:
+        """Remove the kept /dev/shm weight file, if any (the next shm sync creates a new one)."""
+        if self._shm is not None:
+            self._shm.remove()
+            self._shm = None
 
     def _upload(self, url: str, q: queue.Queue, version: int) -> dict:
         finished = False
@@ -262,7 +267,5 @@ class ServerEngine:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
-        if self._shm is not None:
-            self._shm.remove()
-            self._shm = None
+        self._release_shm()
 
