@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
+from grpo_cli.rollout.decode_step import decode_logits, decoder_parts, preallocated
 from grpo_cli.rollout.sampling import process_logits, sample_tokens
 
 COMPACT_FRACTION = 0.25
@@ -100,7 +101,9 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
     """Sample `sampling.n` completions of each prompt (group-contiguous rows) with `model` in its current mode.
 
     Positions follow transformers' `generate` for left padding: position = (cumsum(mask) − 1), 0 on padding, and
-    generated token t of a row sits at its prompt length + t. Each step's token is drawn from
+    generated token t of a row sits at its prompt length + t. Decode steps of Llama-family models run `decode_step.decode_logits` (the same
+    modules and math without transformers' per-call machinery), others the model's forward. Each step's token is
+    drawn from
     `process_logits` of the fp32 logits and its logprob recorded (`sample_tokens`); a row stops after a stop token.
     Without a seed, the generator's seed is drawn from torch's global RNG.
     """
@@ -114,6 +117,7 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
                   torch.full((batch,), steps, dtype=torch.long, device=device),
                   torch.zeros(batch, dtype=torch.bool, device=device))
     stop_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
+    parts = decoder_parts(model) if preallocated(cache, width + steps) else None
     for t in range(steps):
         scores = process_logits(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
         tokens, logprobs = sample_tokens(scores, generator)
@@ -131,7 +135,10 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
             rows.keep(keep)
             tokens = tokens.index_select(0, keep)
         tokens = tokens.masked_fill(rows.done, pad_token_id)
-        logits = model(input_ids=tokens[:, None], attention_mask=rows.mask[:, : width + t + 1],
-                       position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        if parts is not None:  # Llama-family model on a preallocated cache: the lean one-token forward
+            logits = decode_logits(parts, cache, tokens, rows.next_pos, rows.mask[:, : width + t + 1].bool())
+        else:
+            logits = model(input_ids=tokens[:, None], attention_mask=rows.mask[:, : width + t + 1],
+                           position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
         rows.next_pos += 1
     return out

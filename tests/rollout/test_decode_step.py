@@ -1,0 +1,109 @@
+"""The lean one-token decode forward (`rollout.decode_step`) computes what transformers' forward computes: on Llama,
+Qwen2 (q/k/v biases, tied embeddings, GQA) and Qwen3 (q/k norms) checkpoints, with left-padded prompts and rows
+dropped mid-decode, the hf engine samples the same tokens with the same logprobs through it as through the model's
+forward, and those equal the trainer's recompute. Architectures it does not reproduce keep the full forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_cli.rollout import decode as decode_mod
+from grpo_cli.rollout import decode_step
+from grpo_cli.rollout.attention import attention_implementation
+from grpo_cli.rollout.base import SamplingParams
+from grpo_cli.rollout.decode import decode
+from grpo_cli.rollout.scoring import completion_logprobs
+from grpo_cli.train.batch import build_batch
+
+PROMPTS = [[3, 5, 7, 9, 11], [4, 6], [8, 9, 10, 11, 12, 13, 14], [20]]
+
+
+def load(tmp_path_factory, arch: str, attn: str = "sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp(arch) / "ckpt", hidden_size=128, arch=arch)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation=attention_implementation(attn)).eval()
+
+
+def run(model, monkeypatch, *, lean: bool, eos: int):
+    calls = []
+    real = decode_step.decode_logits
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(decode_mod, "decode_logits", counted)
+    monkeypatch.setattr(decode_mod, "decoder_parts", decode_step.decoder_parts if lean else (lambda m: None))
+    out = decode(model, PROMPTS, SamplingParams(n=4, max_tokens=12, temperature=0.9, seed=7), eos_token_ids=[eos],
+                 pad_token_id=0)
+    return out, len(calls)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_lean_step_samples_what_the_full_forward_samples(tmp_path_factory, monkeypatch, arch):
+    model = load(tmp_path_factory, arch)
+    monkeypatch.setattr(decode_mod, "COMPACT_FRACTION", 0.0)  # drop every finished row at once
+    eos = 6 if arch == "llama" else 1
+    lean, lean_calls = run(model, monkeypatch, lean=True, eos=eos)
+    full, full_calls = run(model, monkeypatch, lean=False, eos=eos)
+    assert lean_calls > 0 and full_calls == 0
+    assert 0 < int(lean.stopped.sum()) < len(lean.stopped)  # some rows dropped mid-decode, some ran to the end
+    assert torch.equal(lean.lengths, full.lengths) and torch.equal(lean.tokens, full.tokens)
+    assert torch.allclose(lean.logprobs, full.logprobs, atol=1e-5)
+    # the sampled rows are the trainer's too: its recompute of every sampled token's logprob matches
+    n = lean.lengths.tolist()
+    from grpo_cli.rollout.base import RolloutBatch
+
+    batch = RolloutBatch(prompt_ids=PROMPTS, completion_ids=[r[:k] for r, k in zip(lean.tokens.tolist(), n)],
+                         finish_reasons=["stop"] * len(n), sampler_logprobs=[r[:k] for r, k in
+                                                                              zip(lean.logprobs.tolist(), n)],
+                         weight_version=0, timings={})
+    tb = build_batch(batch, group_size=4, pad_token_id=0)
+    with torch.no_grad():
+        lp = completion_logprobs(model, tb.input_ids, tb.attention_mask, logits_to_keep=tb.num_completion_tokens,
+                                 temperature=0.9)
+    assert torch.allclose(lp * tb.completion_mask, tb.sampler_logprobs, atol=1e-5)
+
+
+def test_lean_step_logits_equal_the_forward_over_the_whole_sequence(tmp_path_factory):
+    """Independent of the decode loop: prefill, then feed tokens one by one through `decode_logits` and compare
+    each step's logits with a full forward over prompt + tokens so far (left padding included)."""
+    model = load(tmp_path_factory, "qwen3", attn="eager")
+    parts = decode_step.decoder_parts(model)
+    assert parts is not None
+    cache, _, rows, width = decode_mod._prefill(model, PROMPTS, 1, 5, 0)
+    fed = torch.tensor([[30, 31, 32, 33]] * len(PROMPTS))
+    ids, mask = decode_mod.left_pad(PROMPTS, 0)
+    with torch.no_grad():
+        for t in range(fed.shape[1]):
+            lean = decode_step.decode_logits(parts, cache, fed[:, t], rows.next_pos,
+                                             rows.mask[:, : width + t + 1].bool())
+            rows.next_pos += 1
+            full_ids = torch.cat([ids, fed[:, : t + 1]], 1)
+            full_mask = torch.cat([mask, torch.ones_like(fed[:, : t + 1])], 1)
+            pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
+            ref = model(input_ids=full_ids, attention_mask=full_mask, position_ids=pos).logits[:, -1]
+            assert torch.allclose(lean, ref, atol=1e-5), (t, (lean - ref).abs().max())
+
+
+def test_other_architectures_keep_the_full_forward(tmp_path_factory):
+    assert decode_step.decoder_parts(load(tmp_path_factory, "gemma")) is None  # embedding scale, (1 + w) norms
+    model = load(tmp_path_factory, "qwen2")
+    model.config.layer_types = ["sliding_attention"] * len(model.config.layer_types)
+    assert decode_step.decoder_parts(model) is None
+
+
+def test_lora_model_runs_the_lean_step_through_its_adapters(tmp_path_factory, monkeypatch):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(load(tmp_path_factory, "qwen2"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)).eval()
+    assert decode_step.decoder_parts(model) is not None
+    lean, calls = run(model, monkeypatch, lean=True, eos=1)
+    full, _ = run(model, monkeypatch, lean=False, eos=1)
+    assert calls > 0 and torch.equal(lean.tokens, full.tokens)
+    assert torch.allclose(lean.logprobs, full.logprobs, atol=1e-5)
