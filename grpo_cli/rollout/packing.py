@@ -22,7 +22,8 @@ class Packing:
     the prompt, k ≥ 1 on the row's k-th completion, −1 on padding. `row` (B,), `pos` (B, T): the packed row and
     position whose logits predict completion token t of sequence b (t = 0: the prompt's last position). `start`,
     `width` (B,): where sequence b's completion begins in its row, and its width (positions
-    [start, start + width) of row `row[b]`). Every row begins with the `prompt_len` positions of its prompt.
+    [start, start + width) of row `row[b]`). `prompt_start` (B,): where the `prompt_len` positions of sequence b's
+    prompt begin in that row (0 when each row holds one prompt; a single row holds every group in turn).
     """
 
     src: torch.Tensor
@@ -32,6 +33,7 @@ class Packing:
     start: torch.Tensor
     width: torch.Tensor
     prompt_len: int
+    prompt_start: torch.Tensor
 
 
 def completion_widths(completion_mask: torch.Tensor) -> torch.Tensor:
@@ -56,11 +58,13 @@ def _rows(groups: list[list[int]], widths: list[int], prompt_len: int, max_row: 
 
 
 def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *,
-                 max_row: int | Sequence[int]) -> Packing:
+                 max_row: int | Sequence[int] | None) -> Packing:
     """Pack sequences (B, S) whose first `prompt_len` ids and mask entries are equal into shared rows of at most
     `max_row` positions (a longer single sequence gets a row of its own). Given several caps, the one whose packed
     batch (rows × widest row) is smallest wins: a prompt drawn twice in one batch makes a group twice as long,
-    and one row that long would widen every row."""
+    and one row that long would widen every row. `max_row=None`: one row, [prompt₁ | its completions | prompt₂ |
+    …], no padding between them — only for attention that keeps each group apart by the layout (`packed_attention`),
+    not by a row-wide mask (`packed_mask` treats every prompt of a row as shared)."""
     batch, width = input_ids.shape
     key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
     inverse = torch.unique(key, dim=0, return_inverse=True)[1].tolist()
@@ -72,28 +76,35 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
     def size(rows: list[list[int]]) -> int:
         return len(rows) * max(prompt_len + sum(widths[b] for b in seqs) for seqs in rows)
 
-    caps = [max_row] if isinstance(max_row, int) else list(max_row)
-    rows = min((_rows(list(groups.values()), widths, prompt_len, cap) for cap in caps), key=size)
-    n = max(prompt_len + sum(widths[b] for b in seqs) for seqs in rows)
+    if max_row is None:
+        rows = [list(groups.values())]
+    else:
+        caps = [max_row] if isinstance(max_row, int) else list(max_row)
+        rows = [[seqs] for seqs in min((_rows(list(groups.values()), widths, prompt_len, cap) for cap in caps),
+                                       key=size)]
+    n = max(sum(prompt_len + sum(widths[b] for b in seqs) for seqs in row) for row in rows)
     src = torch.full((len(rows), n), -1, dtype=torch.long)
     segment = torch.full((len(rows), n), -1, dtype=torch.long)
     row_of, pos = torch.zeros(batch, dtype=torch.long), torch.full((batch, width - prompt_len), n - 1)
-    starts = torch.zeros(batch, dtype=torch.long)
-    for r, seqs in enumerate(rows):
-        src[r, :prompt_len] = seqs[0] * width + torch.arange(prompt_len)
-        segment[r, :prompt_len] = 0
-        start = prompt_len
-        for k, b in enumerate(seqs, start=1):
-            w = widths[b]
-            src[r, start : start + w] = b * width + prompt_len + torch.arange(w)
-            segment[r, start : start + w] = k
-            row_of[b], starts[b] = r, start
-            pos[b, 0] = prompt_len - 1
-            pos[b, 1:w] = start + torch.arange(w - 1)
-            start += w
+    starts, prompt_starts = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+    for r, row in enumerate(rows):
+        start, k = 0, 0
+        for seqs in row:
+            prompt_at = start
+            src[r, start : start + prompt_len] = seqs[0] * width + torch.arange(prompt_len)
+            segment[r, start : start + prompt_len] = 0
+            start += prompt_len
+            for b in seqs:
+                w, k = widths[b], k + 1
+                src[r, start : start + w] = b * width + prompt_len + torch.arange(w)
+                segment[r, start : start + w] = k
+                row_of[b], starts[b], prompt_starts[b] = r, start, prompt_at
+                pos[b, 0] = prompt_at + prompt_len - 1
+                pos[b, 1:w] = start + torch.arange(w - 1)
+                start += w
     device = input_ids.device
     return Packing(src.to(device), segment.to(device), row_of.to(device), pos.to(device), starts.to(device),
-                   torch.tensor(widths, dtype=torch.long, device=device), prompt_len)
+                   torch.tensor(widths, dtype=torch.long, device=device), prompt_len, prompt_starts.to(device))
 
 
 def packed_mask(packing: Packing, valid: torch.Tensor) -> torch.Tensor:

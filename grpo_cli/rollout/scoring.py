@@ -49,14 +49,14 @@ def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: i
     """Logits (B, T, V) predicting each completion token from a packed forward pass, or None when packing would
     not cut the estimated cost by MIN_SAVING.
 
-    With `grpo_sdpa` attention the rows run `packed_attention` (each completion token attends to its prompt and own
-    tokens only: work per token p + W, not the row width), so rows may hold whole groups (of the row caps S·2^k,
-    the one with the smallest packed batch is taken); with `eager`/`sdpa` the row-wide masked attention grows with
-    the row, which is capped at max(S, hidden size) positions."""
+    With `grpo_sdpa` attention the batch runs as one row of every group in turn (`packed_attention` keeps each
+    completion to its prompt and own tokens: work per token p + W, and no padding between groups), with logits
+    only at the positions that predict a completion token; with `eager`/`sdpa` the row-wide masked attention grows
+    with the row, so each row holds one prompt and is capped at max(S, hidden size) positions."""
     batch, width = input_ids.shape
     structured = getattr(model, "module", model).config._attn_implementation == ATTENTION
-    caps = [width << k for k in range(batch.bit_length() + 1)] if structured else max(width, hidden_size)
-    packing = plan_packing(input_ids, attention_mask, prompt_len, max_row=caps)
+    packing = plan_packing(input_ids, attention_mask, prompt_len,
+                           max_row=None if structured else max(width, hidden_size))
     rows, n = packing.src.shape
     packed_cost = attention_cost(rows, n, hidden_size=hidden_size, keys=width if structured else None)
     if packed_cost > (1 - MIN_SAVING) * attention_cost(batch, width, hidden_size=hidden_size):
@@ -68,15 +68,16 @@ def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: i
 
         mask = torch.ones((), dtype=torch.bool, device=src.device).expand(rows, 1, n, n)  # a shape, no N x N memory
         setattr(mask, LAYOUT_ATTR, build_layout(packing, valid))
+        keep, at = torch.unique(packing.pos, return_inverse=True)  # the row's positions that predict a token
     else:
         mask = packed_mask(packing, valid)
+        keep, at = n - prompt_len + 1, packing.pos - (prompt_len - 1)  # the last positions of every row
     dtype = next(model.parameters()).dtype
     if getattr(model, "module", model).config._attn_implementation == "eager":  # additive float mask
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
     logits = model(input_ids=input_ids.reshape(-1)[src], attention_mask=mask,
-                   position_ids=position_ids.reshape(-1)[src], use_cache=False,
-                   logits_to_keep=n - prompt_len + 1).logits
-    return logits[packing.row[:, None], packing.pos - (prompt_len - 1)]
+                   position_ids=position_ids.reshape(-1)[src], use_cache=False, logits_to_keep=keep).logits
+    return logits[packing.row[:, None], at]
 
 
 def _completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int,

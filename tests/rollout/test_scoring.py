@@ -70,7 +70,8 @@ def test_packed_rows_equal_one_plain_pass(tiny_checkpoint, attn, monkeypatch):
     model, (ids, mask) = load(tiny_checkpoint, attn), group_batch()
     calls = spy_on_packing(monkeypatch)
     fast = logprobs_and_grads(model, ids, mask)
-    assert calls and calls[0].src.shape[0] == 4  # one packed row per prompt
+    # a row per prompt under a row-wide mask; grpo_sdpa keeps groups apart by layout: one row of all four
+    assert calls and calls[0].src.shape[0] == (1 if attn == "grpo_sdpa" else 4)
     monkeypatch.setattr(scoring, "MIN_SAVING", 2.0)  # packing never pays: one plain pass
     assert_same(fast, logprobs_and_grads(model, ids, mask))
     widths = (mask[:, -T:] * torch.arange(1, T + 1)).amax(1)
@@ -98,7 +99,7 @@ def test_structured_packed_attention_equals_a_plain_pass_with_checkpointing(tmp_
     """grpo_sdpa runs packed rows as prompt + own-completion attention (`packed_attention`), never the row-wide
     N x N mask: a whole group in one row, logits and gradients equal to one plain padded pass, on architectures
     with q/k/v biases and tied embeddings (Qwen2) and q/k norms (Qwen3), with activation checkpointing too (the
-    recomputed forward finds the layout on the same mask). Rows take the cap S·2^k with the smallest packed batch."""
+    recomputed forward finds the layout on the same mask). All groups share one row, without padding between them."""
     import torch.nn.functional as F
 
     from grpo_cli.train.tiny_model import build_tiny_checkpoint
@@ -123,7 +124,7 @@ def test_structured_packed_attention_equals_a_plain_pass_with_checkpointing(tmp_
     finally:
         model.gradient_checkpointing_disable()
     rows, n = calls[0].src.shape
-    assert rows <= 8 and n > 2 * ids.shape[1]  # 64 sequences in a few rows, each many times the padded width
+    assert rows == 1 and int((calls[0].src < 0).sum()) == 0  # 64 sequences in one row, no padding between them
     assert shapes and all(s[-1] < n for s in shapes)  # no attention call over the whole row
     assert torch.allclose(fast[0], ref[0], atol=1e-5)
     for name, g in ref[1].items():  # fp32 summation order: both sit ~1e-6·scale from a float64 pass (measured)
@@ -168,10 +169,18 @@ def test_plan_and_mask_of_a_small_batch():
     assert p.segment[row_a].tolist() == [0, 0, 0, 1, 1, 2]
     assert p.row[0] == p.row[1] == row_a and p.pos[0].tolist() == [2, 3, 5] and p.pos[1, 0] == 2
     valid = mask.reshape(-1)[p.src.clamp(min=0)] * (p.src >= 0)
+    assert p.prompt_start.tolist() == [0, 0, 0]
     m = packed_mask(p, valid)[row_a, 0]
     assert m[5].tolist() == [False, True, True, False, False, True]  # 2nd completion: prompt + itself, not the 1st
     assert m[4].tolist() == [False, True, True, True, True, False]
     assert m[0].tolist() == [True, False, False, False, False, False]  # padding sees only itself
+    one = plan_packing(ids, mask, 3, max_row=None)  # one row: each prompt, then its completions
+    packed = flat[one.src[0]].tolist()
+    assert one.src.shape == (1, 12) and sorted([packed[:6], packed[6:]]) == [[0, 7, 8, 20, 21, 30],
+                                                                           [9, 9, 9, 40, 41, 42]]
+    a = 0 if packed[0] == 0 else 6  # where the shared prompt of sequences 0 and 1 begins
+    assert one.prompt_start.tolist() == [a, a, 6 - a] and one.start.tolist() == [a + 3, a + 5, 9 - a]
+    assert one.pos[0].tolist() == [a + 2, a + 3, 11] and one.pos[2].tolist() == [8 - a, 9 - a, 10 - a]
 
 
 def test_entropy_from_the_same_forward_equals_a_full_softmax(tiny_checkpoint):
