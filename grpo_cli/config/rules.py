@@ -113,6 +113,12 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             f"distributed.backend '{d.backend}' shards across processes (each holds 1/N); use rollout.engine=vllm "
             "(colocated, synced from the shards), rollout.mode=server or async, or distributed.backend=ddp."
         )
+    if cfg.model.cpu_linear == "onednn" and (d.backend != "ddp" or cfg.model.dtype != "float32"):
+        raise ValueError(
+            f"model.cpu_linear 'onednn' runs plain float32 linear layers on CPU, but distributed.backend is "
+            f"'{d.backend}' and model.dtype '{cfg.model.dtype}' (it needs ddp and float32); set "
+            "model.cpu_linear=auto (picks it where it applies) or aten."
+        )
     if d.backend == "deepspeed" and cfg.model.master_weights != "float32":
         raise ValueError(
             "model.master_weights 'compute_dtype' is not available with distributed.backend 'deepspeed': its bf16 "

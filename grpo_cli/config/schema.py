@@ -46,6 +46,12 @@ class ModelConfig(Section):
     mode always keeps float32 masters)."""
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
     """Attention kernel used by the trainer's forward passes."""
+    cpu_linear: Literal["auto", "onednn", "aten"] = "auto"
+    """Kernel of the policy's (and reference's) float32 linear layers on CPU: `onednn` runs y = x·Wᵀ + b and its
+    input gradient on oneDNN (1.4–1.7x MKL's float32 GEMM on the AMD EPYC reference machine; the same float32
+    math in another summation order), `aten` keeps PyTorch's MKL matmul, `auto` picks `onednn` when training runs
+    on CPU in float32 with the ddp backend and this torch build's oneDNN linear passes a self-check, else `aten`.
+    `onednn` is refused where it cannot apply (bf16/fp16 compute, sharded backends, GPUs)."""
     gradient_checkpointing: bool | Literal["selective"] = False
     """Recompute activations in the backward pass to save memory: `true` re-runs each decoder layer's forward;
     `selective` keeps the matmul and attention outputs and recomputes only the elementwise ops (norms, rotary,

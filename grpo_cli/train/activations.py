@@ -15,7 +15,10 @@ def _saved_ops() -> set:
     names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "_fused_sdp_choice"]
-    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    saved = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # `model.cpu_linear: onednn`'s matmul
+        saved.add(torch.ops.mkldnn._linear_pointwise.default)
+    return saved
 
 
 def _policy(saved, ctx, op, *args, **kwargs):
