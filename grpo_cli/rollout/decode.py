@@ -101,11 +101,11 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
     """Sample `sampling.n` completions of each prompt (group-contiguous rows) with `model` in its current mode.
 
     Positions follow transformers' `generate` for left padding: position = (cumsum(mask) − 1), 0 on padding, and
-    generated token t of a row sits at its prompt length + t. Decode steps of Llama-family models run `decode_step.decode_logits` (the same
-    modules and math without transformers' per-call machinery), others the model's forward. Each step's token is
-    drawn from
-    `process_logits` of the fp32 logits and its logprob recorded (`sample_tokens`); a row stops after a stop token.
-    Without a seed, the generator's seed is drawn from torch's global RNG.
+    generated token t of a row sits at its prompt length + t. Decode steps of Llama-family models run
+    `decode_step.decode_logits` (the same modules and math without transformers' per-call machinery), others the
+    model's forward. Each step's token is drawn from `process_logits` of the fp32 logits and its logprob recorded
+    (`sample_tokens`); a row stops after a stop token. Without a seed, the generator's seed is drawn from torch's
+    global RNG.
     """
     steps = sampling.max_tokens
     cache, logits, rows, width = _prefill(model, prompt_ids, sampling.n, steps, pad_token_id)

@@ -78,7 +78,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def decode_logits(parts: DecoderParts, cache, tokens: torch.Tensor, positions: torch.Tensor,
                   allowed: torch.Tensor) -> torch.Tensor:
     """Next-token logits (B, V) after feeding `tokens` (B,) at `positions` (B,), written to cache slot
-    `allowed.shape[-1] − 1`. `allowed` (B, end) bool: the slots each row attends to (its prompt padding False)."""
+    `allowed.shape[-1] − 1`. `allowed` (B, end) bool: the slots each row attends to (its prompt padding False).
+    The caller owns the slot count: the cache's own `cumulative_length` is not advanced (nothing reads it here)."""
     batch, end = allowed.shape
     slot = end - 1
     keep = allowed[:, None, None, :]  # (B, 1, 1, end) → every KV head and query group
@@ -103,6 +104,4 @@ def decode_logits(parts: DecoderParts, cache, tokens: torch.Tensor, positions: t
         out = torch.matmul(probs, values).to(x.dtype).reshape(batch, 1, -1)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    for kv in cache.layers:  # keep the cache's own count in step, as its update() would
-        kv.cumulative_length.fill_(end)
     return parts.lm_head(parts.norm(x))[:, -1]

@@ -8,7 +8,6 @@ an unpacked forward pass computes. Pure index bookkeeping; no model code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,13 +57,12 @@ def _rows(groups: list[list[int]], widths: list[int], prompt_len: int, max_row: 
 
 
 def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *,
-                 max_row: int | Sequence[int] | None) -> Packing:
+                 max_row: int | None) -> Packing:
     """Pack sequences (B, S) whose first `prompt_len` ids and mask entries are equal into shared rows of at most
-    `max_row` positions (a longer single sequence gets a row of its own). Given several caps, the one whose packed
-    batch (rows × widest row) is smallest wins: a prompt drawn twice in one batch makes a group twice as long,
-    and one row that long would widen every row. `max_row=None`: one row, [prompt₁ | its completions | prompt₂ |
-    …], no padding between them — only for attention that keeps each group apart by the layout (`packed_attention`),
-    not by a row-wide mask (`packed_mask` treats every prompt of a row as shared)."""
+    `max_row` positions, one prompt per row (a longer single sequence gets a row of its own). `max_row=None`: one
+    row, [prompt₁ | its completions | prompt₂ | …], no padding between them — only for attention that keeps each
+    group apart by the layout (`packed_attention`), not by a row-wide mask (`packed_mask` treats every prompt of a
+    row as shared)."""
     batch, width = input_ids.shape
     key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
     inverse = torch.unique(key, dim=0, return_inverse=True)[1].tolist()
@@ -73,15 +71,10 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
         groups.setdefault(g, []).append(b)
     widths = completion_widths(attention_mask[:, prompt_len:]).tolist()
 
-    def size(rows: list[list[int]]) -> int:
-        return len(rows) * max(prompt_len + sum(widths[b] for b in seqs) for seqs in rows)
-
     if max_row is None:
         rows = [list(groups.values())]
     else:
-        caps = [max_row] if isinstance(max_row, int) else list(max_row)
-        rows = [[seqs] for seqs in min((_rows(list(groups.values()), widths, prompt_len, cap) for cap in caps),
-                                       key=size)]
+        rows = [[seqs] for seqs in _rows(list(groups.values()), widths, prompt_len, max_row)]
     n = max(sum(prompt_len + sum(widths[b] for b in seqs) for seqs in row) for row in rows)
     src = torch.full((len(rows), n), -1, dtype=torch.long)
     segment = torch.full((len(rows), n), -1, dtype=torch.long)
