@@ -40,6 +40,15 @@ def _cmd(variant: str, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "grpo_cli", "train", *VARIANTS[variant], "--output-dir", str(out), *BASE, *extra]
 
 
+def _with_stop_signals_at_default(cmd: list[str]) -> list[str]:
+    """`cmd` started with SIGINT and SIGHUP at their defaults, as in a terminal. A test runner started in the
+    background (`cmd &` in a non-interactive shell ignores SIGINT) or under nohup (SIGHUP) would pass the ignore on,
+    and grpo keeps a signal ignored at start ignored, by design (`train/signals.py`)."""
+    reset = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
+    return [sys.executable, "-c", reset, *cmd]
+
+
 def _env(tmp_path: Path) -> dict:
     return {**os.environ, "GRPO_CLI_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
 
@@ -107,7 +116,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_runs,
     run = tmp_path / "run"
     log = tmp_path / "interrupted.log"  # a file, not a pipe: nobody reads a pipe while waiting, and a full one blocks
     with log.open("w") as sink:
-        proc = subprocess.Popen(_cmd(preset, run, "--set", "checkpoint.every_steps=2"), env=_env(tmp_path),
+        proc = subprocess.Popen(_with_stop_signals_at_default(_cmd(preset, run, "--set", "checkpoint.every_steps=2")),
+                                env=_env(tmp_path),
                                 cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         _wait_for(run / "checkpoint-6" / "MANIFEST.json", proc, log)
         _signal_tree(proc.pid, sig)
