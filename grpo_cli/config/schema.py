@@ -51,7 +51,8 @@ class ModelConfig(Section):
     input gradient on oneDNN (1.4–1.7x MKL's float32 GEMM on the AMD EPYC reference machine; the same float32
     math in another summation order), `aten` keeps PyTorch's MKL matmul, `auto` picks `onednn` when training runs
     on CPU in float32 with the ddp backend and this torch build's oneDNN linear passes a self-check, else `aten`.
-    `onednn` is refused where it cannot apply (bf16/fp16 compute, sharded backends, GPUs)."""
+    `onednn` is refused where it cannot apply (bf16/fp16 compute, sharded backends, GPUs, a model with no layer of
+    ≥ 512 input and output features)."""
     gradient_checkpointing: bool | Literal["selective"] = False
     """Recompute activations in the backward pass to save memory: `true` re-runs each decoder layer's forward;
     `selective` keeps the matmul and attention outputs and recomputes only the elementwise ops (norms, rotary,

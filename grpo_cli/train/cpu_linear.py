@@ -104,7 +104,7 @@ def install(model: nn.Module) -> int:
 
 def use_onednn_linear(setting: str, device: torch.device, *models: nn.Module | None) -> bool:
     """Apply `model.cpu_linear` (`auto`/`onednn`/`aten`) to the policy and reference models on `device`; returns
-    whether the oneDNN linear is installed. `onednn` where it cannot run is a UserError naming the fix."""
+    whether the oneDNN linear is installed on any layer. `onednn` where it cannot run is a UserError naming the fix."""
     if setting == "aten":
         return False
     if device.type != "cpu" or not available():
@@ -113,7 +113,9 @@ def use_onednn_linear(setting: str, device: torch.device, *models: nn.Module | N
                 "this torch build's oneDNN linear op is missing or disagrees with F.linear"
             raise UserError(f"model.cpu_linear 'onednn' cannot apply: {where}. Set model.cpu_linear=auto or aten.")
         return False
-    for model in models:
-        if model is not None:
-            install(model)
-    return True
+    installed = sum(install(model) for model in models if model is not None)
+    if setting == "onednn" and not installed:
+        raise UserError(f"model.cpu_linear 'onednn' applies to linear layers with at least {MIN_FEATURES} input and "
+                        "output features, and this model has none (below that MKL is as fast); set "
+                        "model.cpu_linear=auto or aten.")
+    return installed > 0

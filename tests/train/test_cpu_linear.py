@@ -101,6 +101,11 @@ def test_ddp_backend_installs_it_on_cpu_and_refuses_it_where_it_cannot_run(tiny_
         layer = policy.module.model.layers[0].mlp.up_proj
         assert (getattr(layer.forward, "__func__", None) is cpu_linear.linear) == expect, setting
     assert not use_onednn_linear("auto", torch.device("meta"), nn.Linear(512, 512))
+    monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 512)  # nothing this small to route: onednn would change nothing
+    assert not use_onednn_linear("auto", torch.device("cpu"), nn.Linear(128, 128))
+    assert use_onednn_linear("auto", torch.device("cpu"), nn.Linear(512, 512))
+    with pytest.raises(UserError, match=r"at least 512 input and output features, and this model has none"):
+        use_onednn_linear("onednn", torch.device("cpu"), nn.Linear(128, 128))
     with pytest.raises(UserError, match=r"model\.cpu_linear 'onednn' cannot apply: the models train on meta"):
         use_onednn_linear("onednn", torch.device("meta"), nn.Linear(512, 512))
 
