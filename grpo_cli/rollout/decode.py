@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.decode_step import decode_logits, decoder_parts, preallocated
+from grpo_cli.rollout.decode_step import decode_logits, decoder_parts, plan_decode, preallocated
 from grpo_cli.rollout.sampling import process_logits, sample_tokens
 
 COMPACT_FRACTION = 0.25
@@ -118,6 +118,7 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
                   torch.zeros(batch, dtype=torch.bool, device=device))
     stop_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
     parts = decoder_parts(model) if preallocated(cache, width + steps) else None
+    plan = None if parts is None else plan_decode(parts, max_positions=width + steps)
     for t in range(steps):
         scores = process_logits(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
         tokens, logprobs = sample_tokens(scores, generator)
@@ -135,8 +136,8 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
             rows.keep(keep)
             tokens = tokens.index_select(0, keep)
         tokens = tokens.masked_fill(rows.done, pad_token_id)
-        if parts is not None:  # Llama-family model on a preallocated cache: the lean one-token forward
-            logits = decode_logits(parts, cache, tokens, rows.next_pos, rows.mask[:, : width + t + 1].bool())
+        if plan is not None:  # Llama-family model on a preallocated cache: the lean one-token forward
+            logits = decode_logits(plan, cache, tokens, rows.next_pos, rows.mask[:, : width + t + 1].bool())
         else:
             logits = model(input_ids=tokens[:, None], attention_mask=rows.mask[:, : width + t + 1],
                            position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]

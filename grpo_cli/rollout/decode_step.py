@@ -1,22 +1,29 @@
 """One decode step of a Llama-family decoder (Llama, Qwen2, Qwen3) without transformers' per-call machinery.
 
-A decode step feeds one token per row. transformers' forward spends most of a small model's step in Python around
-the math: output-capturing and kwargs decorators, a 4D mask built from the 2D mask every step, cache bookkeeping
-and the attention dispatch, and its preallocated cache hands attention every slot, the unwritten ones masked. This
-step calls the same modules (embedding, rotary embedding, norms, projections, MLP, final norm, LM head) in
-transformers' order, writes the new keys/values at slot `end − 1` of the preallocated cache and attends over
-slots [0, end) only:
+A decode step feeds one token per row. At small and mid sizes the step's cost is its number of operator calls, not
+its arithmetic: transformers' forward spends most of it in Python around the math (output-capturing and kwargs
+decorators, a 4D mask built from the 2D mask every step, cache bookkeeping, the attention dispatch, an RMSNorm of
+seven elementwise calls, a rotary embedding recomputed from the positions), and its preallocated cache hands
+attention every slot, the unwritten ones masked. This step computes the same functions in transformers' order with
+fewer calls, writes the new keys/values at slot `end − 1` of the preallocated cache and attends over slots
+[0, end) only:
 
-    x ← embed(token);  cos, sin ← rotary(x, position)
-    per layer:  h = norm₁(x);  q, k, v = proj(h) (q/k head norms on Qwen3);  q, k ← q·cos + rot(q)·sin, …
+    x ← embed(token);  cos, sin ← rows `position` of a table computed once by the model's rotary module
+    per layer:  h = rms₁(x);  [q | k | v] = h·[W_q | W_k | W_v]ᵀ + [b_q | b_k | b_v]  (one matmul)
+                q, k ← rms_q(q), rms_k(k) on Qwen3;  q, k ← q·cos + rot(q)·sin, …
                 K[:, :, end−1], V[:, :, end−1] ← k, v
                 x ← x + o_proj(softmax(q·K[:end]ᵀ·scale, masked where the row's mask is 0) · V[:end])
-                x ← x + mlp(norm₂(x))
-    logits = lm_head(norm(x))
+                [g | u] = rms₂(x)·[W_gate | W_up]ᵀ  (one matmul);  x ← x + down(act(g) · u)
+    logits = lm_head(rms(x))
 
-— the same operations as transformers' forward with `grpo_sdpa` attention (`rollout.attention`), so logits agree to
-float rounding (tested against the full forward on each supported architecture). Anything else (other
-architectures, sliding-window layers, a growing cache, autocast) keeps the full forward.
+    rms(x) = w · x / √(mean(x²) + ε) (one `F.rms_norm` call on float32 inputs, the module otherwise);
+    rot(x) = [−x₂, x₁] over the halves of the last dimension, computed as roll(x, D/2)·[−1 | 1].
+
+Projections are fused only when they are plain `nn.Linear`s holding plain tensors; LoRA-wrapped or re-routed ones
+(PEFT, `model.cpu_linear`) are called as modules. The logits agree with transformers' forward with `grpo_sdpa`
+attention (`rollout.attention`) to float rounding (tested against the full forward on each supported architecture).
+Anything else (other architectures, sliding-window layers, dynamic RoPE, a growing cache, autocast) keeps the full
+forward.
 """
 
 from __future__ import annotations
@@ -24,11 +31,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_ATTENTION = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention"})
 """Attention classes whose forward is: q/k/v projections (+ optional q/k head RMSNorm), rotary embedding, cache
 update, scaled-dot-product attention with `module.scaling`, o_proj — what `decode_logits` reproduces."""
+
+RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+"""Norm classes computing weight · x / √(mean(x²) + variance_epsilon) in float32, which `F.rms_norm` computes."""
+
+GATED_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP"})
+"""MLP classes computing down_proj(act_fn(gate_proj(x)) · up_proj(x))."""
 
 
 @dataclass
@@ -52,6 +66,9 @@ def decoder_parts(model: nn.Module) -> DecoderParts | None:
     config = model.config.get_text_config(decoder=True)
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return None
+    rope_type = getattr(inner.rotary_emb, "rope_type", "default")
+    if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
+        return None  # frequencies that change with the sequence length: the table below would not hold
     for layer in layers:
         attn = getattr(layer, "self_attn", None)
         if type(attn).__name__ not in SUPPORTED_ATTENTION or getattr(attn, "sliding_window", None) is not None:
@@ -69,39 +86,115 @@ def preallocated(cache, end: int) -> bool:
                and layer.keys.shape[2] >= end for layer in cache.layers)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁] over the halves of the last dimension."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _plain_linear(module: nn.Module) -> bool:
+    """An `nn.Linear` whose call is exactly F.linear(x, weight, bias) on plain tensors (no hooks, no replaced
+    forward, no LoRA wrapper, no sharded DTensor)."""
+    return (type(module) is nn.Linear and "forward" not in vars(module) and not module._forward_hooks
+            and not module._forward_pre_hooks
+            and all(type(p) in (torch.Tensor, nn.Parameter) for p in (module.weight, module.bias) if p is not None))
 
 
-def decode_logits(parts: DecoderParts, cache, tokens: torch.Tensor, positions: torch.Tensor,
+def _fuse(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """([W₁; W₂; …], [b₁; b₂; …]) of plain linears sharing an input (one matmul computes all their outputs), or
+    None when any is not plain or their biases/dtypes differ."""
+    if not all(_plain_linear(m) for m in modules) or len({m.weight.dtype for m in modules}) != 1:
+        return None
+    biases = [m.bias for m in modules]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    weight = torch.cat([m.weight.detach() for m in modules])
+    return weight, (None if biases[0] is None else torch.cat([b.detach() for b in biases]))
+
+
+def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` for a transformers RMSNorm: one `F.rms_norm` call on float32 input (the same float32 math as the
+    module's seven calls), the module itself otherwise."""
+    if type(norm).__name__ in RMS_NORMS and x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm(x)
+
+
+class _Layer:
+    """One decoder layer's decode-step calls, with q/k/v and gate/up each one matmul where the layer allows."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer, self.attn = layer, layer.self_attn
+        attn = self.attn
+        self.head_dim = attn.head_dim
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp = layer.mlp
+        self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if type(mlp).__name__ in GATED_MLPS else None
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[q | k] (B, H + KV, D) and v (B, KV, D) of the normed input h (B, hidden)."""
+        attn, batch, dim = self.attn, h.shape[0], self.head_dim
+        if self.qkv is not None:
+            out = F.linear(h, *self.qkv).view(batch, -1, dim)
+            return out[:, : self.heads + self.kv_heads], out[:, self.heads + self.kv_heads :]
+        q, k, v = (proj(h).view(batch, -1, dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        return torch.cat((q, k), 1), v
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        mlp = self.layer.mlp
+        if self.gate_up is None:
+            return mlp(h)
+        gate, up = F.linear(h, *self.gate_up).chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+@dataclass
+class DecodePlan:
+    """What `decode_logits` runs: the parts, each layer's (fused) calls, and RoPE's cos and sign-folded sin for
+    positions [0, max_positions) — computed once by the model's rotary module, so each step only gathers rows."""
+
+    parts: DecoderParts
+    layers: list[_Layer]
+    cos: torch.Tensor  # (max_positions, D)
+    signed_sin: torch.Tensor  # (max_positions, D): sin · [−1 … −1 | 1 … 1], so rot(x)·sin = roll(x, D/2)·signed_sin
+
+
+def plan_decode(parts: DecoderParts, max_positions: int) -> DecodePlan:
+    """A `DecodePlan` for positions < `max_positions`. Fused weights are copies: build the plan after the weights'
+    last update and use it for one generation."""
+    weight = parts.embed.weight
+    positions = torch.arange(max_positions, device=weight.device)[None]
+    cos, sin = (t[0] for t in parts.rotary(weight[:1], positions))  # the module only reads x's dtype and device
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return DecodePlan(parts, [_Layer(layer) for layer in parts.layers], cos, signed_sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x·cos + rot(x)·sin with rot(x) = [−x₂, x₁]: the same products and sum as transformers' rotate_half form."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def decode_logits(plan: DecodePlan, cache, tokens: torch.Tensor, positions: torch.Tensor,
                   allowed: torch.Tensor) -> torch.Tensor:
     """Next-token logits (B, V) after feeding `tokens` (B,) at `positions` (B,), written to cache slot
     `allowed.shape[-1] − 1`. `allowed` (B, end) bool: the slots each row attends to (its prompt padding False).
     The caller owns the slot count: the cache's own `cumulative_length` is not advanced (nothing reads it here)."""
+    parts = plan.parts
     batch, end = allowed.shape
     slot = end - 1
-    keep = allowed[:, None, None, :]  # (B, 1, 1, end) → every KV head and query group
-    x = parts.embed(tokens[:, None])  # (B, 1, hidden)
-    cos, sin = parts.rotary(x, positions[:, None])  # (B, 1, D)
-    cos, sin = cos[:, :, None], sin[:, :, None]  # (B, 1, 1, D) → every head
-    for layer, kv in zip(parts.layers, cache.layers, strict=True):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(batch, 1, -1, attn.head_dim)
-        k = attn.k_proj(h).view(batch, 1, -1, attn.head_dim)
-        v = attn.v_proj(h).view(batch, 1, -1, attn.head_dim)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        kv.keys[:, :, slot] = k[:, 0]
-        kv.values[:, :, slot] = v[:, 0]
+    blocked = ~allowed[:, None, None, :]  # (B, 1, 1, end) → every KV head and query group
+    x = parts.embed(tokens)  # (B, hidden)
+    cos, sin = plan.cos[positions][:, None], plan.signed_sin[positions][:, None]  # (B, 1, D) → every head
+    for step, kv in zip(plan.layers, cache.layers, strict=True):
+        attn = step.attn
+        qk, v = step.project(_rms(step.layer.input_layernorm, x))
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each q and k head before RoPE
+            q, k = qk.split((step.heads, step.kv_heads), 1)
+            qk = torch.cat((_rms(attn.q_norm, q), _rms(attn.k_norm, k)), 1)
+        q, k = _rotate(qk, cos, sin).split((step.heads, step.kv_heads), 1)
+        kv.keys[:, :, slot] = k
+        kv.values[:, :, slot] = v
         keys, values = kv.keys[:, :, :end], kv.values[:, :, :end]  # (B, KV, end, D)
-        q = q.reshape(batch, keys.shape[1], -1, attn.head_dim)  # (B, KV, H/KV, D)
+        q = q.reshape(batch, step.kv_heads, -1, step.head_dim)  # (B, KV, H/KV, D)
         scores = torch.matmul(q, keys.to(q.dtype).transpose(-1, -2)).float() * attn.scaling
-        probs = scores.masked_fill(~keep, float("-inf")).softmax(-1).to(values.dtype)
-        out = torch.matmul(probs, values).to(x.dtype).reshape(batch, 1, -1)
-        x = x + attn.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return parts.lm_head(parts.norm(x))[:, -1]
+        probs = scores.masked_fill_(blocked, float("-inf")).softmax(-1).to(values.dtype)
+        x = x + attn.o_proj(torch.matmul(probs, values).to(x.dtype).reshape(batch, -1))
+        x = x + step.mlp(_rms(step.layer.post_attention_layernorm, x))
+    return parts.lm_head(_rms(parts.norm, x))

@@ -70,18 +70,22 @@ def test_lean_step_samples_what_the_full_forward_samples(tmp_path_factory, monke
     assert torch.allclose(lp * tb.completion_mask, tb.sampler_logprobs, atol=1e-5)
 
 
-def test_lean_step_logits_equal_the_forward_over_the_whole_sequence(tmp_path_factory):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_lean_step_logits_equal_the_forward_over_the_whole_sequence(tmp_path_factory, arch):
     """Independent of the decode loop: prefill, then feed tokens one by one through `decode_logits` and compare
-    each step's logits with a full forward over prompt + tokens so far (left padding included)."""
-    model = load(tmp_path_factory, "qwen3", attn="eager")
+    each step's logits with a full forward over prompt + tokens so far (left padding included). The plain
+    projections run fused (q/k/v, gate/up: one matmul each)."""
+    model = load(tmp_path_factory, arch, attn="eager")
     parts = decode_step.decoder_parts(model)
     assert parts is not None
     cache, _, rows, width = decode_mod._prefill(model, PROMPTS, 1, 5, 0)
+    plan = decode_step.plan_decode(parts, max_positions=width + 5)
+    assert all(layer.qkv is not None and layer.gate_up is not None for layer in plan.layers)
     fed = torch.tensor([[30, 31, 32, 33]] * len(PROMPTS))
     ids, mask = decode_mod.left_pad(PROMPTS, 0)
     with torch.no_grad():
         for t in range(fed.shape[1]):
-            lean = decode_step.decode_logits(parts, cache, fed[:, t], rows.next_pos,
+            lean = decode_step.decode_logits(plan, cache, fed[:, t], rows.next_pos,
                                              rows.mask[:, : width + t + 1].bool())
             rows.next_pos += 1
             full_ids = torch.cat([ids, fed[:, : t + 1]], 1)
@@ -96,13 +100,35 @@ def test_other_architectures_keep_the_full_forward(tmp_path_factory):
     model = load(tmp_path_factory, "qwen2")
     model.config.layer_types = ["sliding_attention"] * len(model.config.layer_types)
     assert decode_step.decoder_parts(model) is None
+    model = load(tmp_path_factory, "llama")
+    model.model.rotary_emb.rope_type = "dynamic"  # frequencies follow the sequence length: no precomputed table
+    assert decode_step.decoder_parts(model) is None
+
+
+def test_projections_fuse_only_when_their_call_is_a_plain_linear():
+    """A fused matmul reproduces F.linear on concatenated weights; a layer whose call is anything else (its
+    forward replaced, e.g. by `model.cpu_linear`, a hook, LoRA) is called as a module."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 6)
+    x = torch.randn(3, 8)
+    weight, bias = decode_step._fuse([a, b])
+    assert torch.allclose(torch.nn.functional.linear(x, weight, bias), torch.cat([a(x), b(x)], -1), atol=1e-6)
+    assert decode_step._fuse([a, torch.nn.Linear(8, 6, bias=False)]) is None
+    b.forward = lambda inp: inp[:, :6]
+    assert decode_step._fuse([a, b]) is None
+    c = torch.nn.Linear(8, 6)
+    c.register_forward_hook(lambda *args: None)
+    assert decode_step._fuse([a, c]) is None
 
 
 def test_lora_model_runs_the_lean_step_through_its_adapters(tmp_path_factory, monkeypatch):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(load(tmp_path_factory, "qwen2"), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)).eval()
-    assert decode_step.decoder_parts(model) is not None
+    parts = decode_step.decoder_parts(model)
+    assert parts is not None
+    plan = decode_step.plan_decode(parts, max_positions=8)
+    assert all(layer.qkv is None and layer.gate_up is not None for layer in plan.layers)  # q/v carry adapters
     lean, calls = run(model, monkeypatch, lean=True, eos=1)
     full, _ = run(model, monkeypatch, lean=False, eos=1)
     assert calls > 0 and torch.equal(lean.tokens, full.tokens)
