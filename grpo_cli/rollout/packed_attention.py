@@ -75,6 +75,12 @@ def build_layout(packing: Packing, valid: torch.Tensor) -> PackedLayout:
                         query_index.reshape(-1)[out_select], out_select)
 
 
+def _gather(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """flat[index] as `index_select` on dim 0: the same values, but its backward is an `index_add` (~2–7x faster on
+    CPU here than the accumulating `index_put` that advanced indexing's backward runs)."""
+    return flat.index_select(0, index.reshape(-1)).view(*index.shape, *flat.shape[1:])
+
+
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PackedLayout, *,
                      scale: float | None, gqa: bool) -> torch.Tensor:
     """Attention output (R, N, H, D) for query (R, H, N, D), key/value (R, KV, N, D) of a packed batch."""
@@ -83,14 +89,14 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     k_flat = key.transpose(1, 2).reshape(rows * n, key.shape[1], dim)
     v_flat = value.transpose(1, 2).reshape(rows * n, value.shape[1], dim)
     prompt = layout.prompt_index
-    prompt_out = F.scaled_dot_product_attention(q_flat[prompt].transpose(1, 2), k_flat[prompt].transpose(1, 2),
-                                                v_flat[prompt].transpose(1, 2), attn_mask=layout.prompt_mask,
-                                                scale=scale, enable_gqa=gqa)  # (P, H, p, D)
-    q = q_flat[layout.query_index].transpose(1, 2)  # (B, H, W, D)
-    k = k_flat[layout.key_index].transpose(1, 2)  # (B, KV, p + W, D)
-    v = v_flat[layout.key_index].transpose(1, 2)
+    prompt_out = F.scaled_dot_product_attention(
+        *(_gather(flat, prompt).transpose(1, 2) for flat in (q_flat, k_flat, v_flat)),
+        attn_mask=layout.prompt_mask, scale=scale, enable_gqa=gqa)  # (P, H, p, D)
+    q = _gather(q_flat, layout.query_index).transpose(1, 2)  # (B, H, W, D)
+    k = _gather(k_flat, layout.key_index).transpose(1, 2)  # (B, KV, p + W, D)
+    v = _gather(v_flat, layout.key_index).transpose(1, 2)
     comp = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.completion_mask, scale=scale, enable_gqa=gqa)
-    comp = comp.transpose(1, 2).reshape(-1, heads, dim)[layout.out_select]  # (M, H, D)
+    comp = _gather(comp.transpose(1, 2).reshape(-1, heads, dim), layout.out_select)  # (M, H, D)
     out = torch.zeros(rows * n, heads, dim, dtype=comp.dtype, device=query.device)  # autocast: SDPA's dtype
     out = out.index_copy(0, prompt.reshape(-1), prompt_out.transpose(1, 2).reshape(-1, heads, dim).to(comp.dtype))
     return out.index_copy(0, layout.out_index, comp).reshape(rows, n, heads, dim)
