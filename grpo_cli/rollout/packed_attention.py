@@ -38,13 +38,21 @@ class PackedLayout:
     key_index: torch.Tensor
     """(B, p + W): the sequence's prompt positions, then `query_index`."""
     prompt_mask: torch.Tensor
-    """(P, 1, p, p) bool: causal over the block's valid keys, each position also sees itself."""
+    """(P, 1, p, p) additive float32 (0 kept, −inf not): causal over the block's valid keys, each position also sees
+    itself."""
     completion_mask: torch.Tensor
-    """(B, 1, W, p + W) bool: valid prompt keys, then causal over the sequence's own tokens (and itself)."""
+    """(B, 1, W, p + W) additive float32: valid prompt keys, then causal over the sequence's own tokens (and
+    itself). Additive rather than bool: SDPA's CPU kernel would convert a bool mask in every call, forward and
+    backward, of every layer (~10% of its time here)."""
     out_index: torch.Tensor
     """(M,): flat positions of the M valid completion tokens, in (b, i) order."""
     out_select: torch.Tensor
     """(M,): their index into the (B·W) gathered completion queries."""
+
+
+def _additive(keep: torch.Tensor) -> torch.Tensor:
+    """0 where `keep`, −inf elsewhere, float32."""
+    return torch.zeros(keep.shape, device=keep.device).masked_fill_(~keep, float("-inf"))
 
 
 def build_layout(packing: Packing, valid: torch.Tensor) -> PackedLayout:
@@ -71,8 +79,8 @@ def build_layout(packing: Packing, valid: torch.Tensor) -> PackedLayout:
     ], dim=2)[:, None]
     take = (i[None, :] < widths[:, None]).reshape(-1)
     out_select = take.nonzero().squeeze(1)
-    return PackedLayout(rows, n, prompt_index, query_index, key_index, prompt_mask, completion_mask,
-                        query_index.reshape(-1)[out_select], out_select)
+    return PackedLayout(rows, n, prompt_index, query_index, key_index, _additive(prompt_mask),
+                        _additive(completion_mask), query_index.reshape(-1)[out_select], out_select)
 
 
 def _gather(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -91,11 +99,12 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     prompt = layout.prompt_index
     prompt_out = F.scaled_dot_product_attention(
         *(_gather(flat, prompt).transpose(1, 2) for flat in (q_flat, k_flat, v_flat)),
-        attn_mask=layout.prompt_mask, scale=scale, enable_gqa=gqa)  # (P, H, p, D)
+        attn_mask=layout.prompt_mask.to(query.dtype), scale=scale, enable_gqa=gqa)  # (P, H, p, D)
     q = _gather(q_flat, layout.query_index).transpose(1, 2)  # (B, H, W, D)
     k = _gather(k_flat, layout.key_index).transpose(1, 2)  # (B, KV, p + W, D)
     v = _gather(v_flat, layout.key_index).transpose(1, 2)
-    comp = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.completion_mask, scale=scale, enable_gqa=gqa)
+    comp = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.completion_mask.to(q.dtype), scale=scale,
+                                          enable_gqa=gqa)
     comp = _gather(comp.transpose(1, 2).reshape(-1, heads, dim), layout.out_select)  # (M, H, D)
     out = torch.zeros(rows * n, heads, dim, dtype=comp.dtype, device=query.device)  # autocast: SDPA's dtype
     out = out.index_copy(0, prompt.reshape(-1), prompt_out.transpose(1, 2).reshape(-1, heads, dim).to(comp.dtype))
