@@ -19,8 +19,8 @@ fewer calls, writes the new keys/values at slot `end − 1` of the preallocated 
     rms(x) = w · x / √(mean(x²) + ε) (one `F.rms_norm` call on float32 inputs, the module otherwise);
     rot(x) = [−x₂, x₁] over the halves of the last dimension, computed as roll(x, D/2)·[−1 | 1].
 
-Projections are fused only when they are plain `nn.Linear`s holding plain tensors; LoRA-wrapped or re-routed ones
-(PEFT, `model.cpu_linear`) are called as modules. The logits agree with transformers' forward with `grpo_sdpa`
+Projections are fused only when they are `nn.Linear`s holding plain tensors and computing the same kernel (F.linear,
+or the one `model.cpu_linear` installed); LoRA-wrapped ones (PEFT) are called as modules. The logits agree with transformers' forward with `grpo_sdpa`
 attention (`rollout.attention`) to float rounding (tested against the full forward on each supported architecture).
 Anything else (other architectures, sliding-window layers, dynamic RoPE, a growing cache, autocast) keeps the full
 forward.
@@ -86,24 +86,32 @@ def preallocated(cache, end: int) -> bool:
                and layer.keys.shape[2] >= end for layer in cache.layers)
 
 
-def _plain_linear(module: nn.Module) -> bool:
-    """An `nn.Linear` whose call is exactly F.linear(x, weight, bias) on plain tensors (no hooks, no replaced
-    forward, no LoRA wrapper, no sharded DTensor)."""
-    return (type(module) is nn.Linear and "forward" not in vars(module) and not module._forward_hooks
-            and not module._forward_pre_hooks
-            and all(type(p) in (torch.Tensor, nn.Parameter) for p in (module.weight, module.bias) if p is not None))
+LINEAR_FN_ATTR = "grpo_linear_fn"
+"""Attribute set on an `nn.Linear` whose forward was replaced by another kernel of the same y = x·Wᵀ + b (e.g.
+`model.cpu_linear`): that function (x, weight, bias) → y, which the fused projections then call."""
 
 
-def _fuse(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """([W₁; W₂; …], [b₁; b₂; …]) of plain linears sharing an input (one matmul computes all their outputs), or
-    None when any is not plain or their biases/dtypes differ."""
-    if not all(_plain_linear(m) for m in modules) or len({m.weight.dtype for m in modules}) != 1:
+def _linear_fn(module: nn.Module):
+    """The function (x, weight, bias) → y that `module`'s call computes when it is an `nn.Linear` on plain tensors
+    (no hooks, no LoRA wrapper, no sharded DTensor): `F.linear`, or the kernel its replaced forward names under
+    `LINEAR_FN_ATTR`; None otherwise."""
+    if (type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks
+            or not all(type(p) in (torch.Tensor, nn.Parameter) for p in (module.weight, module.bias) if p is not None)):
+        return None
+    return getattr(module, LINEAR_FN_ATTR, None) if "forward" in vars(module) else F.linear
+
+
+def _fuse(modules: list[nn.Module]):
+    """(fn, [W₁; W₂; …], [b₁; b₂; …]) for linears sharing an input and computing the same `_linear_fn` (one call
+    computes all their outputs), or None when any is not such a linear or their kernels/biases/dtypes differ."""
+    fns = {_linear_fn(m) for m in modules}
+    if len(fns) != 1 or None in fns or len({m.weight.dtype for m in modules}) != 1:
         return None
     biases = [m.bias for m in modules]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return None
     weight = torch.cat([m.weight.detach() for m in modules])
-    return weight, (None if biases[0] is None else torch.cat([b.detach() for b in biases]))
+    return fns.pop(), weight, (None if biases[0] is None else torch.cat([b.detach() for b in biases]))
 
 
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +139,8 @@ class _Layer:
         """[q | k] (B, H + KV, D) and v (B, KV, D) of the normed input h (B, hidden)."""
         attn, batch, dim = self.attn, h.shape[0], self.head_dim
         if self.qkv is not None:
-            out = F.linear(h, *self.qkv).view(batch, -1, dim)
+            fn, weight, bias = self.qkv
+            out = fn(h, weight, bias).view(batch, -1, dim)
             return out[:, : self.heads + self.kv_heads], out[:, self.heads + self.kv_heads :]
         q, k, v = (proj(h).view(batch, -1, dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         return torch.cat((q, k), 1), v
@@ -140,7 +149,8 @@ class _Layer:
         mlp = self.layer.mlp
         if self.gate_up is None:
             return mlp(h)
-        gate, up = F.linear(h, *self.gate_up).chunk(2, dim=-1)
+        fn, weight, bias = self.gate_up
+        gate, up = fn(h, weight, bias).chunk(2, dim=-1)
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
 

@@ -107,15 +107,21 @@ def test_other_architectures_keep_the_full_forward(tmp_path_factory):
 
 def test_projections_fuse_only_when_their_call_is_a_plain_linear():
     """A fused matmul reproduces F.linear on concatenated weights; a layer whose call is anything else (its
-    forward replaced, e.g. by `model.cpu_linear`, a hook, LoRA) is called as a module."""
+    forward replaced without naming the kernel it computes, a hook, LoRA) is called as a module."""
     torch.manual_seed(0)
     a, b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 6)
     x = torch.randn(3, 8)
-    weight, bias = decode_step._fuse([a, b])
-    assert torch.allclose(torch.nn.functional.linear(x, weight, bias), torch.cat([a(x), b(x)], -1), atol=1e-6)
+    fn, weight, bias = decode_step._fuse([a, b])
+    assert fn is torch.nn.functional.linear
+    assert torch.allclose(fn(x, weight, bias), torch.cat([a(x), b(x)], -1), atol=1e-6)
     assert decode_step._fuse([a, torch.nn.Linear(8, 6, bias=False)]) is None
     b.forward = lambda inp: inp[:, :6]
     assert decode_step._fuse([a, b]) is None
+    from grpo_cli.train import cpu_linear  # names its kernel: both layers routed → fused through that kernel
+    pair = [torch.nn.Linear(128, 128), torch.nn.Linear(128, 256)]
+    assert cpu_linear.install(torch.nn.Sequential(*pair)) == 2
+    assert decode_step._fuse(pair)[0] is cpu_linear.route
+    assert decode_step._fuse([pair[0], torch.nn.Linear(128, 64)]) is None  # different kernels
     c = torch.nn.Linear(8, 6)
     c.register_forward_hook(lambda *args: None)
     assert decode_step._fuse([a, c]) is None
