@@ -7,20 +7,14 @@ y = x·Wᵀ at 8000 × 512 → 1024: 42 vs 70 ms; the input gradient gy·W: 44 v
 MKL's 54 ms beats oneDNN's 62, so it stays on MKL). Same float32 math, another summation order (relative
 difference ~1e-6, the size of any GEMM re-blocking).
 
-Where oneDNN wins depends on the rows M of the call as well as the features (µs, MKL / oneDNN, 2 threads):
-
-    in → out     M = 128    512      1024     7349
-    512 → 1024   889/669   3420/2692  7013/5553  44633/38799   (faster at every M)
-    128 → 256     67/71     212/190    425/358    4286/3028    (faster from M ≈ 512)
-    128 → 128     35/53     115/115    218/197    1662/1332    (faster from M ≈ 1024)
-    64 → 128      25/38      55/75      98/116     641/707     (slower at every M)
-
-so `install` replaces the `forward` of each plain `nn.Linear` of at least `MIN_FEATURES` in and out (LoRA's base
-layers included) with `linear`, which sends a call to oneDNN when the layer has ≥ `WIDE_FEATURES` in and out, or
-the call has ≥ `MIN_ROWS` rows (a training forward over thousands of tokens, not a 128-row decode step):
-y = x·Wᵀ + b through `torch.ops.mkldnn._linear_pointwise`, backward ∂x = gy·W (oneDNN), ∂W = gyᵀ·x (MKL),
-∂b = Σ gy. Anything else — autocast (bf16 compute), other dtypes, sharded parameters (DTensor), non-CPU tensors,
-small calls — takes `F.linear` unchanged.
+Below 512 input or output features MKL is as fast or faster: per-call overhead (128 × 128 → 256 took 51 µs on MKL,
+56 on oneDNN), and oneDNN creates a primitive for every new row count, which a training forward over a varying
+number of packed tokens hits at each step (128 → 128 at 6,500–8,000 random rows: 1.7 ms MKL, 2.4 oneDNN; at a
+fixed row count oneDNN would win, 1.3 ms). So `install` replaces the `forward` of each plain `nn.Linear` of at least `MIN_FEATURES` in and out
+(LoRA's base layers included) with
+`linear`: y = x·Wᵀ + b through `torch.ops.mkldnn._linear_pointwise`, backward ∂x = gy·W (oneDNN),
+∂W = gyᵀ·x (MKL), ∂b = Σ gy. Anything else — autocast (bf16 compute), other dtypes, sharded parameters (DTensor),
+non-CPU tensors — takes `F.linear` unchanged.
 """
 
 from __future__ import annotations
@@ -68,23 +62,9 @@ def _plain_cpu_float32(*tensors: torch.Tensor | None) -> bool:
                and t.device.type == "cpu" for t in tensors)
 
 
-MIN_FEATURES = 128
-"""Fewest input and output features of a layer `install` routes (below, e.g. 64 → 128, MKL is faster at every M)."""
-WIDE_FEATURES = 512
-"""Layers with at least this many input and output features go to oneDNN at any row count."""
-MIN_ROWS = 1024
-"""Narrower layers go to oneDNN only for calls of at least this many rows (measured crossover, module docstring)."""
-
-
-def _wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    features = min(weight.shape)
-    return features >= WIDE_FEATURES or (features >= MIN_FEATURES and x.numel() >= MIN_ROWS * weight.shape[1])
-
-
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x·Wᵀ + b on oneDNN when the call is a plain CPU float32 one of a shape where oneDNN is faster, else
-    `F.linear`."""
-    if torch.is_autocast_enabled("cpu") or not _plain_cpu_float32(x, weight, bias) or not _wanted(x, weight):
+    """y = x·Wᵀ + b on oneDNN when the call is a plain CPU float32 one, else `F.linear`."""
+    if torch.is_autocast_enabled("cpu") or not _plain_cpu_float32(x, weight, bias):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _OneDNNLinear.apply(x, weight, bias)
@@ -115,10 +95,14 @@ def available() -> bool:
 _AVAILABLE: bool | None = None
 
 
+MIN_FEATURES = 512
+"""Smallest in/out feature count routed to oneDNN (measured crossover, module docstring)."""
+
+
 def install(model: nn.Module) -> int:
     """Route every plain `nn.Linear` of `model` with ≥ MIN_FEATURES in and out features through `linear` (and mark
-    it as computing `route`, which the hf engine's fused decode projections call); returns how many layers it
-    covers."""
+    it as computing `route`, which the hf engine's fused decode projections then call); returns how many layers
+    it covers."""
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear and min(module.in_features, module.out_features) >= MIN_FEATURES:
@@ -142,6 +126,6 @@ def use_onednn_linear(setting: str, device: torch.device, *models: nn.Module | N
     installed = sum(install(model) for model in models if model is not None)
     if setting == "onednn" and not installed:
         raise UserError(f"model.cpu_linear 'onednn' applies to linear layers with at least {MIN_FEATURES} input and "
-                        "output features, and this model has none (below that MKL is faster); set "
+                        "output features, and this model has none (below that MKL is as fast); set "
                         "model.cpu_linear=auto or aten.")
     return installed > 0

@@ -118,10 +118,13 @@ def test_projections_fuse_only_when_their_call_is_a_plain_linear():
     b.forward = lambda inp: inp[:, :6]
     assert decode_step._fuse([a, b]) is None
     from grpo_cli.train import cpu_linear  # names its kernel: both layers routed → fused through that kernel
-    pair = [torch.nn.Linear(128, 128), torch.nn.Linear(128, 256)]
+    pair = [torch.nn.Linear(512, 512), torch.nn.Linear(512, 1024)]
     assert cpu_linear.install(torch.nn.Sequential(*pair)) == 2
-    assert decode_step._fuse(pair)[0] is cpu_linear.route
-    assert decode_step._fuse([pair[0], torch.nn.Linear(128, 64)]) is None  # different kernels
+    fn, weight, bias = decode_step._fuse(pair)
+    assert fn is cpu_linear.route
+    x = torch.randn(3, 512)
+    assert torch.allclose(fn(x, weight, bias), torch.cat([pair[0](x), pair[1](x)], -1), atol=1e-4)
+    assert decode_step._fuse([pair[0], torch.nn.Linear(512, 128)]) is None  # different kernels
     c = torch.nn.Linear(8, 6)
     c.register_forward_hook(lambda *args: None)
     assert decode_step._fuse([a, c]) is None
