@@ -125,6 +125,8 @@ def test_projections_fuse_only_when_their_call_is_a_plain_linear():
     x = torch.randn(3, 512)
     assert torch.allclose(fn(x, weight, bias), torch.cat([pair[0](x), pair[1](x)], -1), atol=1e-4)
     assert decode_step._fuse([pair[0], torch.nn.Linear(512, 128)]) is None  # different kernels
+    big = torch.nn.Linear(1024, decode_step.FUSE_MAX_BYTES // 4096 + 1)  # > FUSE_MAX_BYTES of float32 weights
+    assert decode_step._fuse([big]) is None and decode_step._fuse([torch.nn.Linear(1024, 16)]) is not None
     c = torch.nn.Linear(8, 6)
     c.register_forward_hook(lambda *args: None)
     assert decode_step._fuse([a, c]) is None
