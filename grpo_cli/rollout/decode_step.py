@@ -21,10 +21,10 @@ fewer calls, writes the new keys/values at slot `end − 1` of the preallocated 
 
 Projections are fused only when they are `nn.Linear`s holding plain tensors and computing the same kernel (F.linear,
 or the one `model.cpu_linear` installed) and their weights are small enough that a saved call matters
-(`FUSE_MAX_BYTES`); LoRA-wrapped ones (PEFT) and large ones are called as modules. The logits agree with transformers' forward with `grpo_sdpa`
-attention (`rollout.attention`) to float rounding (tested against the full forward on each supported architecture).
-Anything else (other architectures, sliding-window layers, dynamic RoPE, a growing cache, autocast) keeps the full
-forward.
+(`FUSE_MAX_BYTES`); LoRA-wrapped ones (PEFT) and large ones are called as modules. The logits agree with
+transformers' forward with `grpo_sdpa` attention (`rollout.attention`) to float rounding (tested against the full
+forward on each supported architecture). Anything else (other architectures, sliding-window layers, dynamic RoPE, a
+growing cache, autocast) keeps the full forward.
 """
 
 from __future__ import annotations

@@ -10,11 +10,10 @@ difference ~1e-6, the size of any GEMM re-blocking).
 Below 512 input or output features MKL is as fast or faster: per-call overhead (128 × 128 → 256 took 51 µs on MKL,
 56 on oneDNN), and oneDNN creates a primitive for every new row count, which a training forward over a varying
 number of packed tokens hits at each step (128 → 128 at 6,500–8,000 random rows: 1.7 ms MKL, 2.4 oneDNN; at a
-fixed row count oneDNN would win, 1.3 ms). So `install` replaces the `forward` of each plain `nn.Linear` of at least `MIN_FEATURES` in and out
-(LoRA's base layers included) with
-`linear`: y = x·Wᵀ + b through `torch.ops.mkldnn._linear_pointwise`, backward ∂x = gy·W (oneDNN),
-∂W = gyᵀ·x (MKL), ∂b = Σ gy. Anything else — autocast (bf16 compute), other dtypes, sharded parameters (DTensor),
-non-CPU tensors — takes `F.linear` unchanged.
+fixed row count oneDNN would win, 1.3 ms). So `install` replaces the `forward` of each plain `nn.Linear` of at
+least `MIN_FEATURES` in and out (LoRA's base layers included) with `linear`: y = x·Wᵀ + b through
+`torch.ops.mkldnn._linear_pointwise`, backward ∂x = gy·W (oneDNN), ∂W = gyᵀ·x (MKL), ∂b = Σ gy. Anything else —
+autocast (bf16 compute), other dtypes, sharded parameters (DTensor), non-CPU tensors — takes `F.linear` unchanged.
 """
 
 from __future__ import annotations
