@@ -31,6 +31,8 @@ def serve_rollout(
     max_request_mb: Annotated[float, typer.Option(min=0.001, help="Largest JSON request body.")] = 16.0,
     max_frame_mb: Annotated[float, typer.Option(min=1.0, help="Largest weight frame of /update_weights.")] = 4096.0,
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+    compile: Annotated[bool, typer.Option(help="hf engine: run the decode step under torch.compile (the "
+                                               "trainer's model.compile; needs a C++ compiler on CPU).")] = False,
 ) -> None:
     """Serve rollouts over HTTP: /health, /info, /generate, /score, /update_weights (streamed safetensors
     frames), /update_weights_from_disk, /sleep, /wake_up, /reset_prefix_cache."""
@@ -42,7 +44,7 @@ def serve_rollout(
                         tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                         dtype=dtype, max_model_len=max_model_len, sleep_level=sleep_level, seed=seed,
                         token=os.environ.get(token_env) or None, max_request_mb=max_request_mb,
-                        max_frame_mb=max_frame_mb)
+                        max_frame_mb=max_frame_mb, compile=compile)
     with user_errors(), contextlib.suppress(KeyboardInterrupt):
         run_server(opts)
 

@@ -59,6 +59,13 @@ class ModelConfig(Section):
     SiLU, products): one train step of the 19M benchmark model (16 prompts x 8, 1 thread) peaked at 3087 instead
     of 3789 MB for ~4% more CPU time (full: 2327 MB, ~24% more); a whole run's peak can sit elsewhere
     (generation, the optimizer step): measure on your shapes before relying on it."""
+    compile: bool = False
+    """`torch.compile` (inductor) the hot paths: every RMSNorm and gated MLP of the policy (and reference) in
+    training, and the hf engine's decode step where the trainer builds the engine (colocate, async; a `grpo
+    serve-rollout --engine hf` server takes `--compile`). Same math in fused loops: on the 0.31M benchmark model a
+    train forward + backward 0.206 → 0.178 s and a P16 G8 T64 generation 0.188 → 0.140 s. The first step pays the
+    compile (seconds to ~20 s; inductor caches it on disk for later runs), so it pays off on long runs. Needs a
+    C++ compiler and the Python headers on CPU; ddp backend only (refused with fsdp2/deepspeed)."""
     lora: LoraConfig | None = None
     """Train a LoRA adapter (PEFT, `pip install 'grpo-cli[lora]'`) instead of every weight; null trains the full
     model. The reference model (β > 0) is the same model with the adapter disabled, and weight sync sends the

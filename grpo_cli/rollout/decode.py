@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.decode_step import decode_logits, decoder_parts, plan_decode, preallocated
+from grpo_cli.rollout.decode_step import compiled_decode_logits, decode_logits, decoder_parts, plan_decode, preallocated
 from grpo_cli.rollout.sampling import process_logits, sample_tokens
 
 COMPACT_FRACTION = 0.25
@@ -71,11 +71,14 @@ class _Rows:
     def __init__(self, origin: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
         self.origin, self.mask, self.next_pos = origin, mask, next_pos
         self.done = torch.zeros(len(origin), dtype=torch.bool, device=origin.device)
+        self.bias: torch.Tensor | None = None  # (B, 1, 1, S) additive mask of the lean decode step
 
     def keep(self, keep: torch.Tensor) -> None:
         self.origin, self.mask, self.next_pos, self.done = (
             t.index_select(0, keep) for t in (self.origin, self.mask, self.next_pos, self.done)
         )
+        if self.bias is not None:
+            self.bias = self.bias.index_select(0, keep)
 
 
 def _prefill(model, prompt_ids: list[list[int]], n: int, steps: int, pad_token_id: int):
@@ -95,17 +98,26 @@ def _prefill(model, prompt_ids: list[list[int]], n: int, steps: int, pad_token_i
     return cache, logits.index_select(0, expand), rows, ids.shape[1]
 
 
+def step_bias(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, 1, 1, S) float32 additive attention mask for the lean decode step from the rows' (B, S) mask: 0 on
+    prompt tokens, −inf on prompt padding and on the generated slots [width, S), which step t opens (slot
+    width + t) just before it writes there."""
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(mask == 0, float("-inf"))
+    bias[:, width:] = float("-inf")
+    return bias[:, None, None, :]
+
+
 @torch.no_grad()
 def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_token_ids: list[int],
-           pad_token_id: int) -> Decoded:
+           pad_token_id: int, compile_step: bool = False) -> Decoded:
     """Sample `sampling.n` completions of each prompt (group-contiguous rows) with `model` in its current mode.
 
     Positions follow transformers' `generate` for left padding: position = (cumsum(mask) − 1), 0 on padding, and
     generated token t of a row sits at its prompt length + t. Decode steps of Llama-family models run
-    `decode_step.decode_logits` (the same modules and math without transformers' per-call machinery), others the
-    model's forward. Each step's token is drawn from `process_logits` of the fp32 logits and its logprob recorded
-    (`sample_tokens`); a row stops after a stop token. Without a seed, the generator's seed is drawn from torch's
-    global RNG.
+    `decode_step.decode_logits` (the same modules and math without transformers' per-call machinery; under
+    `torch.compile` with `compile_step`), others the model's forward. Each step's token is drawn from
+    `process_logits` of the fp32 logits and its logprob recorded (`sample_tokens`); a row stops after a stop token.
+    Without a seed, the generator's seed is drawn from torch's global RNG.
     """
     steps = sampling.max_tokens
     cache, logits, rows, width = _prefill(model, prompt_ids, sampling.n, steps, pad_token_id)
@@ -119,6 +131,9 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
     stop_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
     parts = decoder_parts(model) if preallocated(cache, width + steps) else None
     plan = None if parts is None else plan_decode(parts, max_positions=width + steps)
+    if plan is not None:
+        rows.bias = step_bias(rows.mask, width)
+        lean_step = compiled_decode_logits() if compile_step else decode_logits
     for t in range(steps):
         scores = process_logits(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
         tokens, logprobs = sample_tokens(scores, generator)
@@ -137,7 +152,10 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
             tokens = tokens.index_select(0, keep)
         tokens = tokens.masked_fill(rows.done, pad_token_id)
         if plan is not None:  # Llama-family model on a preallocated cache: the lean one-token forward
-            logits = decode_logits(plan, cache, tokens, rows.next_pos, rows.mask[:, : width + t + 1].bool())
+            slot = torch.tensor([width + t], device=device)
+            rows.bias[..., width + t] = 0.0
+            logits = lean_step(plan, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
+                               tokens, rows.next_pos, slot, rows.bias)
         else:
             logits = model(input_ids=tokens[:, None], attention_mask=rows.mask[:, : width + t + 1],
                            position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]

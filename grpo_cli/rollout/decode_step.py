@@ -3,16 +3,16 @@
 A decode step feeds one token per row. At small and mid sizes the step's cost is its number of operator calls, not
 its arithmetic: transformers' forward spends most of it in Python around the math (output-capturing and kwargs
 decorators, a 4D mask built from the 2D mask every step, cache bookkeeping, the attention dispatch, an RMSNorm of
-seven elementwise calls, a rotary embedding recomputed from the positions), and its preallocated cache hands
-attention every slot, the unwritten ones masked. This step computes the same functions in transformers' order with
-fewer calls, writes the new keys/values at slot `end − 1` of the preallocated cache and attends over slots
-[0, end) only:
+seven elementwise calls, a rotary embedding recomputed from the positions). This step computes the same functions in
+transformers' order with fewer calls, writes the new keys/values at slot `end − 1` of the preallocated cache and
+attends over every slot with an additive mask that is −inf on padding and on slots not written yet (the same shapes
+at every step, so `model.compile` compiles it once; masked slots add exp(−inf) = 0):
 
     x ← embed(token);  cos, sin ← rows `position` of a table computed once by the model's rotary module
     per layer:  h = rms₁(x);  [q | k | v] = h·[W_q | W_k | W_v]ᵀ + [b_q | b_k | b_v]  (one matmul)
                 q, k ← rms_q(q), rms_k(k) on Qwen3;  q, k ← q·cos + rot(q)·sin, …
                 K[:, :, end−1], V[:, :, end−1] ← k, v
-                x ← x + o_proj(softmax(q·K[:end]ᵀ·scale, masked where the row's mask is 0) · V[:end])
+                x ← x + o_proj(softmax(q·Kᵀ·scale + bias) · V)
                 [g | u] = rms₂(x)·[W_gate | W_up]ᵀ  (one matmul);  x ← x + down(act(g) · u)
     logits = lm_head(rms(x))
 
@@ -192,30 +192,54 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def decode_logits(plan: DecodePlan, cache, tokens: torch.Tensor, positions: torch.Tensor,
-                  allowed: torch.Tensor) -> torch.Tensor:
-    """Next-token logits (B, V) after feeding `tokens` (B,) at `positions` (B,), written to cache slot
-    `allowed.shape[-1] − 1`. `allowed` (B, end) bool: the slots each row attends to (its prompt padding False).
-    The caller owns the slot count: the cache's own `cumulative_length` is not advanced (nothing reads it here)."""
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """softmax(q·Kᵀ·scale + bias)·V for q (B, KV, H/KV, D) over keys/values (B, KV, S, D): (B, KV, H/KV, D).
+
+    Eager: two batched matmuls. Compiled: the same sums written as products reduced over D and S, which inductor
+    fuses into loops that never hold the (B, KV, H/KV, S, D) products (MKL's batched matmul spends ~0.5 µs per
+    2 × 32 · 32 × S matrix at these sizes)."""
+    if torch.compiler.is_compiling():
+        scores = (q[:, :, :, None, :] * keys[:, :, None].to(q.dtype)).sum(-1).float() * scale + bias
+        probs = scores.softmax(-1).to(values.dtype)
+        return (probs[..., None] * values[:, :, None]).sum(-2)
+    scores = torch.matmul(q, keys.to(q.dtype).transpose(-1, -2)).float() * scale + bias
+    return torch.matmul(scores.softmax(-1).to(values.dtype), values)
+
+
+def decode_logits(plan: DecodePlan, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
+                  positions: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Next-token logits (B, V) after feeding `tokens` (B,) at `positions` (B,), written to slot `slot` ((1,) long)
+    of each layer's preallocated `keys`/`values` (B, KV, S, D). `bias` (B, 1, 1, S) float32 is 0 at the slots a row
+    attends to and −inf elsewhere (its prompt padding, slots not written yet): attention runs over all S slots, so
+    every step has the same shapes (what lets `compiled_decode_logits` compile the step once)."""
     parts = plan.parts
-    batch, end = allowed.shape
-    slot = end - 1
-    blocked = ~allowed[:, None, None, :]  # (B, 1, 1, end) → every KV head and query group
+    batch = tokens.shape[0]
     x = parts.embed(tokens)  # (B, hidden)
     cos, sin = plan.cos[positions][:, None], plan.signed_sin[positions][:, None]  # (B, 1, D) → every head
-    for step, kv in zip(plan.layers, cache.layers, strict=True):
+    for step, layer_keys, layer_values in zip(plan.layers, keys, values, strict=True):
         attn = step.attn
         qk, v = step.project(_rms(step.layer.input_layernorm, x))
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each q and k head before RoPE
             q, k = qk.split((step.heads, step.kv_heads), 1)
             qk = torch.cat((_rms(attn.q_norm, q), _rms(attn.k_norm, k)), 1)
         q, k = _rotate(qk, cos, sin).split((step.heads, step.kv_heads), 1)
-        kv.keys[:, :, slot] = k
-        kv.values[:, :, slot] = v
-        keys, values = kv.keys[:, :, :end], kv.values[:, :, :end]  # (B, KV, end, D)
+        layer_keys.index_copy_(2, slot, k[:, :, None].to(layer_keys.dtype))
+        layer_values.index_copy_(2, slot, v[:, :, None].to(layer_values.dtype))
         q = q.reshape(batch, step.kv_heads, -1, step.head_dim)  # (B, KV, H/KV, D)
-        scores = torch.matmul(q, keys.to(q.dtype).transpose(-1, -2)).float() * attn.scaling
-        probs = scores.masked_fill_(blocked, float("-inf")).softmax(-1).to(values.dtype)
-        x = x + attn.o_proj(torch.matmul(probs, values).to(x.dtype).reshape(batch, -1))
+        x = x + attn.o_proj(_attend(q, layer_keys, layer_values, bias, attn.scaling).to(x.dtype).reshape(batch, -1))
         x = x + step.mlp(_rms(step.layer.post_attention_layernorm, x))
     return parts.lm_head(_rms(parts.norm, x))
+
+
+_compiled = None
+
+
+def compiled_decode_logits():
+    """`decode_logits` under `torch.compile` (inductor: the step's elementwise calls fused into a few kernels, the
+    per-call dispatch gone), built on first use and shared by every plan; inductor caches the code on disk, so a
+    later process compiles in seconds."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(decode_logits)
+    return _compiled

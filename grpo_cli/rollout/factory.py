@@ -72,7 +72,7 @@ def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy) -> RolloutEng
     dtype = cfg.rollout.dtype
     if dtype == "auto" or getattr(torch, dtype) == next(policy.parameters()).dtype:
         return HFEngine(policy, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                        shares_policy_weights=True)
+                        shares_policy_weights=True, compile_step=cfg.model.compile)
     import copy
 
     copy_model = copy.deepcopy(policy)
@@ -82,4 +82,4 @@ def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy) -> RolloutEng
     for p in copy_model.parameters():
         p.requires_grad_(False)
     return HFEngine(copy_model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                    shares_policy_weights=False)
+                    shares_policy_weights=False, compile_step=cfg.model.compile)

@@ -19,8 +19,10 @@ class HFEngine:
     itself, weights are shared (no sync needed); with a separate copy (e.g. a bf16 rollout model), `update_weights`
     copies the trainer's tensors in."""
 
-    def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, shares_policy_weights: bool) -> None:
+    def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, shares_policy_weights: bool,
+                 compile_step: bool = False) -> None:
         self.model = model
+        self.compile_step = compile_step  # `model.compile`: the lean decode step under torch.compile
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.shares_policy_weights = shares_policy_weights
@@ -32,7 +34,7 @@ class HFEngine:
         self.model.eval()
         try:
             out = decode(self.model, prompt_ids, sampling, eos_token_ids=self.eos_token_ids,
-                         pad_token_id=self.pad_token_id)
+                         pad_token_id=self.pad_token_id, compile_step=self.compile_step)
         finally:
             self.model.train(was_training)
         completions, reasons, sampler = _trim(out)

@@ -30,6 +30,7 @@ class ServeOptions:
     token: str | None = None
     max_request_mb: float = 16.0
     max_frame_mb: float = 4096.0
+    compile: bool = False
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -97,6 +98,9 @@ def build(opts: ServeOptions, *, vllm_engine=None) -> Served:
     dtype = opts.dtype if opts.dtype != "auto" else str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     if opts.engine == "hf":
         return _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id)
+    if opts.compile:
+        raise ServeError(f"--compile runs the hf engine's decode step under torch.compile; --engine {opts.engine} "
+                         "compiles (or not) by its own settings: drop --compile")
     if opts.engine == "vllm":
         return _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id, vllm_engine)
     raise ServeError(f"--engine {opts.engine}: expected hf or vllm here (sglang runs as its own server)")
@@ -115,7 +119,12 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
     if torch.cuda.is_available():
         model = model.to("cuda")
     model.eval().requires_grad_(False)
-    engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad_id, shares_policy_weights=False)
+    if opts.compile:
+        from grpo_cli.launch.compiler import require_compiler
+
+        require_compiler(next(model.parameters()).device)
+    engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad_id, shares_policy_weights=False,
+                      compile_step=opts.compile)
     shapes = accepted_shapes(model)
     max_len = opts.max_model_len or int(cfg.get("max_position_embeddings", 2048))
     return Served(engine, "hf", opts.model, dtype, vocab, arch, max_len, shapes, eos_ids, pad_id,

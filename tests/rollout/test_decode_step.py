@@ -83,10 +83,13 @@ def test_lean_step_logits_equal_the_forward_over_the_whole_sequence(tmp_path_fac
     assert all(layer.qkv is not None and layer.gate_up is not None for layer in plan.layers)
     fed = torch.tensor([[30, 31, 32, 33]] * len(PROMPTS))
     ids, mask = decode_mod.left_pad(PROMPTS, 0)
+    bias = decode_mod.step_bias(rows.mask, width)
+    keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
     with torch.no_grad():
         for t in range(fed.shape[1]):
-            lean = decode_step.decode_logits(plan, cache, fed[:, t], rows.next_pos,
-                                             rows.mask[:, : width + t + 1].bool())
+            bias[..., width + t] = 0.0
+            lean = decode_step.decode_logits(plan, keys, values, fed[:, t], rows.next_pos,
+                                             torch.tensor([width + t]), bias)
             rows.next_pos += 1
             full_ids = torch.cat([ids, fed[:, : t + 1]], 1)
             full_mask = torch.cat([mask, torch.ones_like(fed[:, : t + 1])], 1)

@@ -1,0 +1,34 @@
+"""Whether `torch.compile`'s inductor backend can build kernels on this machine (`model.compile`)."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import torch
+
+from grpo_cli.config.errors import UserError
+
+
+def compiler_problem(device: torch.device) -> str | None:
+    """Why inductor cannot build kernels for `device` here (no C++ compiler or no Python headers on CPU), or None."""
+    if device.type != "cpu":
+        return None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - inductor raises its own InvalidCxxCompiler (or an import error)
+        return f"no C++ compiler found (inductor looks for $CXX or g++; CXX={os.environ.get('CXX', 'unset')})"
+    include = sysconfig.get_paths().get("include", "")
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        return f"the Python headers are missing ({include}/Python.h; install the python3-dev package)"
+    return None
+
+
+def require_compiler(device: torch.device) -> None:
+    """Raise a UserError naming the fix when `model.compile` cannot build kernels for `device`."""
+    problem = compiler_problem(device)
+    if problem is not None:
+        raise UserError(f"model.compile needs inductor to build CPU kernels, but {problem}. Install a C++ compiler "
+                        "and the Python headers, or set model.compile=false.")
