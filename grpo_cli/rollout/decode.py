@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.decode_step import compiled_decode_logits, decode_logits, decoder_parts, plan_decode, preallocated
-from grpo_cli.rollout.sampling import process_logits, sample_tokens
+from grpo_cli.rollout.decode_step import compiled_decode_sample, decode_sample, decoder_parts, plan_decode, preallocated
+from grpo_cli.rollout.sampling import draw_noise, process_logits, sample_tokens
 
 COMPACT_FRACTION = 0.25
 """Drop finished rows from the batch (one copy of the KV cache) once they are at least this share of the active
@@ -133,10 +133,11 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
     plan = None if parts is None else plan_decode(parts, max_positions=width + steps)
     if plan is not None:
         rows.bias = step_bias(rows.mask, width)
-        lean_step = compiled_decode_logits() if compile_step else decode_logits
+        lean_step = compiled_decode_sample() if compile_step else decode_sample
+    knobs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    vocab = logits.shape[-1]
+    tokens, logprobs = sample_tokens(process_logits(logits, **knobs), generator)
     for t in range(steps):
-        scores = process_logits(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-        tokens, logprobs = sample_tokens(scores, generator)
         out.tokens[rows.origin, t], out.logprobs[rows.origin, t] = tokens, logprobs
         stop = torch.isin(tokens, stop_ids) & ~rows.done
         out.lengths[rows.origin[stop]] = t + 1
@@ -151,13 +152,15 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
             rows.keep(keep)
             tokens = tokens.index_select(0, keep)
         tokens = tokens.masked_fill(rows.done, pad_token_id)
-        if plan is not None:  # Llama-family model on a preallocated cache: the lean one-token forward
+        if plan is not None:  # Llama-family model on a preallocated cache: the lean one-token forward and draw
             slot = torch.tensor([width + t], device=device)
             rows.bias[..., width + t] = 0.0
-            logits = lean_step(plan, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
-                               tokens, rows.next_pos, slot, rows.bias)
+            tokens, logprobs = lean_step(plan, [layer.keys for layer in cache.layers],
+                                         [layer.values for layer in cache.layers], tokens, rows.next_pos, slot,
+                                         rows.bias, draw_noise((len(tokens), vocab), generator), **knobs)
         else:
             logits = model(input_ids=tokens[:, None], attention_mask=rows.mask[:, : width + t + 1],
                            position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+            tokens, logprobs = sample_tokens(process_logits(logits, **knobs), generator)
         rows.next_pos += 1
     return out

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo_cli.rollout.sampling import pick_tokens, process_logits
+
 SUPPORTED_ATTENTION = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention"})
 """Attention classes whose forward is: q/k/v projections (+ optional q/k head RMSNorm), rotary embedding, cache
 update, scaled-dot-product attention with `module.scaling`, o_proj — what `decode_logits` reproduces."""
@@ -192,6 +194,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def _write_slot(cache: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
+    """cache[:, :, slot] ← new for cache (B, KV, S, D), new (B, KV, D): a slice copy in eager mode (CPU's
+    `index_copy_` along dim 2 took ~50 µs per call here), `index_copy_` by the (1,) tensor when compiled (an int
+    slot would be a new constant, and a recompile, every step)."""
+    if torch.compiler.is_compiling():
+        cache.index_copy_(2, slot, new[:, :, None].to(cache.dtype))
+    else:
+        cache[:, :, int(slot)] = new
+
+
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
             scale: float) -> torch.Tensor:
     """softmax(q·Kᵀ·scale + bias)·V for q (B, KV, H/KV, D) over keys/values (B, KV, S, D): (B, KV, H/KV, D).
@@ -212,7 +224,7 @@ def decode_logits(plan: DecodePlan, keys: list[torch.Tensor], values: list[torch
     """Next-token logits (B, V) after feeding `tokens` (B,) at `positions` (B,), written to slot `slot` ((1,) long)
     of each layer's preallocated `keys`/`values` (B, KV, S, D). `bias` (B, 1, 1, S) float32 is 0 at the slots a row
     attends to and −inf elsewhere (its prompt padding, slots not written yet): attention runs over all S slots, so
-    every step has the same shapes (what lets `compiled_decode_logits` compile the step once)."""
+    every step has the same shapes (what lets `compiled_decode_sample` compile the step once)."""
     parts = plan.parts
     batch = tokens.shape[0]
     x = parts.embed(tokens)  # (B, hidden)
@@ -224,22 +236,31 @@ def decode_logits(plan: DecodePlan, keys: list[torch.Tensor], values: list[torch
             q, k = qk.split((step.heads, step.kv_heads), 1)
             qk = torch.cat((_rms(attn.q_norm, q), _rms(attn.k_norm, k)), 1)
         q, k = _rotate(qk, cos, sin).split((step.heads, step.kv_heads), 1)
-        layer_keys.index_copy_(2, slot, k[:, :, None].to(layer_keys.dtype))
-        layer_values.index_copy_(2, slot, v[:, :, None].to(layer_values.dtype))
+        _write_slot(layer_keys, slot, k)
+        _write_slot(layer_values, slot, v)
         q = q.reshape(batch, step.kv_heads, -1, step.head_dim)  # (B, KV, H/KV, D)
         x = x + attn.o_proj(_attend(q, layer_keys, layer_values, bias, attn.scaling).to(x.dtype).reshape(batch, -1))
         x = x + step.mlp(_rms(step.layer.post_attention_layernorm, x))
     return parts.lm_head(_rms(parts.norm, x))
 
 
+def decode_sample(plan: DecodePlan, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
+                  positions: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor, noise: torch.Tensor, *,
+                  temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_logits`, then the next tokens and their logprobs (B,) drawn from them: `process_logits` of the fp32
+    logits and `pick_tokens` with the uniform `noise` (B, V) the caller drew from its generator."""
+    logits = decode_logits(plan, keys, values, tokens, positions, slot, bias)
+    return pick_tokens(process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p), noise)
+
+
 _compiled = None
 
 
-def compiled_decode_logits():
-    """`decode_logits` under `torch.compile` (inductor: the step's elementwise calls fused into a few kernels, the
-    per-call dispatch gone), built on first use and shared by every plan; inductor caches the code on disk, so a
-    later process compiles in seconds."""
+def compiled_decode_sample():
+    """`decode_sample` under `torch.compile` (inductor: the step's elementwise calls, sampling included, fused into
+    a few loops, the per-call dispatch gone), built on first use and shared by every plan; inductor caches the code
+    on disk, so a later process compiles in seconds."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(decode_logits)
+        _compiled = torch.compile(decode_sample)
     return _compiled

@@ -28,13 +28,24 @@ def process_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_
 
 
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw token_b ~ softmax(scores_b) and return (tokens (B,), logprobs (B,)) with
-    logprob_b = scores_b[token_b] − logsumexp(scores_b), in fp32 (no (B, V) log-softmax kept).
+    """Draw token_b ~ softmax(scores_b) and return (tokens (B,), logprobs (B,)): `pick_tokens` with the uniform
+    noise drawn from `generator` (`draw_noise`)."""
+    return pick_tokens(scores, draw_noise(scores.shape, generator))
 
-    Gumbel-max: token_b = argmax_v (scores_bv − log(−log u_bv)), u ~ Uniform(0, 1) from `generator`, which is
+
+def draw_noise(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Uniform(0, 1) float32 noise of `shape` from `generator`, on its device (what `pick_tokens` turns into a
+    draw)."""
+    return torch.rand(shape, generator=generator, dtype=torch.float32, device=generator.device)
+
+
+def pick_tokens(scores: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (B,), logprobs (B,)) with logprob_b = scores_b[token_b] − logsumexp(scores_b), in fp32 (no (B, V)
+    log-softmax kept).
+
+    Gumbel-max: token_b = argmax_v (scores_bv − log(−log u_bv)) for u = `noise` ~ Uniform(0, 1), which is
     distributed as softmax(scores_b) (−inf scores are never drawn). Same law as `torch.multinomial`, whose CPU
     draw (an exponential per entry) took 0.27 ms of a 4.7 ms decode step at 128 rows x 101 tokens."""
-    noise = torch.rand(scores.shape, generator=generator, dtype=torch.float32, device=scores.device)
-    tokens = (scores - noise.log_().neg_().log_()).argmax(dim=-1, keepdim=True)
+    tokens = (scores - noise.log().neg().log()).argmax(dim=-1, keepdim=True)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return tokens.squeeze(1), (scores.gather(-1, tokens) - lse).squeeze(1)

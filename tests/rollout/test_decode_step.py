@@ -31,13 +31,13 @@ def load(tmp_path_factory, arch: str, attn: str = "sdpa"):
 
 def run(model, monkeypatch, *, lean: bool, eos: int):
     calls = []
-    real = decode_step.decode_logits
+    real = decode_step.decode_sample
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(1)
-        return real(*args)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(decode_mod, "decode_logits", counted)
+    monkeypatch.setattr(decode_mod, "decode_sample", counted)
     monkeypatch.setattr(decode_mod, "decoder_parts", decode_step.decoder_parts if lean else (lambda m: None))
     out = decode(model, PROMPTS, SamplingParams(n=4, max_tokens=12, temperature=0.9, seed=7), eos_token_ids=[eos],
                  pad_token_id=0)
