@@ -4,8 +4,8 @@ Every run is a fresh subprocess (fair peak RSS from `getrusage`), on the same lo
 with the same settings: prompts per step, generations per prompt (G), max completion length, micro-batch, steps,
 learning rate, temperature 1, beta 0, reward `-abs(4 - len(completion.split()))` on the `builtin:words` prompts
 (chat messages, rendered by the same chat template in both systems). Runs alternate A B A B; the table reports
-medians over runs of the per-run median seconds/step (first, warm-up step excluded), completion tokens/s, grpo-cli's
-per-phase times and peak RSS, plus the ratio grpo-cli / TRL. A scaling table (grpo-cli HF: tokens/s as completion
+medians over runs of the per-run median seconds/step (the first two, warm-up steps excluded), completion tokens/s,
+grpo-cli's per-phase times and peak RSS, plus the ratio grpo-cli / TRL. A scaling table (grpo-cli HF: tokens/s as completion
 length and G grow) follows unless `--no-scaling`.
 
 Run: `python -m benchmarks.compare [--quick] [--size 5m|tiny|small|50m] [--prompts P --gens G --tokens T]
@@ -167,8 +167,13 @@ def run_worker(system: str, s: dict, timeout: float) -> dict:
     return {"error": f"exit {p.returncode}: " + (p.stderr or p.stdout)[-1500:]}
 
 
+WARMUP_STEPS = 2
+"""Steps left out of a run's medians (the issue's method: "median step after the first two"); a compiled run
+(`model.compile`) compiles in them."""
+
+
 def summarise_run(res: dict) -> dict:
-    steps = res["steps"][1:] or res["steps"]  # drop the warm-up step
+    steps = res["steps"][WARMUP_STEPS:] or res["steps"]  # drop the warm-up steps
     step_s = statistics.median(x["step_s"] for x in steps)
     tok = sum(x["completion_tokens"] for x in steps) / sum(x["step_s"] for x in steps)
     phases = {}

@@ -155,9 +155,12 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
         if plan is not None:  # Llama-family model on a preallocated cache: the lean one-token forward and draw
             slot = torch.tensor([width + t], device=device)
             rows.bias[..., width + t] = 0.0
-            tokens, logprobs = lean_step(plan, [layer.keys for layer in cache.layers],
-                                         [layer.values for layer in cache.layers], tokens, rows.next_pos, slot,
-                                         rows.bias, draw_noise((len(tokens), vocab), generator), **knobs)
+            args = (plan, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], tokens,
+                    rows.next_pos, slot, rows.bias, draw_noise((len(tokens), vocab), generator))
+            if compile_step:  # one compile for every batch size (finished rows are dropped as the decode goes)
+                for arg in (*args[1], *args[2], *args[3:5], *args[6:]):
+                    torch._dynamo.maybe_mark_dynamic(arg, 0)
+            tokens, logprobs = lean_step(*args, **knobs)
         else:
             logits = model(input_ids=tokens[:, None], attention_mask=rows.mask[:, : width + t + 1],
                            position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
