@@ -169,7 +169,7 @@ def run_worker(system: str, s: dict, timeout: float) -> dict:
 
 WARMUP_STEPS = 2
 """Steps left out of a run's medians (the issue's method: "median step after the first two"); a compiled run
-(`model.compile`) compiles in them."""
+(`rollout.compile`) compiles in the first."""
 
 
 def summarise_run(res: dict) -> dict:

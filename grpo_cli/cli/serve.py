@@ -32,7 +32,7 @@ def serve_rollout(
     max_frame_mb: Annotated[float, typer.Option(min=1.0, help="Largest weight frame of /update_weights.")] = 4096.0,
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
     compile: Annotated[bool, typer.Option(help="hf engine: run the decode step under torch.compile (the "
-                                               "trainer's model.compile; needs a C++ compiler on CPU).")] = False,
+                                               "trainer's rollout.compile; needs a C++ compiler on CPU).")] = False,
 ) -> None:
     """Serve rollouts over HTTP: /health, /info, /generate, /score, /update_weights (streamed safetensors
     frames), /update_weights_from_disk, /sleep, /wake_up, /reset_prefix_cache."""

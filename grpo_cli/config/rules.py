@@ -119,12 +119,11 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             f"'{d.backend}' and model.dtype '{cfg.model.dtype}' (it needs ddp and float32); set "
             "model.cpu_linear=auto (picks it where it applies) or aten."
         )
-    if cfg.model.compile and d.backend != "ddp":
-        raise ValueError(
-            f"model.compile compiles the policy's norm and MLP modules in place, which is wired for "
-            f"distributed.backend 'ddp' only (not '{d.backend}', whose sharding hooks wrap those modules); set "
-            "model.compile=false or distributed.backend=ddp."
-        )
+    if cfg.rollout.compile and (cfg.rollout.engine != "hf" or cfg.rollout.mode == "server"):
+        where = f"rollout.engine is '{cfg.rollout.engine}'" if cfg.rollout.engine != "hf" else \
+            "rollout.mode 'server' runs the engine in `grpo serve-rollout` (give it --compile there)"
+        raise ValueError(f"rollout.compile compiles the hf engine's decode step where the trainer builds the engine, "
+                         f"but {where}; set rollout.compile=false.")
     if d.backend == "deepspeed" and cfg.model.master_weights != "float32":
         raise ValueError(
             "model.master_weights 'compute_dtype' is not available with distributed.backend 'deepspeed': its bf16 "

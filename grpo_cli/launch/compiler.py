@@ -1,4 +1,4 @@
-"""Whether `torch.compile`'s inductor backend can build kernels on this machine (`model.compile`)."""
+"""Whether `torch.compile`'s inductor backend can build kernels on this machine (`rollout.compile`)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ def compiler_problem(device: torch.device) -> str | None:
     return None
 
 
-def require_compiler(device: torch.device) -> None:
-    """Raise a UserError naming the fix when `model.compile` cannot build kernels for `device`."""
+def require_compiler(device: torch.device, *, setting: str = "rollout.compile") -> None:
+    """Raise a UserError naming the fix when `setting` (which asks for a compiled decode step) cannot build kernels
+    for `device`."""
     problem = compiler_problem(device)
     if problem is not None:
-        raise UserError(f"model.compile needs inductor to build CPU kernels, but {problem}. Install a C++ compiler "
-                        "and the Python headers, or set model.compile=false.")
+        off = "drop --compile" if setting.startswith("--") else f"set {setting}=false"
+        raise UserError(f"{setting} needs inductor to build CPU kernels, but {problem}. Install a C++ compiler and "
+                        f"the Python headers, or {off}.")

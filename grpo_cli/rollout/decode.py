@@ -107,6 +107,21 @@ def step_bias(mask: torch.Tensor, width: int) -> torch.Tensor:
     return bias[:, None, None, :]
 
 
+def _mark_dynamic(plan, keys, values, tokens, positions, slot, bias, noise) -> None:
+    """Mark the sizes that differ between calls of the compiled step as dynamic, so that one compile serves them
+    all: the batch (finished rows are dropped as the decode goes) and the cache length (prompt width + max tokens,
+    which changes with each batch of prompts)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (*keys, *values):
+        mark(t, 0)
+        mark(t, 2)
+    for t in (tokens, positions, bias, noise):
+        mark(t, 0)
+    mark(bias, 3)
+    mark(plan.cos, 0)
+    mark(plan.signed_sin, 0)
+
+
 @torch.no_grad()
 def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_token_ids: list[int],
            pad_token_id: int, compile_step: bool = False) -> Decoded:
@@ -157,9 +172,8 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
             rows.bias[..., width + t] = 0.0
             args = (plan, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], tokens,
                     rows.next_pos, slot, rows.bias, draw_noise((len(tokens), vocab), generator))
-            if compile_step:  # one compile for every batch size (finished rows are dropped as the decode goes)
-                for arg in (*args[1], *args[2], *args[3:5], *args[6:]):
-                    torch._dynamo.maybe_mark_dynamic(arg, 0)
+            if compile_step:
+                _mark_dynamic(*args)
             tokens, logprobs = lean_step(*args, **knobs)
         else:
             logits = model(input_ids=tokens[:, None], attention_mask=rows.mask[:, : width + t + 1],

@@ -6,7 +6,7 @@ decorators, a 4D mask built from the 2D mask every step, cache bookkeeping, the 
 seven elementwise calls, a rotary embedding recomputed from the positions). This step computes the same functions in
 transformers' order with fewer calls, writes the new keys/values at slot `end − 1` of the preallocated cache and
 attends over every slot with an additive mask that is −inf on padding and on slots not written yet (the same shapes
-at every step, so `model.compile` compiles it once; masked slots add exp(−inf) = 0):
+at every step, so `rollout.compile` compiles it once; masked slots add exp(−inf) = 0):
 
     x ← embed(token);  cos, sin ← rows `position` of a table computed once by the model's rotary module
     per layer:  h = rms₁(x);  [q | k | v] = h·[W_q | W_k | W_v]ᵀ + [b_q | b_k | b_v]  (one matmul)

@@ -69,10 +69,14 @@ def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy) -> RolloutEng
 
     from grpo_cli.rollout.hf import HFEngine
 
+    if cfg.rollout.compile:
+        from grpo_cli.launch.compiler import require_compiler
+
+        require_compiler(next(policy.parameters()).device)
     dtype = cfg.rollout.dtype
     if dtype == "auto" or getattr(torch, dtype) == next(policy.parameters()).dtype:
         return HFEngine(policy, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                        shares_policy_weights=True, compile_step=cfg.model.compile)
+                        shares_policy_weights=True, compile_step=cfg.rollout.compile)
     import copy
 
     copy_model = copy.deepcopy(policy)
@@ -82,4 +86,4 @@ def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy) -> RolloutEng
     for p in copy_model.parameters():
         p.requires_grad_(False)
     return HFEngine(copy_model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                    shares_policy_weights=False, compile_step=cfg.model.compile)
+                    shares_policy_weights=False, compile_step=cfg.rollout.compile)

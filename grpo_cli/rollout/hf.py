@@ -22,7 +22,7 @@ class HFEngine:
     def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, shares_policy_weights: bool,
                  compile_step: bool = False) -> None:
         self.model = model
-        self.compile_step = compile_step  # `model.compile`: the lean decode step under torch.compile
+        self.compile_step = compile_step  # `rollout.compile`: the lean decode step under torch.compile
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.shares_policy_weights = shares_policy_weights

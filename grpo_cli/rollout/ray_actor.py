@@ -38,12 +38,12 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
     if cfg.distributed.device != "cpu" and torch.cuda.is_available():
         model = model.to("cuda")
     model.eval().requires_grad_(False)
-    if cfg.model.compile:
+    if cfg.rollout.compile:
         from grpo_cli.launch.compiler import require_compiler
 
         require_compiler(next(model.parameters()).device)
     return HFEngine(model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                    shares_policy_weights=False, compile_step=cfg.model.compile)
+                    shares_policy_weights=False, compile_step=cfg.rollout.compile)
 
 
 class RolloutActor:

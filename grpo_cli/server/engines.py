@@ -122,7 +122,7 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
     if opts.compile:
         from grpo_cli.launch.compiler import require_compiler
 
-        require_compiler(next(model.parameters()).device)
+        require_compiler(next(model.parameters()).device, setting="--compile")
     engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad_id, shares_policy_weights=False,
                       compile_step=opts.compile)
     shapes = accepted_shapes(model)

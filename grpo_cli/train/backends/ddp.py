@@ -8,11 +8,9 @@ from pathlib import Path
 
 import torch
 
-from grpo_cli.launch.compiler import require_compiler
 from grpo_cli.train.activations import enable_checkpointing
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
 from grpo_cli.train.backends.hf_io import load_full_weights, load_hf_model, save_hf_folder
-from grpo_cli.train.compile import compile_hot_modules
 from grpo_cli.train.cpu_linear import use_onednn_linear
 from grpo_cli.train.lora import apply_lora, is_peft, load_adapter
 
@@ -31,9 +29,6 @@ class DDPBackend(TrainingBackend):
             ref = load_hf_model(cfg, model_path, dtype=compute_dtype(cfg)).to(self.device)
             self.ref_model = ref.eval().requires_grad_(False)
         use_onednn_linear(cfg.model.cpu_linear, self.device, self.module, self.ref_model)
-        if cfg.model.compile:
-            require_compiler(self.device)
-            compile_hot_modules(self.module, self.ref_model)
         self.model = self.module
         if self.info.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
