@@ -168,7 +168,7 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
             tokens = tokens.index_select(0, keep)
         tokens = tokens.masked_fill(rows.done, pad_token_id)
         if plan is not None:  # Llama-family model on a preallocated cache: the lean one-token forward and draw
-            slot = torch.tensor([width + t], device=device)
+            slot = torch.tensor([width + t], device=device) if compile_step else width + t
             rows.bias[..., width + t] = 0.0
             args = (plan, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], tokens,
                     rows.next_pos, slot, rows.bias, draw_noise((len(tokens), vocab), generator))

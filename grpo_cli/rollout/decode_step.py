@@ -194,14 +194,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def _write_slot(cache: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
-    """cache[:, :, slot] ← new for cache (B, KV, S, D), new (B, KV, D): a slice copy in eager mode (CPU's
-    `index_copy_` along dim 2 took ~50 µs per call here), `index_copy_` by the (1,) tensor when compiled (an int
-    slot would be a new constant, and a recompile, every step)."""
-    if torch.compiler.is_compiling():
-        cache.index_copy_(2, slot, new[:, :, None].to(cache.dtype))
+def _write_slot(cache: torch.Tensor, slot: int | torch.Tensor, new: torch.Tensor) -> None:
+    """cache[:, :, slot] ← new for cache (B, KV, S, D), new (B, KV, D): a slice copy for an int slot (eager; CPU's
+    `index_copy_` along dim 2 took ~50 µs per call here), `index_copy_` for a (1,) tensor (compiled: an int slot
+    would be a new constant, and a recompile, every step)."""
+    if isinstance(slot, int):
+        cache[:, :, slot] = new
     else:
-        cache[:, :, int(slot)] = new
+        cache.index_copy_(2, slot, new[:, :, None].to(cache.dtype))
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
@@ -220,9 +220,9 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: tor
 
 
 def decode_logits(plan: DecodePlan, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
-                  positions: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Next-token logits (B, V) after feeding `tokens` (B,) at `positions` (B,), written to slot `slot` ((1,) long)
-    of each layer's preallocated `keys`/`values` (B, KV, S, D). `bias` (B, 1, 1, S) float32 is 0 at the slots a row
+                  positions: torch.Tensor, slot: int | torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Next-token logits (B, V) after feeding `tokens` (B,) at `positions` (B,), written to slot `slot` (an int, or
+    a (1,) long tensor when compiled) of each layer's preallocated `keys`/`values` (B, KV, S, D). `bias` (B, 1, 1, S) float32 is 0 at the slots a row
     attends to and −inf elsewhere (its prompt padding, slots not written yet): attention runs over all S slots, so
     every step has the same shapes (what lets `compiled_decode_sample` compile the step once)."""
     parts = plan.parts
@@ -245,7 +245,7 @@ def decode_logits(plan: DecodePlan, keys: list[torch.Tensor], values: list[torch
 
 
 def decode_sample(plan: DecodePlan, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
-                  positions: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor, noise: torch.Tensor, *,
+                  positions: torch.Tensor, slot: int | torch.Tensor, bias: torch.Tensor, noise: torch.Tensor, *,
                   temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_logits`, then the next tokens and their logprobs (B,) drawn from them: `process_logits` of the fp32
     logits and `pick_tokens` with the uniform `noise` (B, V) the caller drew from its generator."""

@@ -70,9 +70,9 @@ def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy) -> RolloutEng
     from grpo_cli.rollout.hf import HFEngine
 
     if cfg.rollout.compile:
-        from grpo_cli.launch.compiler import require_compiler
+        from grpo_cli.rollout.hf import require_compilable
 
-        require_compiler(next(policy.parameters()).device)
+        require_compilable(policy)
     dtype = cfg.rollout.dtype
     if dtype == "auto" or getattr(torch, dtype) == next(policy.parameters()).dtype:
         return HFEngine(policy, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,

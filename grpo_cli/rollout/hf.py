@@ -8,8 +8,10 @@ from collections.abc import Iterable
 
 import torch
 
+from grpo_cli.config.errors import UserError
 from grpo_cli.rollout.base import RolloutBatch, SamplingParams
 from grpo_cli.rollout.decode import Decoded, decode
+from grpo_cli.rollout.decode_step import decoder_parts
 from grpo_cli.rollout.scoring import score_sequences
 from grpo_cli.rollout.weight_names import parameters_by_name
 
@@ -66,6 +68,19 @@ class HFEngine:
 
     def close(self) -> None:
         self.model = None
+
+
+def require_compilable(model, *, setting: str = "rollout.compile") -> None:
+    """Refuse `setting` (a compiled decode step) where it would change nothing or cannot build: a model whose decode
+    runs the full forward (not a Llama/Qwen2/Qwen3 decoder `decode_step` reproduces), or no C++ compiler."""
+    from grpo_cli.launch.compiler import require_compiler
+
+    if decoder_parts(model) is None:
+        off = "drop --compile" if setting.startswith("--") else f"set {setting}=false"
+        raise UserError(f"{setting} compiles the lean decode step of Llama, Qwen2 and Qwen3 decoders; "
+                        f"{type(model).__name__} decodes through its full forward, which it would leave as it is: "
+                        f"{off}.")
+    require_compiler(next(model.parameters()).device, setting=setting)
 
 
 def _trim(out: Decoded) -> tuple[list[list[int]], list[str], list[list[float]]]:

@@ -39,9 +39,9 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
         model = model.to("cuda")
     model.eval().requires_grad_(False)
     if cfg.rollout.compile:
-        from grpo_cli.launch.compiler import require_compiler
+        from grpo_cli.rollout.hf import require_compilable
 
-        require_compiler(next(model.parameters()).device)
+        require_compilable(model)
     return HFEngine(model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
                     shares_policy_weights=False, compile_step=cfg.rollout.compile)
 

@@ -120,9 +120,9 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
         model = model.to("cuda")
     model.eval().requires_grad_(False)
     if opts.compile:
-        from grpo_cli.launch.compiler import require_compiler
+        from grpo_cli.rollout.hf import require_compilable
 
-        require_compiler(next(model.parameters()).device, setting="--compile")
+        require_compilable(model, setting="--compile")
     engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad_id, shares_policy_weights=False,
                       compile_step=opts.compile)
     shapes = accepted_shapes(model)

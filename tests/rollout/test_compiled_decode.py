@@ -65,6 +65,16 @@ def test_missing_compiler_is_named(monkeypatch):
         compiler.require_compiler(torch.device("cpu"), setting="--compile")
 
 
+def test_compile_is_refused_for_a_model_that_decodes_through_its_full_forward(tmp_path_factory):
+    from grpo_cli.rollout.hf import require_compilable
+
+    require_compilable(load(tmp_path_factory, "qwen2"))
+    with pytest.raises(UserError, match=r"rollout\.compile .*GemmaForCausalLM decodes through its full forward"):
+        require_compilable(load(tmp_path_factory, "gemma"))
+    with pytest.raises(UserError, match=r"drop --compile"):
+        require_compilable(load(tmp_path_factory, "gemma"), setting="--compile")
+
+
 def test_compile_is_refused_where_the_trainer_builds_no_hf_engine():
     with pytest.raises(UserError, match=r"rollout\.compile .*rollout\.engine is 'vllm'"):
         build_config("tiny-cpu", None, ["rollout.compile=true", "rollout.engine=vllm"])

@@ -89,7 +89,7 @@ def test_lean_step_logits_equal_the_forward_over_the_whole_sequence(tmp_path_fac
         for t in range(fed.shape[1]):
             bias[..., width + t] = 0.0
             lean = decode_step.decode_logits(plan, keys, values, fed[:, t], rows.next_pos,
-                                             torch.tensor([width + t]), bias)
+                                             width + t, bias)
             rows.next_pos += 1
             full_ids = torch.cat([ids, fed[:, : t + 1]], 1)
             full_mask = torch.cat([mask, torch.ones_like(fed[:, : t + 1])], 1)
