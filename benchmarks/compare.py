@@ -115,6 +115,7 @@ def worker_trl(s: dict) -> dict:
         report_to=[], use_cpu=True, bf16=False, fp16=False, seed=0, disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False,
         gradient_checkpointing=s.get("gradient_checkpointing", False),  # TRL's own default is True
+        **trl_overrides(s.get("trl_set", [])),
     )
     ds = Dataset.from_list(words_task(256, seed=0))
     tok = AutoTokenizer.from_pretrained(s["ckpt"])
@@ -131,6 +132,13 @@ def worker_trl(s: dict) -> dict:
         steps.append({"step_s": dt, "completion_tokens": log.get("completions/mean_length", float("nan")) * n,
                       "phases": {}})
     return {"steps": steps, "total_s": total}
+
+
+def trl_overrides(pairs: list[str]) -> dict:
+    """GRPOConfig keyword arguments from KEY=VALUE strings (values parsed as YAML: `torch_compile=true`)."""
+    import yaml
+
+    return {key: yaml.safe_load(value) for key, value in (pair.split("=", 1) for pair in pairs)}
 
 
 def worker_main(system: str, settings: str) -> None:
@@ -272,6 +280,9 @@ def main() -> None:
                     help="extra override for the grpo-cli runs (repeatable)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                     help="also run grpo-cli (hf) with these overrides, as system grpo-hf:NAME (repeatable)")
+    ap.add_argument("--trl-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="also run TRL with these GRPOConfig overrides, as system trl:NAME (repeatable; e.g. "
+                         "compile:torch_compile=true)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--repeats", type=int, default=2, help="A B rounds")
@@ -292,7 +303,8 @@ def main() -> None:
                 steps=a.steps, lr=a.lr, dtype=a.dtype, grpo_set=a.grpo_set,
                 gradient_checkpointing=a.gradient_checkpointing)
     variants = {f"grpo-hf:{v.split(':', 1)[0]}": v.split(":", 1)[1].split(",") for v in a.variant}
-    systems = ["grpo-hf", *variants, "trl"] + (["grpo-vllm"] if a.vllm else [])
+    trl_variants = {f"trl:{v.split(':', 1)[0]}": v.split(":", 1)[1].split(",") for v in a.trl_variant}
+    systems = ["grpo-hf", *variants, "trl", *trl_variants] + (["grpo-vllm"] if a.vllm else [])
     print(f"checkpoint {ckpt} ({params / 1e6:.1f}M params); settings {base}", flush=True)
     raw: dict[str, list] = {k: [] for k in systems}
     for rnd in range(a.repeats):
@@ -300,6 +312,8 @@ def main() -> None:
             t = time.perf_counter()
             if system in variants:
                 res = run_worker("grpo-hf", dict(base, grpo_set=base["grpo_set"] + variants[system]), a.timeout)
+            elif system in trl_variants:
+                res = run_worker("trl", dict(base, trl_set=trl_variants[system]), a.timeout)
             else:
                 res = run_worker(system, base, a.timeout)
             raw[system].append(res)
@@ -329,6 +343,9 @@ def main() -> None:
             if k in summary and "error" not in summary[k]:
                 ratios[f"throughput_{k}_over_trl"] = t["step_s"] / summary[k]["step_s"]
                 ratios[f"peak_rss_{k}_over_trl"] = summary[k]["peak_rss_mb"] / t["peak_rss_mb"]
+        for k in trl_variants:
+            if "error" not in summary[k]:
+                ratios[f"throughput_{k}_over_trl"] = t["step_s"] / summary[k]["step_s"]
     print("\n" + table)
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
@@ -362,7 +379,9 @@ def main() -> None:
            "model": {"size": a.size, "params": params, **SIZES[a.size], "head_dim": 32,
                      "vocab": 101 if SIZES[a.size].get("chars") else 68},
            "settings": {k: v for k, v in base.items() if k != "ckpt"} | {"repeats": a.repeats, "temperature": 1.0,
-                                                                          "beta": 0.0, "reward": "-abs(4 - words)"},
+                                                                          "beta": 0.0, "reward": "-abs(4 - words)",
+                                                                          "variants": variants,
+                                                                          "trl_variants": trl_variants},
            "summary": summary, "ratios": ratios, "scaling": scaling, "table": table,
            "raw": raw, "note": "shared 2-core CPU: timings are noisy; medians over alternated runs"}
     out.write_text(json.dumps(doc, indent=2))
