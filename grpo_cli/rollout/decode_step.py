@@ -29,6 +29,7 @@ growing cache, autocast) keeps the full forward.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -259,8 +260,31 @@ _compiled = None
 def compiled_decode_sample():
     """`decode_sample` under `torch.compile` (inductor: the step's elementwise calls, sampling included, fused into
     a few loops, the per-call dispatch gone), built on first use and shared by every plan; inductor caches the code
-    on disk, so a later process compiles in seconds."""
+    on disk, so a later process compiles in seconds. A step torch.compile cannot build runs eagerly instead
+    (`with_eager_fallback`)."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(decode_sample)
+        _compiled = with_eager_fallback(torch.compile(decode_sample))
     return _compiled
+
+
+def with_eager_fallback(compiled):
+    """`compiled`, falling back to the eager `decode_sample` for good (with a warning naming the failure) the first
+    time torch.compile fails to build it: a compile failure happens before the step runs, so nothing was written
+    and the same call is repeated eagerly."""
+    state = {"fn": compiled}
+
+    def step(*args, **kwargs):
+        try:
+            return state["fn"](*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            if state["fn"] is decode_sample:
+                raise
+            state["fn"] = decode_sample
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            warnings.warn(f"rollout.compile: torch.compile could not build the decode step ({reason}); this "
+                          "process decodes eagerly from here on (same tokens, without the compiled speed-up).",
+                          RuntimeWarning, stacklevel=2)
+            return decode_sample(*args, **kwargs)
+
+    return step

@@ -35,6 +35,18 @@ def _dnnl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("grpo_cli::onednn_linear", mutates_args=())
+def _dnnl_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`_dnnl` as an opaque op for `torch.compile` (the hf engine's compiled decode step): inductor cannot lower
+    mkldnn's linear with dynamic shapes, so the compiled graph calls this op instead."""
+    return _dnnl(x, weight, bias)
+
+
+@_dnnl_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -65,7 +77,10 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     """y = x·Wᵀ + b on oneDNN when the call is a plain CPU float32 one, else `F.linear`."""
     if torch.is_autocast_enabled("cpu") or not _plain_cpu_float32(x, weight, bias):
         return F.linear(x, weight, bias)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if torch.compiler.is_compiling():  # the opaque op (no gradient); a graph that trains keeps F.linear
+        return F.linear(x, weight, bias) if needs_grad else _dnnl_op(x, weight, bias)
+    if needs_grad:
         return _OneDNNLinear.apply(x, weight, bias)
     return _dnnl(x, weight, bias)
 

@@ -19,12 +19,13 @@ pytestmark = pytest.mark.skipif(compiler.compiler_problem(torch.device("cpu")) i
                                 reason="inductor cannot build CPU kernels here")
 
 
-def load(tmp_path_factory, arch: str):
+def load(tmp_path_factory, arch: str, hidden_size: int = 128, num_layers: int = 2):
     from transformers import AutoModelForCausalLM
 
     from grpo_cli.train.tiny_model import build_tiny_checkpoint
 
-    path = build_tiny_checkpoint(tmp_path_factory.mktemp(arch) / "ckpt", hidden_size=128, arch=arch)
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp(arch) / "ckpt", hidden_size=hidden_size,
+                                 num_layers=num_layers, arch=arch)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                 attn_implementation=attention_implementation("sdpa"))
 
@@ -47,6 +48,45 @@ def test_compiled_decode_step_samples_what_the_eager_step_samples(tmp_path_facto
         dropped.append(0 < int(eager.stopped.sum()) < len(eager.stopped))
     assert any(dropped)  # some rows stopped (and were dropped) while others ran on
     assert counters["stats"]["unique_graphs"] == graphs + 1  # compiled once, for every batch size and width
+
+
+def test_compiled_step_keeps_the_onednn_linear_of_routed_layers(tmp_path_factory, monkeypatch):
+    """Layers `model.cpu_linear` routes to oneDNN (≥ 512 features) run it inside the compiled step too, as an
+    opaque op (inductor cannot lower mkldnn's linear with dynamic shapes), with the eager step's tokens."""
+    from grpo_cli.train import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip("this torch build has no oneDNN linear")
+    model = load(tmp_path_factory, "qwen2", hidden_size=512, num_layers=1).eval()
+    assert cpu_linear.install(model) > 0
+    calls = []
+    real = cpu_linear._dnnl
+    monkeypatch.setattr(cpu_linear, "_dnnl", lambda *args: calls.append(1) or real(*args))
+    prompts, sampling = [[3, 5, 7], [4, 6, 8, 9]], SamplingParams(n=2, max_tokens=6, seed=3)
+    eager = decode(model, prompts, sampling, eos_token_ids=[1], pad_token_id=0)
+    before = len(calls)
+    compiled = decode(model, prompts, sampling, eos_token_ids=[1], pad_token_id=0, compile_step=True)
+    assert len(calls) > before  # the compiled graph called oneDNN
+    assert torch.equal(compiled.tokens, eager.tokens)
+    assert torch.allclose(compiled.logprobs, eager.logprobs, atol=1e-5)
+
+
+def test_a_step_torch_compile_cannot_build_runs_eagerly(tmp_path_factory, monkeypatch):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from grpo_cli.rollout import decode_step
+
+    def broken(*args, **kwargs):
+        raise BackendCompilerFailed(lambda *a: None, RuntimeError("lowering failed"), None)
+
+    model = load(tmp_path_factory, "qwen2").eval()
+    prompts, sampling = [[3, 5, 7], [4, 6, 8, 9]], SamplingParams(n=2, max_tokens=6, seed=3)
+    eager = decode(model, prompts, sampling, eos_token_ids=[1], pad_token_id=0)
+    monkeypatch.setattr(decode_mod, "compiled_decode_sample", lambda: fallback)
+    fallback = decode_step.with_eager_fallback(broken)
+    with pytest.warns(RuntimeWarning, match="could not build the decode step .*decodes eagerly"):
+        out = decode(model, prompts, sampling, eos_token_ids=[1], pad_token_id=0, compile_step=True)
+    assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.logprobs, eager.logprobs)
 
 
 def test_missing_compiler_is_named(monkeypatch):
