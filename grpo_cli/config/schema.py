@@ -214,11 +214,13 @@ class RolloutConfig(Section):
     """Rollout engine dtype; `auto` uses `model.dtype`."""
     compile: bool = False
     """hf engine: run the decode step (one token for every row, and its draw) under `torch.compile` (inductor):
-    the same math in a few fused loops, the same tokens (tested). On the 0.31M benchmark model at 16 prompts × 8 ×
-    64 tokens generation took 0.14 instead of 0.19 s per step. The first generation pays the compile (~4 s with
-    inductor's on-disk cache warm, 15–20 s cold), so it pays off on long runs. Applies where the trainer builds the
-    engine (colocate, async; a `grpo serve-rollout --engine hf` server takes `--compile`); needs a C++ compiler and
-    the Python headers on CPU."""
+    the same math in a few fused loops, the same tokens (tested). It pays where a decode step is bound by its
+    operator calls, i.e. small models: at 16 prompts × 8 × 64 tokens generation took 0.13 instead of 0.21 s per
+    step on a 0.31M model, and nothing measurable at 18.9M (compute-bound: 3.5 vs 3.2 s, noise). The first
+    generation pays the compile (~4 s with inductor's on-disk cache warm, 15–30 s cold), so it pays off on long
+    runs. Applies where the trainer builds the engine (colocate, async; a `grpo serve-rollout --engine hf` server
+    takes `--compile`); Llama/Qwen2/Qwen3 decoders only (refused otherwise); needs a C++ compiler and the Python
+    headers on CPU."""
     max_staleness: int = Field(1, ge=0)
     """Async mode: how many optimizer steps a batch may lag behind the weights it is trained on: batches for up
     to this many future steps are generated while the current step trains (0 = synchronous, for comparison)."""
