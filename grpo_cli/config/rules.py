@@ -70,6 +70,11 @@ def _check_rollout(cfg: GRPOConfig) -> None:
             "engine's weights after each generation (they come back only with the next weight sync); use "
             "rollout.vllm.sleep_level 1 (weights kept in host memory) or 0."
         )
+    if r.compile and (r.engine != "hf" or r.mode == "server"):
+        where = f"rollout.engine is '{r.engine}'" if r.engine != "hf" else \
+            "rollout.mode 'server' runs the engine in `grpo serve-rollout` (give it --compile there)"
+        raise ValueError(f"rollout.compile compiles the hf engine's decode step where the trainer builds the engine, "
+                         f"but {where}; set rollout.compile=false.")
 
 
 def _check_async(cfg: GRPOConfig) -> None:
@@ -119,11 +124,6 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             f"'{d.backend}' and model.dtype '{cfg.model.dtype}' (it needs ddp and float32); set "
             "model.cpu_linear=auto (picks it where it applies) or aten."
         )
-    if cfg.rollout.compile and (cfg.rollout.engine != "hf" or cfg.rollout.mode == "server"):
-        where = f"rollout.engine is '{cfg.rollout.engine}'" if cfg.rollout.engine != "hf" else \
-            "rollout.mode 'server' runs the engine in `grpo serve-rollout` (give it --compile there)"
-        raise ValueError(f"rollout.compile compiles the hf engine's decode step where the trainer builds the engine, "
-                         f"but {where}; set rollout.compile=false.")
     if d.backend == "deepspeed" and cfg.model.master_weights != "float32":
         raise ValueError(
             "model.master_weights 'compute_dtype' is not available with distributed.backend 'deepspeed': its bf16 "

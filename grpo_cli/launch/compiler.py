@@ -31,6 +31,10 @@ def require_compiler(device: torch.device, *, setting: str = "rollout.compile") 
     for `device`."""
     problem = compiler_problem(device)
     if problem is not None:
-        off = "drop --compile" if setting.startswith("--") else f"set {setting}=false"
         raise UserError(f"{setting} needs inductor to build CPU kernels, but {problem}. Install a C++ compiler and "
-                        f"the Python headers, or {off}.")
+                        f"the Python headers, or {turn_off(setting)}.")
+
+
+def turn_off(setting: str) -> str:
+    """How to turn `setting` off: `drop --flag` for a command-line flag, `set key=false` for a config key."""
+    return f"drop {setting}" if setting.startswith("--") else f"set {setting}=false"

@@ -129,8 +129,8 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
 
     Positions follow transformers' `generate` for left padding: position = (cumsum(mask) − 1), 0 on padding, and
     generated token t of a row sits at its prompt length + t. Decode steps of Llama-family models run
-    `decode_step.decode_logits` (the same modules and math without transformers' per-call machinery; under
-    `torch.compile` with `compile_step`), others the model's forward. Each step's token is drawn from
+    `decode_step.decode_sample` (the same modules and math without transformers' per-call machinery, and the draw;
+    under `torch.compile` with `compile_step`), others the model's forward. Each step's token is drawn from
     `process_logits` of the fp32 logits and its logprob recorded (`sample_tokens`); a row stops after a stop token.
     Without a seed, the generator's seed is drawn from torch's global RNG.
     """
