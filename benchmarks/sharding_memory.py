@@ -40,7 +40,7 @@ def worker(ckpt: str, out_dir: str, steps: int, overrides: list[str]) -> None:
     from grpo_cli.train.policy import load_policy
     from grpo_cli.train.step import optimizer_step
 
-    info = init_from_env("cpu")
+    info = init_from_env(torch.device("cpu"), timeout_minutes=10)
     cfg = build_config(overrides=[f"model.name_or_path={ckpt}", f"distributed.num_processes={info.world_size}",
                                   "train.micro_batch_size=4", "train.prompts_per_step=2",
                                   "train.generations_per_prompt=4", *overrides])

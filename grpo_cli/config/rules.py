@@ -140,6 +140,27 @@ def _check_distributed(cfg: GRPOConfig) -> None:
         )
 
 
+def _check_sharding(cfg: GRPOConfig) -> None:
+    """Settings of one sharded backend refused under another (they would change nothing)."""
+    d = cfg.distributed
+    if d.backend != "fsdp2" and d.fsdp2.model_dump() != type(d.fsdp2)().model_dump():
+        raise ValueError(
+            f"distributed.fsdp2 settings apply only to distributed.backend=fsdp2, but the backend is '{d.backend}'; "
+            "remove them or set distributed.backend=fsdp2."
+        )
+    if d.reduce_dtype != "float32" and d.backend == "ddp":
+        raise ValueError(
+            f"distributed.reduce_dtype '{d.reduce_dtype}' sets how the sharded backends (fsdp2, deepspeed) reduce "
+            "gradients; ddp reduces in the gradients' own dtype. Remove it or use distributed.backend=fsdp2."
+        )
+    if d.fsdp2.cpu_offload and any(d.offload.model_dump().values()):
+        raise ValueError(
+            "distributed.fsdp2.cpu_offload keeps parameters, gradients and optimizer state on the host for the whole "
+            "run, so distributed.offload (moving them there while generating) has nothing to move; turn the "
+            "distributed.offload flags off."
+        )
+
+
 def _check_lora_and_eval(cfg: GRPOConfig) -> None:
     if cfg.model.lora is not None and cfg.distributed.backend == "deepspeed":
         raise ValueError(
@@ -165,4 +186,5 @@ def check_rules(cfg: GRPOConfig) -> None:
     _check_batch(cfg)
     _check_rollout(cfg)
     _check_distributed(cfg)
+    _check_sharding(cfg)
     _check_lora_and_eval(cfg)

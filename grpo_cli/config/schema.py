@@ -182,6 +182,19 @@ class DeepSpeedConfig(Section):
     """Copy gradients into a contiguous buffer to avoid fragmentation."""
 
 
+class FSDP2Config(Section):
+    cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state on the host for the whole run (FSDP2's own
+    `CPUOffloadPolicy`: the optimizer steps on the CPU, each layer's shard is copied to the GPU for its forward and
+    backward). What a 70B+ full fine-tune on fsdp2 needs; slower. Not combinable with `distributed.offload`, which
+    moves the same state only while the engine generates."""
+    unsharded_grad_accumulation: bool = False
+    """Reduce-scatter gradients once per optimizer step instead of after every micro-batch: fewer collectives, but
+    every rank holds the whole model's unsharded float32 gradients between micro-batches (7B: ~26 GiB per GPU;
+    `grpo plan` counts them). Off by default (verl's choice): each micro-batch's gradients are reduce-scattered at
+    once, so a rank keeps only its shard."""
+
+
 class OffloadConfig(Section):
     optimizer: bool = False
     """Move optimizer state to host memory while the engine generates (colocate mode)."""
@@ -214,6 +227,14 @@ class DistributedConfig(Section):
     `distributed.deepspeed`)."""
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     """DeepSpeed settings (backend: deepspeed)."""
+    fsdp2: FSDP2Config = Field(default_factory=FSDP2Config)
+    """FSDP2 settings (backend: fsdp2)."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype in which the sharded backends (fsdp2, deepspeed) reduce gradients across ranks and accumulate them over
+    micro-batches: float32 keeps small gradients of long accumulations; bfloat16 halves the traffic."""
+    timeout_minutes: float = Field(60.0, gt=0)
+    """Timeout of every collective (NCCL's default is 10 minutes): a rank that waits longer (another rank writing a
+    large checkpoint, a slow gather) fails instead of hanging, and one that finishes within it is not killed."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     """Training-state offload while generating."""
     weight_sync_bucket_mb: int = Field(512, ge=1)

@@ -78,11 +78,12 @@ def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
     from grpo_cli.launch.quiet import quiet_hf_stack
     from grpo_cli.rewards.resolve import build_reward_fns
     from grpo_cli.rollout.factory import EngineContext, make_engine
-    from grpo_cli.train.policy import eos_token_ids, load_policy, pick_device
+    from grpo_cli.launch.accel import resolve_device
+    from grpo_cli.train.policy import eos_token_ids, load_policy
 
     quiet_hf_stack()
     info, path = DistInfo(), cfg.model.name_or_path
-    policy = load_policy(cfg, path, device=pick_device(cfg, 0), info=info)
+    policy = load_policy(cfg, path, device=resolve_device(cfg.distributed.device, 0), info=info)
     ctx = EngineContext(path, eos_token_ids(policy.tokenizer, policy.module), policy.tokenizer.pad_token_id)
     engine = make_engine(cfg, ctx, policy=policy.module)
     try:

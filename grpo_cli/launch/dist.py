@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from grpo_cli.launch.accel import is_cuda, local_rank_from_env, set_device
 
 
 @dataclass(frozen=True)
@@ -22,14 +25,38 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_from_env(device_type: str) -> DistInfo:
-    """Join the process group that torchrun/accelerate described in the environment (gloo on CPU, nccl on CUDA)."""
+def process_group_options(device: torch.device, *, timeout_minutes: float) -> dict:
+    """Keyword arguments of `init_process_group` for a job training on `device`.
+
+    CUDA: `cpu:gloo,cuda:nccl` (NCCL has no CPU backend, and the loop reduces CPU float64 metrics and pickled
+    objects through the same group) bound to this rank's GPU with `device_id`; CPU: gloo. Both with `timeout`
+    (NCCL's own default, 10 minutes, is shorter than a large checkpoint write)."""
+    opts: dict = {"backend": "gloo", "timeout": timedelta(minutes=timeout_minutes)}
+    if is_cuda(device):
+        opts.update(backend="cpu:gloo,cuda:nccl", device_id=torch.device(device))
+    return opts
+
+
+def init_process_group(device: torch.device, *, timeout_minutes: float, **kwargs) -> None:
+    """`set_device` first, then the group per `process_group_options` (extra `kwargs`, e.g. a store, pass on).
+    The one place a process group is created (trainer, DeepSpeed's single process, a colocated vLLM engine)."""
+    set_device(device)
+    opts = process_group_options(device, timeout_minutes=timeout_minutes)
+    if kwargs.get("world_size") == 1:
+        # A bound device makes torch build every later group with ncclCommSplit, which a 1-rank job has no peer
+        # for (DeepSpeed's comm/torch.py skips device_id at world size 1 for this reason).
+        opts.pop("device_id", None)
+    dist.init_process_group(**opts, **kwargs)
+
+
+def init_from_env(device: torch.device, *, timeout_minutes: float) -> DistInfo:
+    """Join the process group that torchrun/accelerate described in the environment, on the resolved `device`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        init_process_group(device, timeout_minutes=timeout_minutes)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank_from_env())
 
 
 def all_reduce_sum(value: float, info: DistInfo) -> float:

@@ -115,9 +115,10 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
 
     if opts.tensor_parallel_size != 1:
         raise ServeError("--engine hf runs on one device: use --tensor-parallel-size 1 (or --engine vllm)")
+    from grpo_cli.launch.accel import local_rank_from_env, resolve_device
+
     model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=getattr(torch, dtype))
-    if torch.cuda.is_available():
-        model = model.to("cuda")
+    model = model.to(resolve_device("auto", local_rank_from_env()))
     model.eval().requires_grad_(False)
     if opts.compile:
         from grpo_cli.rollout.hf import require_compilable

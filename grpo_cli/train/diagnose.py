@@ -148,13 +148,14 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
     from grpo_cli.data.sources import load_rows
     from grpo_cli.rollout.factory import EngineContext, make_engine, sampling_params
     from grpo_cli.train.batch import build_batch
-    from grpo_cli.train.policy import eos_token_ids, load_tokenizer, pick_device
+    from grpo_cli.launch.accel import resolve_device
+    from grpo_cli.train.policy import eos_token_ids, load_tokenizer
     from grpo_cli.train.step import batch_logprobs
     from grpo_cli.train.tiny_model import resolve_model_path
 
     start = time.perf_counter()
     model_path = resolve_model_path(cfg.model.name_or_path)
-    device = pick_device(cfg, 0)
+    device = resolve_device(cfg.distributed.device, 0)
     tokenizer = load_tokenizer(model_path)
     model = load_training_model(cfg, model_path, device)
     prompts, _ = tokenize_prompts(

@@ -60,12 +60,6 @@ def load_tokenizer(model_path: str):
     return tok
 
 
-def pick_device(cfg: GRPOConfig, local_rank: int) -> torch.device:
-    if cfg.distributed.device == "cuda" or (cfg.distributed.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def load_policy(cfg: GRPOConfig, model_path: str, *, device: torch.device, info: DistInfo | None = None) -> Policy:
     """Build the backend named by `distributed.backend` (model, reference when β > 0, AdamW, schedule)."""
     torch.manual_seed(cfg.train.seed)

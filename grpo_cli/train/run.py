@@ -9,6 +9,7 @@ from pathlib import Path
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
 from grpo_cli.data.sources import load_rows
+from grpo_cli.launch.accel import local_rank_from_env, resolve_device
 from grpo_cli.launch.dist import DistInfo, barrier, broadcast_object, init_from_env, shutdown
 from grpo_cli.launch.quiet import quiet_hf_stack
 from grpo_cli.rewards.resolve import build_reward_fns
@@ -17,7 +18,7 @@ from grpo_cli.train import checkpoint as ckpt
 from grpo_cli.train.alarms import step_alarms
 from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_seed
 from grpo_cli.train.pipeline import RolloutPipeline
-from grpo_cli.train.policy import eos_token_ids, load_policy, pick_device
+from grpo_cli.train.policy import eos_token_ids, load_policy
 from grpo_cli.train.run_dir import RunDir, default_output_dir
 from grpo_cli.train.signals import SignalFlag
 from grpo_cli.train.tiny_model import resolve_model_path
@@ -25,10 +26,9 @@ from grpo_cli.train.trackers import close_trackers, log_trackers, open_trackers
 from grpo_cli.train.watchdog import StallWatchdog
 
 
-def build_trainer(cfg: GRPOConfig, info: DistInfo, *, log=print) -> Trainer:
-    """Load data, rewards, policy and engine for this process."""
+def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trainer:
+    """Load data, rewards, policy and engine for this process, on its resolved `device`."""
     model_path = resolve_model_path(cfg.model.name_or_path)
-    device = pick_device(cfg, info.local_rank)
     reward_fns = build_reward_fns(cfg.rewards.functions)
     policy = load_policy(cfg, model_path, device=device, info=info)
     rows = load_rows(cfg.data.source, seed=cfg.train.seed)
@@ -136,14 +136,15 @@ def export_final_model(tr: Trainer, path: Path, log) -> None:
 def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=None) -> dict:
     """Train per `cfg`; returns the summary (also written to summary.json). `reporter` renders progress."""
     quiet_hf_stack()
-    info = init_from_env("cuda" if cfg.distributed.device == "cuda" else "cpu")
+    device = resolve_device(cfg.distributed.device, local_rank_from_env())  # once; `auto` included
+    info = init_from_env(device, timeout_minutes=cfg.distributed.timeout_minutes)
     path = Path(output_dir or cfg.logging.output_dir or default_output_dir(cfg))
     log = reporter.message if reporter is not None and info.is_main else (lambda *_: None)
     resume = ckpt.resolve_resume(cfg.checkpoint.resume, path) if cfg.checkpoint.resume else None
     if resume is not None:
         ckpt.verify_checkpoint(resume)  # a corrupt checkpoint fails before anything is loaded or written
     trackers = open_trackers(cfg, path) if info.is_main else []  # a missing tracker package fails before loading
-    trainer = build_trainer(cfg, info, log=log)
+    trainer = build_trainer(cfg, info, device, log=log)
     state = LoopState()
     if resume is not None:
         _resume(trainer, resume, state, log)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo_cli.config.load import build_config
+from grpo_cli.launch.accel import local_rank_from_env, resolve_device
 from grpo_cli.launch.dist import all_reduce_sum, init_from_env, shutdown
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.policy import load_policy
@@ -84,16 +85,17 @@ def save_and_reload(policy, cfg, ckpt: str, out: Path, info):
 
 
 def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
-    info = init_from_env("cpu")
+    device = resolve_device(os.environ.get("DP_WORKER_DEVICE", "cpu"), local_rank_from_env())  # tests/gpu: cuda
+    info = init_from_env(device, timeout_minutes=10)
     steps = int(os.environ.get("DP_WORKER_STEPS", "3"))
     cfg = build_config(overrides=[f"model.name_or_path={ckpt}", f"algorithm.aggregation={aggregation}",
                                   "train.micro_batch_size=4", "train.learning_rate=1e-2",
                                   "train.prompts_per_step=2", "train.generations_per_prompt=8",
                                   f"distributed.num_processes={info.world_size}", *overrides])
-    policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
+    policy = load_policy(cfg, ckpt, device=device, info=info)
     full = fixed_batch(policy.module.config.vocab_size)
     per = B // info.world_size
-    batch = full.rows(info.rank * per, (info.rank + 1) * per)
+    batch = full.rows(info.rank * per, (info.rank + 1) * per).to(device)
     if policy.ref_model is not None:  # β > 0: the reference (sharded like the policy) scores the batch
         with policy.backend.compute_context():
             batch.ref_logprobs = batch_logprobs(policy.ref_model, batch, micro_batch_size=4, temperature=1.0)

@@ -30,7 +30,7 @@ def rss_mb() -> float:
 
 
 def main(ckpt: str, out: str, bucket_mb: str, *overrides: str) -> None:
-    info = init_from_env("cpu")
+    info = init_from_env(torch.device("cpu"), timeout_minutes=10)
     cfg = build_config(overrides=[f"model.name_or_path={ckpt}", "rollout.engine=vllm",
                                   f"distributed.num_processes={info.world_size}", *overrides])
     policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)

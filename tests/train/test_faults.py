@@ -19,7 +19,7 @@ from grpo_cli.train.run import build_trainer
 def _trainer(tiny_checkpoint, *overrides):
     cfg = build_config(overrides=[f"model.name_or_path={tiny_checkpoint}", "train.prompts_per_step=2",
                                   "train.micro_batch_size=16", *overrides])
-    return build_trainer(cfg, DistInfo(), log=lambda *_: None)
+    return build_trainer(cfg, DistInfo(), torch.device("cpu"), log=lambda *_: None)
 
 
 @pytest.fixture()

@@ -22,18 +22,20 @@ TAG = "deepspeed"
 """Sub-folder of a checkpoint holding DeepSpeed's own files (model states, one optimizer partition per rank)."""
 
 
-def ensure_process_group(device: torch.device) -> None:
+def ensure_process_group(device: torch.device, *, timeout_minutes: float) -> None:
     """DeepSpeed's comm layer on the job's process group (before `zero.Init` reads the world size); in one process
-    a 1-rank group on an in-memory store."""
+    a 1-rank group on an in-memory store, made like every other group (`launch.dist.init_process_group`)."""
     import deepspeed
     import torch.distributed as dist
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    from grpo_cli.launch.dist import init_process_group, process_group_options
+
     if not dist.is_initialized():
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
             os.environ.setdefault(key, value)  # zero.Init reads LOCAL_RANK
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend)
+        init_process_group(device, timeout_minutes=timeout_minutes, store=dist.HashStore(), rank=0, world_size=1)
+    opts = process_group_options(device, timeout_minutes=timeout_minutes)
+    deepspeed.init_distributed(dist_backend=opts["backend"], timeout=opts["timeout"])
 
 
 def partition_range(param) -> tuple[int, int]:
@@ -119,7 +121,7 @@ class DeepSpeedBackend(TrainingBackend):
         # re-arms the warning, so unfiltered it repeats on every ZeRO gather (60 KB of output in 3 steps).
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)`"
                                 r" is deprecated", category=FutureWarning)
-        ensure_process_group(self.device)
+        ensure_process_group(self.device, timeout_minutes=self.cfg.distributed.timeout_minutes)
         ds_config = deepspeed_config(cfg)
         dtype = compute_dtype(cfg)  # DeepSpeed keeps float32 masters of these weights in its ZeRO optimizer
         if self.stage == 3:

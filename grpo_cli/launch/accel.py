@@ -1,0 +1,73 @@
+"""The device-specific calls (CUDA's pinning, synchronize, empty_cache, set_device, RNG) behind small functions
+whose callers are the same on every device: code above this module never branches on `device.type`.
+
+Each function is a no-op (or the plain CPU equivalent) on a non-CUDA device; a CPU test drives the CUDA branch by
+passing a `torch.device("cuda", i)` with the CUDA call patched."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def resolve_device(setting: str, local_rank: int, *, cuda_available: bool | None = None) -> torch.device:
+    """The training device of this process, resolved once from `distributed.device` and passed down everywhere:
+    `cuda` → `cuda:local_rank`; `auto` → the same when CUDA is available, else `cpu`; `cpu` → `cpu`."""
+    available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if setting == "cuda" or (setting == "auto" and available):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def local_rank_from_env() -> int:
+    """This process's index on its machine, as torchrun/accelerate export it (0 in a single process)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_cuda(device: torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def set_device(device: torch.device) -> None:
+    """Make `device` this process's current CUDA device (before any process group or CUDA tensor exists), so
+    collectives and `cuda` tensors without an index use this rank's own GPU, not cuda:0."""
+    if is_cuda(device):
+        torch.cuda.set_device(device)
+
+
+def synchronize(device: torch.device) -> None:
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def empty_cache(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks back to the driver (for a colocated engine to take)."""
+    if is_cuda(device):
+        torch.cuda.empty_cache()
+
+
+def wants_pinned(source: torch.device, target: torch.device) -> bool:
+    """Whether a copy from `source` to `target` lands in pinned host memory (a device → host transfer)."""
+    return torch.device(target).type == "cpu" and is_cuda(source)
+
+
+def host_copy(tensor: torch.Tensor, *, pinned: bool) -> torch.Tensor:
+    """A copy of a plain (local) tensor in fresh host storage, page-locked when `pinned` (asynchronous device →
+    host copies need it). The caller passes a plain tensor: a DTensor's local shard, never the DTensor."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
+    return out.copy_(tensor, non_blocking=pinned)
+
+
+def rng_states(device: torch.device) -> dict:
+    """The random generators of this process that training draws from: the CPU's and, on CUDA, this device's."""
+    states = {"torch": torch.get_rng_state()}
+    if is_cuda(device):
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device: torch.device) -> None:
+    torch.set_rng_state(states["torch"])
+    if is_cuda(device) and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
