@@ -247,6 +247,34 @@ def build_checkpoint(size: str, root: Path) -> tuple[str, int]:
     return str(path), params
 
 
+def torchrun_two(module: str, args: list[str], *, label: str, timeout: float, **env: str) -> None:
+    """`python -m torch.distributed.run --nproc_per_node=2 -m MODULE --worker ARGS` on a free loopback port (gloo on
+    `lo`, DeepSpeed told it is on CPU, `env` added); exits with the workers' output tails when they fail."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu", **env}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           "-m", module, "--worker", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(f"{label} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+
+
+def run_each_backend(size: str, names: list[str], run) -> tuple[int, dict]:
+    """Build the `size` checkpoint in a temporary folder, call `run(ckpt, name, folder)` for each backend name
+    with a fresh folder of its own; returns (parameter count, {name: result})."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt, params = build_checkpoint(size, Path(tmp))
+        results = {}
+        for name in names:
+            (Path(tmp) / name).mkdir()
+            results[name] = run(ckpt, name, Path(tmp) / name)
+    return params, results
+
+
 def _prod(shape) -> int:
     n = 1
     for d in shape:

@@ -13,7 +13,7 @@ def deepspeed_config(cfg: GRPOConfig) -> dict:
     `deepspeed.initialize` (and `--dry-run` prints). Batch sizes are the batch plan's (one optimizer step per
     `clip_and_step`); the optimizer is grpo-cli's torch AdamW (`zero_force_ds_cpu_optimizer: false` lets it step
     on the host under `offload_optimizer`); bf16/fp16 mode keeps float32 masters and skips steps whose gradient is
-    not finite."""
+    not finite; gradients are reduced and accumulated as `reduce_dtypes` says."""
     from grpo_cli.config.plan import batch_plan, model_shape
 
     ds, plan = cfg.distributed.deepspeed, batch_plan(cfg)
@@ -29,6 +29,7 @@ def deepspeed_config(cfg: GRPOConfig) -> dict:
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.model.dtype == "bfloat16", "check_grad_overflow": True},
         "fp16": {"enabled": cfg.model.dtype == "float16"},
+        **reduce_dtypes(cfg),
         "gradient_clipping": cfg.train.max_grad_norm or 0.0,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
@@ -38,6 +39,23 @@ def deepspeed_config(cfg: GRPOConfig) -> dict:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+
+
+DS_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+"""DeepSpeed's names of torch dtypes (`communication_data_type`, `data_types.*` accept fp32, bf16, fp16)."""
+
+
+def reduce_dtypes(cfg: GRPOConfig) -> dict:
+    """`communication_data_type` (the dtype of gradient all-reduce/reduce-scatter) and `data_types.grad_accum_dtype`
+    (the dtype micro-batch gradients are summed in) from `distributed.reduce_dtype`, as fsdp2's
+    `MixedPrecisionPolicy(reduce_dtype=...)` does. DeepSpeed's defaults are the model's dtype for both: a bf16 model
+    reduced and summed 64 micro-batches in bf16 (8 significant bits). float32 (the default): both in fp32;
+    bfloat16: communication in bf16 (half the traffic), the sum in fp32 over fp32 weights, else in the model's
+    dtype."""
+    d = cfg.distributed
+    accumulate = "float32" if "float32" in (d.reduce_dtype, cfg.model.dtype) else cfg.model.dtype
+    return {"communication_data_type": DS_DTYPE[d.reduce_dtype],
+            "data_types": {"grad_accum_dtype": DS_DTYPE[accumulate]}}
 
 
 def bucket_sizes(hidden: int, *, stage: int) -> dict[str, int]:

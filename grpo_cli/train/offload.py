@@ -9,16 +9,14 @@ import time
 
 import torch
 
+from grpo_cli.launch import accel
+from grpo_cli.train import offload_meter
+
 FORCE_ENV = "GRPO_CLI_FORCE_OFFLOAD"
 """Set to 1 (by `grpo train --rehearse`): offload even on CPU, where the training state already is in host memory,
 so the offload/reload path runs (through fresh host storage) as it would on a GPU."""
 _DS_STATES = {"optimizer": ("optim_states", "hp_params"), "grads": ("lp_grads", "contiguous_grad_buffer"),
               "params": ("lp_params",)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -30,8 +28,10 @@ class TrainingStateOffload:
 
     A no-op when nothing is selected or the training device already is `host` (CPU runs), unless `force` (tests
     round-trip the state through fresh host storage that way). A DeepSpeed engine is driven through its own
-    `offload_states`/`reload_states`; FSDP2 parameters through `module.to`; plain modules tensor by tensor.
-    Parameters keep their identity (optimizer references stay valid); only their storage moves.
+    `offload_states`/`reload_states`; FSDP2 parameters through `module.to` (torch swaps a DTensor parameter's
+    contents in place, and `fully_shard`'s `_apply` re-points FSDP2 at the moved shard); plain modules, gradients
+    and optimizer state tensor by tensor, a DTensor as its local shard (`_copy`). Parameters keep their identity
+    (optimizer references stay valid); only their storage moves.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, optimizer_state: bool,
@@ -43,6 +43,8 @@ class TrainingStateOffload:
         self.device = first.device if first is not None else self.host
         self.active = any(self.flags.values()) and (force or self.device.type != self.host.type)
         self.offloaded = False
+        self.moved_bytes: dict[str, int] = {}
+        """Bytes per kind (optimizer, grads, params) the last offload actually moved (`offload_meter`)."""
         self._grads: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._homes: dict[tuple, torch.device] = {}
 
@@ -60,13 +62,14 @@ class TrainingStateOffload:
         if not self.active or self.offloaded:
             return 0.0
         start = time.perf_counter()
+        before = offload_meter.snapshot(self.model, self.optimizer)
         if hasattr(self.model, "offload_states"):
             self._deepspeed_offload()
         else:
             self._move(to_host=True)
-        _sync(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the freed blocks to the engine
+        self.moved_bytes = offload_meter.moved_bytes(before, offload_meter.snapshot(self.model, self.optimizer))
+        accel.synchronize(self.device)
+        accel.empty_cache(self.device)  # hand the freed blocks to the engine
         self.offloaded = True
         return time.perf_counter() - start
 
@@ -78,7 +81,7 @@ class TrainingStateOffload:
             self.model.reload_states(non_blocking=False)
         else:
             self._move(to_host=False)
-        _sync(self.device)
+        accel.synchronize(self.device)
         self.offloaded = False
         return time.perf_counter() - start
 
@@ -96,8 +99,11 @@ class TrainingStateOffload:
     def _deepspeed_offload(self) -> None:
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
+        # ZeRO-3 under offload_optimizer keeps its gradient partitions in host memory already; offloading them
+        # copies them to a second pinned buffer and reload_states() then puts them on the GPU (DeepSpeed 0.19.8)
+        on_host = {"lp_grads"} if getattr(self.optimizer, "offload_optimizer", False) else set()
         include = [getattr(OffloadStateTypeEnum, name) for key, names in _DS_STATES.items() if self.flags[key]
-                   for name in names]
+                   for name in names if name not in on_host]
         self.model.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=True,
                                   non_blocking=False)
 
@@ -135,8 +141,15 @@ class TrainingStateOffload:
 
 
 def _copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of `tensor` in fresh storage on `device` (pinned when it is the CPU side of a CUDA transfer)."""
-    if device.type == "cpu" and tensor.device.type == "cuda":
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-        return out.copy_(tensor, non_blocking=True)
+    """A copy of `tensor` in fresh storage on `device` (pinned when it is the host side of a device → host
+    transfer, `accel.wants_pinned`). A DTensor (FSDP2 gradient or AdamW state) moves as its local shard, rewrapped
+    with the same mesh, placements and global shape: a plain tensor of the global shape cannot take its copy."""
+    if _is_dtensor(tensor):
+        from torch.distributed.tensor import DTensor
+
+        local = _copy(tensor.to_local(), device)
+        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                                  stride=tensor.stride())
+    if accel.wants_pinned(tensor.device, device):
+        return accel.host_copy(tensor, pinned=True)
     return tensor.to(device, copy=True, non_blocking=True)

@@ -9,11 +9,14 @@ from collections.abc import Iterator
 
 import torch
 
+from grpo_cli.launch.dist import DistInfo
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.flat_weights import byte_buckets
 from grpo_cli.rollout.scoring import score_sequences
 from grpo_cli.rollout.weight_names import tied_aliases
 from grpo_cli.train.lora import merged_tensor
+from grpo_cli.train.shard_gather import GatheredBucket, row_sharded
+from grpo_cli.train.sync_ranks import agree, attempt, follow, pushes_from_main
 
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
 """Largest mean |engine − trainer| probe logprob (nats/token) accepted, by the less precise of the two dtypes.
@@ -103,24 +106,29 @@ def _full_numel(param: torch.nn.Parameter) -> int:
 
 def buckets(named: list[tuple[str, torch.nn.Parameter]], cap_bytes: int) -> Iterator[list]:
     """Consecutive groups of parameters whose full (unsharded) size stays under `cap_bytes`; a single larger
-    tensor is a bucket of its own."""
+    tensor is a bucket of its own. A bucket is gathered at once (ZeRO-3: `GatheredParameters`; FSDP2: one
+    all-gather per dtype, `shard_gather`), so the cap bounds what a sync holds and sets how many collectives run."""
     return byte_buckets(named, cap_bytes, nbytes=lambda p: _full_numel(p) * p.element_size())
 
 
 @contextlib.contextmanager
 def _gathered(params: list[torch.nn.Parameter]):
-    """Materialise ZeRO-3 partitions of `params` (all ranks take part); other parameters pass through."""
+    """Materialise a bucket (all ranks take part): ZeRO-3 partitions in place; FSDP2's row-sharded DTensors into
+    one buffer per dtype (`shard_gather.GatheredBucket`, yielded; empty without any). Others pass through."""
     ds = [p for p in params if is_zero3(p)]
+    rows = GatheredBucket([p for p in params if is_dtensor(p) and row_sharded(p)])
     if not ds:
-        yield
+        yield rows
         return
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(ds, modifier_rank=None):
-        yield
+        yield rows
 
 
-def _full_tensor(param: torch.nn.Parameter) -> torch.Tensor:
+def _full_tensor(param: torch.nn.Parameter, gathered: GatheredBucket) -> torch.Tensor:
+    if param in gathered:
+        return gathered.full(param)
     if is_dtensor(param):
         return param.full_tensor().detach()
     if is_zero3(param):
@@ -139,9 +147,9 @@ def stream_named_tensors(
     names = checkpoint_names(model, peft=peft)
     named = [(n, p) for n, p in model.named_parameters() if n in names]
     for bucket in buckets(named, bucket_mb * 2**20):
-        with _gathered([p for _, p in bucket]):
+        with _gathered([p for _, p in bucket]) as gathered:
             for name, param in bucket:
-                tensor = _full_tensor(param)
+                tensor = _full_tensor(param, gathered)
                 if peft:
                     tensor = merged_tensor(model, name, tensor)  # W + (α/r)·B·A, the trained tensors untouched
                 for out in names[name]:
@@ -177,31 +185,47 @@ def checksum_names(model: torch.nn.Module, *, peft: bool, count: int = CHECKSUM_
 
 
 def sync_weights(
-    engine, model: torch.nn.Module, *, version: int, bucket_mb: int, verify: bool, probe: list[list[int]] | None
+    engine, model: torch.nn.Module, *, version: int, bucket_mb: int, verify: bool, probe: list[list[int]] | None,
+    info: DistInfo = DistInfo(),
 ) -> dict[str, float]:
     """Load the trainer's current weights into `engine` as `version`, then (with `verify`) check the engine
     holds them: exact equality of a few small tensors read back (engines offering `read_weights`) and the
     probe sequences' logprobs against the trainer's own within `PROBE_TOLERANCE`. Raises `RolloutError` when
-    a check fails. Every rank calls it (gathers and TP engines are collective)."""
+    a check fails. Every rank calls it (gathers and TP engines are collective).
+
+    An engine with `push_from_main_only` (server mode, SGLang, async) gets the tensors on rank 0 only
+    (`sync_ranks`): the other ranks drain the stream (taking part in the gathers), then follow rank 0
+    (`sync_ranks.follow`); every rank returns rank 0's metrics, and a failure on any rank raises on all."""
     start = time.perf_counter()
     model = unwrap(model)
     peft = is_peft(model)
-    readback = verify and hasattr(engine, "read_weights")
+    main_only = pushes_from_main(engine, info)
+    pushes = not main_only or info.is_main
+    readback = verify and pushes and hasattr(engine, "read_weights")
     wanted = set(checksum_names(model, peft=peft)) if readback else set()
     rows = set(projection_names(model, peft=peft)) if readback else set()
     stats: dict = {"tensors": 0, "bytes": 0, "copies": {}, "rows": {}}
+    error = None
     with _sync_context(model, peft=peft):
         stream = stream_named_tensors(model, bucket_mb=bucket_mb, peft=peft, stats=stats, keep_copies=wanted,
                                       keep_rows=rows)
-        engine.update_weights(cast_stream(stream, _engine_dtype(engine)), version)
+        if pushes:
+            _, error = attempt(lambda: engine.update_weights(cast_stream(stream, _engine_dtype(engine)), version))
+        for _ in stream:  # what the engine left unread (all of it on a rank that does not push): collective gathers
+            pass
+    if main_only:
+        agree(None, error, info)  # rank 0's push failed: every rank raises
+        error = None if info.is_main else attempt(lambda: follow(engine, version))[1]
+    elif error is not None:
+        raise error
     metrics = {"sync/seconds": time.perf_counter() - start, "sync/megabytes": stats["bytes"] / 2**20,
                "sync/tensors": float(stats["tensors"])}
     if verify:
         verify_start = time.perf_counter()
         metrics.update(verify_sync(engine, model, version=version, sent=stats["copies"], probe=probe,
-                                   sent_rows=stats["rows"]))
+                                   sent_rows=stats["rows"], info=info))
         metrics["sync/verify_seconds"] = time.perf_counter() - verify_start
-    return metrics
+    return agree(metrics, error, info) if main_only else metrics
 
 
 def _engine_dtype(engine) -> torch.dtype | None:
@@ -228,10 +252,25 @@ def _dtype_of(engine, model: torch.nn.Module) -> torch.dtype:
 
 
 def verify_sync(engine, model: torch.nn.Module, *, version: int, sent: dict[str, torch.Tensor],
-                probe: list[list[int]] | None, sent_rows: dict | None = None) -> dict[str, float]:
+                probe: list[list[int]] | None, sent_rows: dict | None = None,
+                info: DistInfo = DistInfo()) -> dict[str, float]:
     """The checks of `sync_weights` (see there); returns `sync/max_probe_diff`, `sync/mean_probe_diff`,
     `sync/checked_tensors`. On failure the engine's embedding/output projection rows (`sent_rows`, from
-    `stream_named_tensors`) are read back to name the tensors that disagree."""
+    `stream_named_tensors`) are read back to name the tensors that disagree. The trainer's probe logprobs come
+    first, on every rank (a collective forward under fsdp2/ZeRO-3); an engine with `push_from_main_only` is then
+    asked on rank 0 only, and every rank returns rank 0's figures or raises its failure (`sync_ranks.agree`)."""
+    probe = [list(s) for s in (probe or []) if len(s) >= 2]
+    trainer_lp = _trainer_logprobs(model, probe) if probe else []
+    if not pushes_from_main(engine, info):
+        return _check_engine(engine, model, version, sent, probe, trainer_lp, sent_rows)
+    result, error = attempt(lambda: _check_engine(engine, model, version, sent, probe, trainer_lp, sent_rows)) \
+        if info.is_main else ({}, None)
+    return agree(result, error, info)
+
+
+def _check_engine(engine, model: torch.nn.Module, version: int, sent: dict[str, torch.Tensor],
+                  probe: list[list[int]], trainer_lp: list[list[float]], sent_rows: dict | None) -> dict[str, float]:
+    """`verify_sync`'s questions to the engine, judged against the trainer's `trainer_lp` of `probe`."""
     problems: list[str] = []
     if getattr(engine, "weight_version", version) != version:
         problems.append(f"engine reports weight version {engine.weight_version}, expected {version}")
@@ -241,9 +280,8 @@ def verify_sync(engine, model: torch.nn.Module, *, version: int, sent: dict[str,
     if checked:
         checked_what.append(f"{len(checked)} small tensors read back for exact equality ({', '.join(checked)})")
     out = {"sync/checked_tensors": float(len(checked))}
-    probe = [list(s) for s in (probe or []) if len(s) >= 2]
     if probe:
-        out.update(_probe_diffs(engine, model, probe))
+        out.update(_probe_diffs(engine.score(probe), trainer_lp))
         dtype = _dtype_of(engine, model)
         tol = PROBE_TOLERANCE.get(dtype, 1e-3)
         checked_what.append(f"the logprobs of {sum(len(s) - 1 for s in probe)} probe tokens against the "
@@ -275,14 +313,16 @@ def _compare_readback(engine, sent: dict[str, torch.Tensor]) -> tuple[list[str],
     return checked, problems
 
 
-def _probe_diffs(engine, model: torch.nn.Module, probe: list[list[int]]) -> dict[str, float]:
-    engine_lp = engine.score(probe)
+def _trainer_logprobs(model: torch.nn.Module, probe: list[list[int]]) -> list[list[float]]:
     was_training = model.training
     model.eval()
     try:
-        trainer_lp = score_sequences(model, probe, pad_token_id=0)
+        return score_sequences(model, probe, pad_token_id=0)
     finally:
         model.train(was_training)
+
+
+def _probe_diffs(engine_lp: list[list[float]], trainer_lp: list[list[float]]) -> dict[str, float]:
     diffs = torch.tensor([abs(a - b) for e, t in zip(engine_lp, trainer_lp, strict=True)
                           for a, b in zip(e, t, strict=True)])
     return {"sync/max_probe_diff": float(diffs.max()), "sync/mean_probe_diff": float(diffs.mean())}

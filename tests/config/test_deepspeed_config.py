@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from dist_env import clean_env
+
 from grpo_cli.config.load import build_config
 from grpo_cli.launch.command import deepspeed_config
 
@@ -32,3 +40,26 @@ def test_batch_sizes_precision_and_clipping_follow_the_config():
     assert sizes == (2, 32, 64)
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"] and ds["gradient_clipping"] == 0.5
     assert _ds("train.max_grad_norm=null")["gradient_clipping"] == 0.0
+
+
+def test_gradients_are_reduced_and_accumulated_in_reduce_dtype():
+    """`distributed.reduce_dtype` (float32 by default) sets DeepSpeed's communication and accumulation dtypes, which
+    otherwise follow the model: a bf16 run reduced and summed its micro-batches in bf16."""
+    bf16 = _ds("model.dtype=bfloat16", "distributed.deepspeed.zero_stage=3", "rollout.engine=vllm")
+    assert bf16["communication_data_type"] == "fp32" and bf16["data_types"] == {"grad_accum_dtype": "fp32"}
+    halved = _ds("model.dtype=bfloat16", "distributed.reduce_dtype=bfloat16")
+    assert halved["communication_data_type"] == "bf16" and halved["data_types"]["grad_accum_dtype"] == "bf16"
+    fp32 = _ds("distributed.reduce_dtype=bfloat16")  # float32 weights: bf16 traffic, the sum stays in fp32
+    assert fp32["communication_data_type"] == "bf16" and fp32["data_types"]["grad_accum_dtype"] == "fp32"
+
+
+def test_zero3_bf16_step_runs_with_fp32_reduction(tiny_checkpoint):
+    """DeepSpeed 0.19.8 accepts the keys: one ZeRO-3 bf16 step (2 micro-batches, 1 CPU process) with fp32
+    communication and accumulation in effect."""
+    worker = Path(__file__).with_name("ds_dtypes_worker.py")
+    out = subprocess.run([sys.executable, str(worker), tiny_checkpoint], capture_output=True, text=True, timeout=300,
+                         env=clean_env(OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    adopted = json.loads(out.stdout.strip().splitlines()[-1])
+    assert adopted["communication"] == adopted["accumulation"] == "torch.float32", adopted
+    assert math.isfinite(adopted["grad_norm"]) and adopted["grad_norm"] > 0

@@ -1,6 +1,7 @@
 """`fsdp2`: `fully_shard` on every decoder layer and the root; the model is built on the meta device and each
 rank reads only its own rows of every tensor, so no rank ever holds the whole model (float32 masters, bf16
-compute through `MixedPrecisionPolicy`)."""
+compute and `distributed.reduce_dtype` gradient reduction through `MixedPrecisionPolicy`; with
+`distributed.fsdp2.cpu_offload`, FSDP2's `CPUOffloadPolicy` keeps the shards in host memory)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from grpo_cli.launch.accel import is_cuda
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
 from grpo_cli.train.activations import enable_checkpointing
 from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
@@ -44,13 +46,14 @@ def build_on_meta(cfg, model_path: str, *, dtype: torch.dtype) -> torch.nn.Modul
     return module
 
 
-def materialize(module: torch.nn.Module, device: torch.device) -> None:
-    """Allocate the (sharded) parameters on `device`, keeping the buffers computed at construction."""
-    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
-    module.to_empty(device=device)
-    with torch.no_grad():
-        for name, value in buffers.items():
-            module.get_buffer(name).copy_(value)
+def materialize(module: torch.nn.Module, device: torch.device, *, params_on: torch.device | None = None) -> None:
+    """Allocate the (sharded) parameters on `params_on` (default `device`; the host under `CPUOffloadPolicy`, which
+    FSDP2 requires there) and the buffers on `device`, keeping the buffers' values computed at construction."""
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers(remove_duplicate=False)}
+    module.to_empty(device=params_on or device)
+    for name, value in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = value.to(device)
 
 
 def shard_rows(param, rank: int, world: int) -> tuple[int, int]:
@@ -88,12 +91,47 @@ def load_sharded(module: torch.nn.Module, folder: str, *, rank: int, world: int,
             local.copy_(rows.to(local.dtype))
 
 
+def _fsdp_params(module: torch.nn.Module):
+    """FSDP2's per-parameter records (`FSDPParam`) of every `fully_shard`ed submodule."""
+    for m in module.modules():
+        if hasattr(m, "_get_fsdp_state"):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                yield from group.fsdp_params
+
+
+def gradient_bytes(module: torch.nn.Module) -> int:
+    """Bytes of gradient this rank holds now: every parameter's `.grad` (its local shard under FSDP2) plus the
+    unsharded gradients FSDP2 keeps between micro-batches that did not reduce-scatter."""
+    def nbytes(t: torch.Tensor | None) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return 0 if t is None else t.numel() * t.element_size()
+
+    held = sum(nbytes(p.grad) for p in module.parameters())
+    for fsdp_param in _fsdp_params(module):
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        held += nbytes(fsdp_param.unsharded_accumulated_grad) + nbytes(getattr(unsharded, "grad", None))
+    return held
+
+
 class FSDP2Backend(TrainingBackend):
     name = "fsdp2"
     shards_parameters = True
 
+    def _policies(self) -> dict:
+        """`fully_shard`'s keyword arguments: compute in `model.dtype`, reduce-scatter (and accumulate across
+        micro-batches) in `distributed.reduce_dtype`; with `distributed.fsdp2.cpu_offload`, FSDP2's
+        `CPUOffloadPolicy` (shards, gradients and optimizer state in host memory, pinned where a GPU copies them;
+        the optimizer steps on the host: AdamW's plain loop, as for any DTensor, and the gradient norm's all-reduce
+        runs on the CPU backend of the group)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        d = self.cfg.distributed
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype(self.cfg), reduce_dtype=getattr(torch, d.reduce_dtype))
+        offload = CPUOffloadPolicy(pin_memory=is_cuda(self.device)) if d.fsdp2.cpu_offload else OffloadPolicy()
+        return {"mp_policy": mp, "offload_policy": offload}
+
     def _sharded(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         cfg = self.cfg
         module = build_on_meta(cfg, model_path, dtype=master_dtype(cfg) if trainable else compute_dtype(cfg))
@@ -102,11 +140,12 @@ class FSDP2Backend(TrainingBackend):
         lora = trainable and cfg.model.lora is not None
         if lora:  # the adapter is added on meta too, then sharded with its layer
             module = apply_lora(cfg, module)
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=torch.float32)
+        policies = self._policies()
         for layer in decoder_layers(module):
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(module, mp_policy=mp)
-        materialize(module, self.device)
+            fully_shard(layer, **policies)
+        fully_shard(module, **policies)
+        materialize(module, self.device,
+                    params_on=torch.device("cpu") if cfg.distributed.fsdp2.cpu_offload else self.device)
         load_sharded(module, model_path, rank=self.info.rank, world=self.info.world_size, peft=lora)
         if lora:
             init_adapter(module, seed=cfg.train.seed, rank=self.info.rank, world=self.info.world_size)
@@ -123,8 +162,20 @@ class FSDP2Backend(TrainingBackend):
         self.scheduler = make_scheduler(cfg, self.optimizer)
 
     def accumulation_context(self, *, last: bool):
-        self.module.set_requires_gradient_sync(last)
+        """Reduce-scatter every micro-batch's gradients at once (each rank keeps only its shard, accumulated in
+        `distributed.reduce_dtype`), or with `distributed.fsdp2.unsharded_grad_accumulation` only the last one's:
+        one reduce-scatter per step, but every rank holds the whole model's unsharded gradients until then."""
+        self.module.set_requires_gradient_sync(last or not self.cfg.distributed.fsdp2.unsharded_grad_accumulation)
         return contextlib.nullcontext()
+
+    def zero_grad(self) -> None:
+        """Also drops the unsharded gradients FSDP2 accumulates between micro-batches without sync (a step abandoned
+        mid-accumulation would otherwise add them to the next step's)."""
+        super().zero_grad()
+        for fsdp_param in _fsdp_params(self.module):
+            fsdp_param.unsharded_accumulated_grad = None
+            if getattr(fsdp_param, "_unsharded_param", None) is not None:
+                fsdp_param._unsharded_param.grad = None
 
     def _options(self, **kw):
         """With LoRA the frozen base is not checkpointed (it is reloaded from `model.name_or_path`)."""

@@ -1,0 +1,67 @@
+"""Full tensors of a weight-sync bucket of FSDP2 parameters from one all-gather per dtype, not one per tensor.
+
+FSDP2 shards every parameter `Shard(0)` over a 1-D mesh of W ranks by torch.chunk's rule: with `n` rows, each
+rank holds rows [r·c, min(n, (r+1)·c)), c = ⌈n/W⌉ (the last ranks may hold fewer, or none). Each rank lays its
+bucket's local shards end to end, each padded to c rows, into one flat buffer; `all_gather_into_tensor` stacks
+the W buffers, so parameter p is the column block [off_p, off_p + c·row_p) of the (W, total) gathered view: the
+(W·c, …) rows in order, of which the first n are the tensor. Peak memory is the bucket (`weight_sync_bucket_mb`)
+plus its shards and the tensor being copied out (a bucket of one tensor is a view, no copy)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def row_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor sharded on dim 0 over a 1-D mesh (what `fully_shard` makes); others gather with `full_tensor`."""
+    from torch.distributed.tensor import Shard
+
+    return (hasattr(tensor, "placements") and tensor.dim() > 0 and tensor.device_mesh.ndim == 1
+            and tuple(tensor.placements) == (Shard(0),))
+
+
+class GatheredBucket:
+    """The full tensors of `params` (row-sharded DTensors, `row_sharded`), gathered at construction (collective:
+    every rank builds it for the same bucket); `full(param)` copies one out of the gathered buffer."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self._where: dict[int, tuple[torch.Tensor, int, int, int]] = {}
+        """id(param): (gathered (W, total) view, element offset, elements per rank, rows per rank)."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:  # one collective per dtype and mesh (FSDP2: one mesh, float32 masters: one dtype)
+            groups.setdefault((p.dtype, p.device_mesh), []).append(p)
+        for (dtype, mesh), group in groups.items():
+            self._gather(group, dtype, mesh)
+
+    @torch.no_grad()
+    def _gather(self, group: list[torch.Tensor], dtype: torch.dtype, mesh) -> None:
+        world = mesh.size()
+        layout, total = [], 0
+        for p in group:
+            rows = -(-p.shape[0] // world)  # torch.chunk's rows per rank
+            slot = rows * (p.numel() // p.shape[0] if p.shape[0] else 0)
+            layout.append((p, total, slot, rows))
+            total += slot
+        local = group[0].to_local()
+        shards = torch.zeros(total, dtype=dtype, device=local.device)
+        for p, off, _, _ in layout:
+            mine = p.to_local()
+            shards[off:off + mine.numel()].view(mine.shape).copy_(mine)
+        gathered = torch.empty(world * total, dtype=dtype, device=local.device)
+        # torch 2.13 names it all_gather_single (all_gather_into_tensor warns as deprecated); torch < 2.13 lacks it
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, shards, group=mesh.get_group())
+        view = gathered.view(world, total)
+        for p, off, slot, rows in layout:
+            self._where[id(p)] = (view, off, slot, rows)
+
+    def __contains__(self, param: torch.Tensor) -> bool:
+        return id(param) in self._where
+
+    def full(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole of `param` (a copy, or a view of the gathered buffer when it is the bucket's only tensor)."""
+        view, off, slot, rows = self._where[id(param)]
+        world = view.shape[0]
+        block = view[:, off:off + slot].reshape(world * rows, *param.shape[1:])  # a view when slot == total
+        return block[:param.shape[0]]
