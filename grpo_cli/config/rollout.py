@@ -11,16 +11,19 @@ from grpo_cli.config.base import Section
 
 class VLLMConfig(Section):
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
-    """Fraction of device memory vLLM may take (weights + KV cache) in colocate mode."""
+    """Fraction of device memory vLLM may take (weights + KV cache). Colocate mode shares the GPU with training;
+    an async actor has a rollout GPU to itself (~0.9 there, see `qwen-7b-async`)."""
     tensor_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel size of each vLLM instance; must divide the number of training processes."""
+    """Tensor-parallel size of each vLLM instance; must divide the number of training processes (colocate);
+    1 in async mode (one GPU per actor)."""
     sleep_level: Literal[0, 1, 2] = 0
     """0: vLLM keeps its memory; 1: offload weights to host and free KV cache while training; 2: free both
     (weights reloaded from the trainer at each sync). CUDA only; on CPU a notice is printed and 0 is used."""
     enforce_eager: bool = True
     """Disable CUDA graphs (faster start, slower decode)."""
     max_num_seqs: int | None = None
-    """Concurrent sequences in vLLM's scheduler; default: the sequences one rank generates per step."""
+    """Concurrent sequences in vLLM's scheduler; default: the sequences one rank (async: one actor) generates per
+    step."""
     max_model_len: int | None = None
     """Context length vLLM allocates for; default: `data.max_prompt_length + rollout.max_completion_length`."""
     kv_cache_space_gib: float = Field(1.0, gt=0)
@@ -62,7 +65,8 @@ class ServerConfig(Section):
     """Size of one weight chunk (HTTP frame, or SGLang tensor bucket)."""
     sglang_weight_transport: Literal["disk", "tensor"] = "disk"
     """SGLang sync: `disk` writes a safetensors checkpoint to `weight_sync_dir` and calls
-    `/update_weights_from_disk`; `tensor` uses `/update_weights_from_tensor` (same machine, sglang installed)."""
+    `/update_weights_from_disk`; `tensor` uses `/update_weights_from_tensor` (CUDA IPC handles: a trainer on CUDA
+    on the server's machine; refused for a server with `--dp-size` > 1)."""
     weight_sync_dir: str | None = None
     """Folder both the trainer and the SGLang server can read (disk sync); default: the system temp dir."""
 

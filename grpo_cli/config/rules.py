@@ -85,12 +85,28 @@ def _check_async(cfg: GRPOConfig) -> None:
             f"rollout.ray.num_actors={r.ray.num_actors} must be a multiple of the {world} training processes in "
             f"async mode (each process feeds its own rollout actors); e.g. rollout.ray.num_actors={world}."
         )
-    need = r.ray.num_actors * r.vllm.tensor_parallel_size
+    if r.vllm.tensor_parallel_size > 1:
+        raise ValueError(
+            f"rollout.vllm.tensor_parallel_size={r.vllm.tensor_parallel_size} is not available in async mode: each "
+            "Ray rollout actor runs one single-process engine on one GPU (vLLM's tensor parallelism would need its "
+            "multi-process executor inside the actor, and weight pushes to every worker of it). Set "
+            "rollout.vllm.tensor_parallel_size=1 and spread the rollout GPUs over more actors (rollout.ray.num_actors "
+            "= distributed.rollout_gpus x num_machines), or serve a tensor-parallel engine with `grpo serve-rollout "
+            "--tensor-parallel-size N` and rollout.mode=server."
+        )
+    if r.ray.address is None and d.num_machines > 1:
+        raise ValueError(
+            "rollout.ray.address is null, so rank 0 starts a Ray cluster on machine 0 alone and every rollout actor "
+            f"would land there, but distributed.num_machines={d.num_machines}: start Ray on every machine "
+            "(`CUDA_VISIBLE_DEVICES=<rollout GPU ids> ray start --head --num-gpus N` on machine 0, the same with "
+            "--address HEAD:6379 on the others) and set rollout.ray.address=auto."
+        )
+    need = r.ray.num_actors
     if d.device == "cuda" and d.rollout_gpus * d.num_machines < need:
         raise ValueError(
-            f"async mode places {r.ray.num_actors} rollout actor(s) x tensor_parallel_size "
-            f"{r.vllm.tensor_parallel_size} = {need} GPU(s), but distributed.rollout_gpus x num_machines = "
-            f"{d.rollout_gpus * d.num_machines}; raise distributed.rollout_gpus or lower rollout.ray.num_actors."
+            f"async mode places {r.ray.num_actors} rollout actor(s), one GPU each = {need} GPU(s), but "
+            f"distributed.rollout_gpus x num_machines = {d.rollout_gpus * d.num_machines}; raise "
+            "distributed.rollout_gpus or lower rollout.ray.num_actors."
         )
 
 

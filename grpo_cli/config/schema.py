@@ -238,7 +238,8 @@ class DistributedConfig(Section):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     """Training-state offload while generating."""
     weight_sync_bucket_mb: int = Field(512, ge=1)
-    """Size cap of one bucket of gathered parameters during weight sync."""
+    """Size cap of one bucket of gathered parameters during weight sync: fsdp2 and ZeRO-3 gather a bucket at once
+    (fsdp2: one all-gather per bucket), so it bounds what a rank holds and sets the number of collectives."""
 
 
 class CheckpointConfig(Section):

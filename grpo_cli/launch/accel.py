@@ -36,6 +36,12 @@ def set_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device `index`, written as SGLang's torch-reductions patch writes and reads
+    it (`str(get_device_properties(i).uuid)`): it names the same GPU under any CUDA_VISIBLE_DEVICES."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
 def synchronize(device: torch.device) -> None:
     if is_cuda(device):
         torch.cuda.synchronize(device)

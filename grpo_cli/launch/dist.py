@@ -98,3 +98,12 @@ def broadcast_object(obj, info: DistInfo):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_object(obj, info: DistInfo) -> list:
+    """Every rank's `obj`, in rank order, on every rank (picklable; collective, every rank calls it)."""
+    if info.world_size == 1:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out

@@ -85,6 +85,28 @@ def _processes(src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
     return out
 
 
+def offload_effects(cfg: GRPOConfig) -> dict[str, tuple[bool, str, str]]:
+    """What the backend makes of each `distributed.offload` flag it does not simply honour: kind → (whether it
+    still moves bytes, why, the short form). DeepSpeed keeps in host memory all run what `deepspeed.offload_*`
+    puts there, so the flag for it moves nothing; under ZeRO-3 + offload_optimizer the gradient partitions are on
+    the host too (`train/offload.py` leaves them there), and only the reduce bucket leaves the GPU."""
+    d, out = cfg.distributed, {}
+    if d.backend != "deepspeed":
+        return out
+    ds, off = d.deepspeed, d.offload
+    if off.optimizer and ds.offload_optimizer:
+        out["optimizer"] = (False, "DeepSpeed keeps the optimizer state and float32 masters in host memory all run "
+                                   "(deepspeed.offload_optimizer): nothing to move", "on the host already")
+    if off.params and ds.offload_params:
+        out["params"] = (False, "DeepSpeed keeps the ZeRO-3 parameter partitions in host memory all run "
+                                "(deepspeed.offload_params): nothing to move", "on the host already")
+    if off.grads and ds.offload_optimizer and ds.zero_stage == 3:
+        out["grads"] = (True, "only ZeRO-3's reduce bucket leaves the GPU: the gradient partitions live in host "
+                              "memory already (deepspeed.offload_optimizer)",
+                        "the reduce bucket; partitions on the host")
+    return out
+
+
 def _backend(src: GRPOConfig, deepspeed_ready: bool, notes: list[str]) -> tuple[dict[str, Any], bool]:
     d = src.distributed
     off = [k for k, v in d.offload.model_dump().items() if v]
@@ -97,6 +119,7 @@ def _backend(src: GRPOConfig, deepspeed_ready: bool, notes: list[str]) -> tuple[
                       if getattr(ds, k))
     if deepspeed_ready:
         notes.append(f"backend deepspeed ZeRO-{ds.zero_stage} kept ({flags or 'no flags'}){offload}")
+        notes += [f"distributed.offload.{kind}: {why}" for kind, (_, why, _) in offload_effects(src).items()]
         return {}, False
     stand_in = "fsdp2" if ds.zero_stage == 3 else "ddp"
     notes.append(f"backend deepspeed ZeRO-{ds.zero_stage} → {stand_in}: the deepspeed backend is not available in "
@@ -159,9 +182,27 @@ def gpu_only(cfg: GRPOConfig) -> list[tuple[str, str]]:
                     f"{min(d.num_processes, MAX_PROCESSES)})"))
     if r.engine == "sglang":
         out.append(("live SGLang", "a real SGLang server (CUDA only); rehearsed against the SGLang contract server"))
-    out.append(("real memory fit", f"model, optimizer and KV cache per GPU: `grpo plan {cfg.preset} --gpu-mem 80GiB`"))
+    if _pins_host_memory(cfg):
+        out.append(("pinned host memory", "page-locked host buffers (offload, DeepSpeed's CPU optimizer, vLLM sleep "
+                    "level 1) exist only beside CUDA; on CPU the state already is in host memory"))
+    if r.engine == "sglang" and r.server.sglang_weight_transport == "tensor":
+        out.append(("CUDA IPC", "SGLang's tensor sync hands CUDA tensors to the server by IPC handle (the device "
+                    "travels as a UUID); the contract server receives CPU tensors"))
+    out.append(("CUDA RNG", "each rank's CUDA generator state, saved and restored on resume (a CPU run has only "
+                "the CPU generator)"))
+    out.append(("real memory fit", f"model, optimizer and KV cache per GPU, host memory per node: `grpo plan "
+                f"{cfg.preset} --gpu-mem 80GiB --host-mem 2TB`"))
     out.append(("GPU kernels & speed", "CUDA graphs, attention kernels, bf16 GPU numerics, throughput"))
     return out
+
+
+def _pins_host_memory(cfg: GRPOConfig) -> bool:
+    """Whether the preset puts training or engine state in pinned host memory on a GPU machine."""
+    d, r = cfg.distributed, cfg.rollout
+    ds = d.backend == "deepspeed" and (d.deepspeed.offload_optimizer or d.deepspeed.offload_params)
+    fsdp2 = d.backend == "fsdp2" and d.fsdp2.cpu_offload
+    asleep = r.engine == "vllm" and r.mode == "colocate" and r.vllm.sleep_level == 1
+    return any(d.offload.model_dump().values()) or ds or fsdp2 or asleep
 
 
 def plan_rehearsal(cfg: GRPOConfig, *, deepspeed_ready: bool, server_url: str = SERVER_PLACEHOLDER) -> Rehearsal:

@@ -31,6 +31,15 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _size(n: float) -> str:
+    """1536 → '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def _ok(cond: bool) -> str:
     return "ok" if cond else "FAIL"
 
@@ -71,15 +80,32 @@ def _engine_checks(reh: Rehearsal, rows: list[dict], log: str, resumed_ok: bool)
         how = f"{read:.0f} tensors read back equal, " if read else ""
         out.append(Check("sync (verified)", _ok(bool(rows) and len(verified) == len(rows)), _mean(rows, "time/sync"),
                          f"{len(verified)}/{len(rows)} steps verified ({how}probe logprobs max diff {worst:.1e})"))
-    offload = [k for k, v in cfg.distributed.offload.model_dump().items() if v]
-    if offload:
-        t = _mean(rows, "time/offload")
-        out.append(Check("offload", _ok(t is not None and t > 0), t,
-                         f"{', '.join(offload)} moved to fresh host storage before generating and back after, every "
-                         "step (forced on CPU, where the state already is in host memory)"))
-    else:
-        out.append(Check("offload", "n/a", None, "the preset offloads nothing while generating"))
+    out.append(_offload_check(reh, rows))
     return out
+
+
+def _offload_check(reh: Rehearsal, rows: list[dict]) -> Check:
+    """The bytes each asked kind actually moved (`offload/moved_bytes/*`, the largest step, per process: the
+    first step has no gradients or AdamW state yet), against what the backend is expected to do with the flag:
+    a kind it ignores must move 0 B, every other kind more."""
+    from grpo_cli.launch.rehearse import offload_effects
+
+    cfg = reh.config
+    asked = [k for k, v in cfg.distributed.offload.model_dump().items() if v]
+    if not asked:
+        return Check("offload", "n/a", None, "the preset offloads nothing while generating")
+    t = _mean(rows, "time/offload")
+    moved = {k: max((r.get(f"offload/moved_bytes/{k}") or 0.0 for r in rows), default=0.0) for k in asked}
+    effects = offload_effects(cfg)
+    wrong = [k for k in asked if (moved[k] > 0) != effects.get(k, (True,))[0]]
+    detail = (f"asked {', '.join(asked)}; moved per process (largest step): "
+              + ", ".join(f"{k} {_size(moved[k])}" + (f" ({effects[k][2]})" if k in effects else "") for k in asked)
+              + "; forced on CPU (host → fresh host storage), reloaded after generating")
+    if wrong:
+        detail += "; UNEXPECTED: " + ", ".join(
+            f"{k} {'moved nothing' if moved[k] == 0 else 'moved although the backend keeps it on the host'}"
+            for k in wrong)
+    return Check("offload", _ok(t is not None and t > 0 and not wrong), t, detail)
 
 
 def _sharding_check(reh: Rehearsal, rows: list[dict]) -> Check:
@@ -107,7 +133,7 @@ def _checkpoint_checks(reh: Rehearsal, phases, rows: list[dict], run_dir: Path, 
         at_k = next((r for r in rows if r["step"] == k), None)
         took = (ckpt / "MANIFEST.json").stat().st_mtime - at_k["time"] if at_k else None
         ckpt_check = Check("checkpoint", _ok(state["step"] == k), took,
-                           f"checkpoint-{k}: every file's sha256 verified, step {state['step']}")
+                           f"checkpoint-{k}: every file's checksum verified, step {state['step']}")
     except (UserError, OSError) as exc:
         ckpt_check = Check("checkpoint", "FAIL", None, f"checkpoint-{k}: {exc}")
     resumed = phases[1] if len(phases) > 1 else None

@@ -2,11 +2,14 @@
 
 Ray runs an actor's calls one at a time in submission order, so a weight push queued behind a generation
 lands after it, and a generation queued behind a push samples with the pushed weights: the version stamped
-on each batch is exactly the version of the weights that sampled it.
+on each batch is exactly the version of the weights that sampled it. `WeightBoard` hands rank 0's pushed
+buffers to the other training ranks.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
 
 from grpo_cli.rollout.base import RolloutBatch, SamplingParams
@@ -23,6 +26,9 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
     cfg = GRPOConfig.model_validate(cfg_dump)
     ctx = EngineContext(**ctx_fields)
     if cfg.rollout.engine == "vllm":
+        if cfg.rollout.vllm.max_num_seqs is None:  # the engine's default would size for the whole step
+            cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
+                "vllm": cfg.rollout.vllm.model_copy(update={"max_num_seqs": sequences_per_actor(cfg)})})})
         from grpo_cli.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine.from_config(cfg, ctx)
@@ -46,6 +52,15 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
                     shares_policy_weights=False, compile_step=cfg.rollout.compile)
 
 
+def sequences_per_actor(cfg) -> int:
+    """The most sequences one actor generates per step: a rank's `P / processes` prompts split over its
+    `num_actors / processes` actors (the larger chunk), times G. vLLM's `max_num_seqs` default in an actor."""
+    d, r = cfg.distributed, cfg.rollout.ray
+    world = d.num_processes * d.num_machines
+    prompts = math.ceil(cfg.train.prompts_per_step // world / max(1, r.num_actors // world))
+    return prompts * cfg.train.generations_per_prompt
+
+
 class RolloutActor:
     """The Ray actor body (made remote by `grpo_cli.rollout.ray_engine`). `threads` caps torch's intra-op
     threads to the cores Ray reserved for it."""
@@ -60,9 +75,10 @@ class RolloutActor:
         quiet_hf_stack()
         self.engine = build_actor_engine(cfg_dump, ctx_fields)
 
-    def ready(self) -> int:
-        """Returns the process id once the engine is built (the manager waits on it with a timeout)."""
-        return os.getpid()
+    def ready(self) -> dict:
+        """The process id and the GPUs Ray gave it (`CUDA_VISIBLE_DEVICES`), once the engine is built (the manager
+        waits on it with a timeout)."""
+        return {"pid": os.getpid(), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         return self.engine.generate(prompt_ids, sampling)
@@ -91,3 +107,39 @@ class RolloutActor:
 
         params = parameters_by_name(self.engine.model)
         return {n: params[n].detach().cpu().clone() for n in names if n in params}
+
+
+class WeightBoard:
+    """A named async actor through which rank 0 hands one weight push to the other training ranks: rank 0 posts
+    the push's `[(layout, ObjectRef), ...]` (sync number n), each other rank takes the n-th post and queues the
+    load on its own actors. The refs travel nested in call arguments and return values, so Ray counts the board
+    and every taker as borrowers (refs pickled out of band, e.g. through torch.distributed, would pin the buffers
+    for good). The board drops a post once all `followers` took it; from then on the buffers live only as long
+    as the loads queued with them, so the object store holds one copy of the weights per job and sync."""
+
+    def __init__(self, followers: int) -> None:
+        self.followers = followers
+        self.seq, self.version, self.parts, self.left = 0, None, None, 0
+        self._posted = asyncio.Condition()
+
+    async def post(self, seq: int, version: int, parts: list) -> None:
+        async with self._posted:
+            self.seq, self.version, self.parts, self.left = seq, version, parts, self.followers
+            self._posted.notify_all()
+
+    async def take(self, seq: int) -> tuple[int, list]:
+        """(version, parts) of post `seq`, once rank 0 has posted it."""
+        async with self._posted:
+            await self._posted.wait_for(lambda: self.seq >= seq)
+            if self.seq != seq or self.parts is None:
+                raise RuntimeError(f"weight board: sync {seq} asked for, but the board holds sync {self.seq} "
+                                   f"({'taken by every rank' if self.parts is None else 'a later one'})")
+            version, parts = self.version, self.parts
+            self.left -= 1
+            if self.left == 0:
+                self.parts = None
+            return version, parts
+
+    async def held(self) -> int:
+        """Buffers the board still holds (0 once every rank has taken the last post)."""
+        return 0 if self.parts is None else len(self.parts)

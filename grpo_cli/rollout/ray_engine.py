@@ -1,16 +1,21 @@
 """Async mode's rollout manager: rollout engine actors on a Ray placement group, fed without blocking.
 
 `submit` splits a step's prompts over the actors and returns at once; `collect` waits for that step's batch.
-`update_weights` puts the trainer's tensors in Ray's object store once and queues a load on every actor: it
-returns as soon as the snapshot is taken, and each actor applies it after the generations queued before it.
-Together with the trainer's pipeline (`grpo_cli.train.pipeline`) this runs generation for step k+1 while step
-k trains. Each training process owns `rollout.ray.num_actors / processes` actors (its own placement group).
+`update_weights` (rank 0) puts the trainer's tensors in Ray's object store once per job and queues a load on its
+actors; the other ranks take the same object refs from a small named actor (`ray_actor.WeightBoard`) in
+`follow_update` and queue the load on theirs. Each call returns as soon as its load is queued, and each actor
+applies it after the generations queued before it. Together with the trainer's pipeline
+(`grpo_cli.train.pipeline`) this runs generation for step k+1 while step k trains. Each training process owns
+`rollout.ray.num_actors / processes` actors (its own placement group), one GPU each on CUDA; the local cluster
+rank 0 starts sees only the machine's rollout GPUs (`rollout_gpu_ids`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -21,6 +26,8 @@ if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
     from grpo_cli.rollout.factory import EngineContext
 
+BOARD_NAMESPACE = "grpo_cli"
+"""Ray namespace of the weight board (named actors are looked up by namespace + name)."""
 ACTOR_SEED_STRIDE = 7919
 """Actor i (numbered over all training processes) samples its share with seed + i · stride: actor 0 uses the
 step's seed, as the sync engines do, and a job samples the same tokens whatever the number of processes."""
@@ -81,10 +88,78 @@ def _auth_env() -> dict[str, str]:
     return env
 
 
+def trainer_gpu_ids(env=None, device_count: int | None = None) -> list[str]:
+    """This machine's GPUs in the order the training processes number them (local rank i trains on entry i):
+    the entries of `CUDA_VISIBLE_DEVICES` (indices or UUIDs) when it is set, else 0 .. device_count − 1."""
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [x.strip() for x in env["CUDA_VISIBLE_DEVICES"].split(",") if x.strip()]
+    if device_count is None:
+        import torch
+
+        device_count = torch.cuda.device_count()
+    return [str(i) for i in range(device_count)]
+
+
+def rollout_gpu_ids(visible: list[str], *, num_processes: int, rollout_gpus: int) -> list[str]:
+    """The GPUs of this machine the rollout actors may use: the `rollout_gpus` entries after the `num_processes`
+    the training processes take (`visible[:num_processes]`, one per local rank)."""
+    if rollout_gpus == 0:
+        raise RolloutError(
+            "async mode on CUDA gives each rollout actor a GPU of its own, but distributed.rollout_gpus is 0; set "
+            "distributed.rollout_gpus to the GPUs per machine left for rollouts (e.g. rollout.ray.num_actors), or "
+            "distributed.device=cpu."
+        )
+    need = num_processes + rollout_gpus
+    if len(visible) < need:
+        raise RolloutError(
+            f"async mode trains on {num_processes} GPU(s) (distributed.num_processes) and generates on "
+            f"{rollout_gpus} more (distributed.rollout_gpus) = {need}, but this machine shows {len(visible)} "
+            f"({visible}); lower one of them, or expose more GPUs with CUDA_VISIBLE_DEVICES."
+        )
+    return visible[num_processes:need]
+
+
+def local_cluster(cfg: GRPOConfig, gpu_ids: list[str]) -> tuple[dict, dict[str, str]]:
+    """(`ray.init` arguments, environment of the processes it starts) for the local cluster rank 0 starts: every
+    core, and only the GPUs `gpu_ids`. Ray counts a node's GPUs as `num_gpus` slots 0..n−1 and turns the slot a
+    worker is given into a device id through the `CUDA_VISIBLE_DEVICES` that worker inherited from the raylet
+    (ray/_private/worker.py, `get_accelerator_ids_for_accelerator_resource`), and `ray.init` starts the raylet
+    with a copy of `os.environ` (ray/_private/services.py): so the raylet must see `CUDA_VISIBLE_DEVICES=gpu_ids`,
+    or Ray hands out GPUs 0.. (the trainer's) to the actors. Without GPUs it is empty: actors see no device."""
+    rc = cfg.rollout.ray
+    options = {"num_cpus": max(os.cpu_count() or 1, rc.num_actors * rc.cpus_per_actor), "num_gpus": len(gpu_ids)}
+    return options, {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}
+
+
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]):
+    """`os.environ` with `updates` while the block runs (what the processes started in it inherit), restored
+    after: this process's own CUDA context was created before and does not read it again."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def uses_cuda(cfg: GRPOConfig) -> bool:
+    """Whether this training process runs on CUDA (`distributed.device`, `auto` resolved as everywhere else);
+    then each rollout actor takes one GPU of `distributed.rollout_gpus`."""
+    from grpo_cli.launch.accel import is_cuda, local_rank_from_env, resolve_device
+
+    return is_cuda(resolve_device(cfg.distributed.device, local_rank_from_env()))
+
+
 def connect(cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None) -> None:
-    """Join (or start) the Ray cluster. Rank 0 starts a local one when `rollout.ray.address` is null and
-    `broadcast(obj)` hands its address and auth settings to the other ranks (a `torch.distributed` object
-    broadcast inside the training job)."""
+    """Join (or start) the Ray cluster. Rank 0 starts a local one when `rollout.ray.address` is null (holding the
+    rollout GPUs of its machine only, `local_cluster`) and `broadcast(obj)` hands its address and auth settings
+    to the other ranks (a `torch.distributed` object broadcast inside the training job)."""
     address = cfg.rollout.ray.address
     if address is None and ctx.rank != 0:
         address, auth = broadcast(None)
@@ -94,8 +169,12 @@ def connect(cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None) -> None:
     if not ray.is_initialized():
         kwargs = dict(include_dashboard=False, configure_logging=True, logging_level="ERROR", log_to_driver=True)
         if starts_cluster:
-            ray.init(num_cpus=max(os.cpu_count() or 1, cfg.rollout.ray.num_actors * cfg.rollout.ray.cpus_per_actor),
-                     **kwargs)
+            d = cfg.distributed
+            gpus = rollout_gpu_ids(trainer_gpu_ids(), num_processes=d.num_processes,
+                                   rollout_gpus=d.rollout_gpus) if uses_cuda(cfg) else []
+            options, env = local_cluster(cfg, gpus)
+            with _environ(env):
+                ray.init(**options, **kwargs)
         else:
             ray.init(address=address, **kwargs)
     if starts_cluster and broadcast is not None:  # also when Ray was already up here: the other ranks wait for it
@@ -107,25 +186,57 @@ class AsyncRolloutEngine:
     plus `submit`/`collect` for one-step-ahead pipelining."""
 
     shares_policy_weights = False
+    push_from_main_only = True
+    """`sync_weights` streams the weights into `update_weights` on rank 0 only (one object-store copy per job);
+    every other rank takes part in the gathers, drops what it gathered and calls `follow_update`."""
 
     def __init__(self, cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None) -> None:
         connect(cfg, ctx, broadcast=broadcast)
-        ray = import_ray()
+        self._ray = import_ray()
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.bucket_bytes = cfg.distributed.weight_sync_bucket_mb * 2**20
+        self.weight_version = 0
+        self.dtype = engine_dtype(cfg)  # the actors' dtype bounds the sync probe's tolerance (trainer masters are fp32)
+        self.follow_timeout_s = cfg.distributed.timeout_minutes * 60.0
+        self._tickets: dict[object, list] = {}
+        self._pushes: list = []
+        self._syncs = 0  # weight syncs so far: rank 0's n-th post is every other rank's n-th take
+        self.actors, self.pg, self.board = [], None, None
+        self.board = self._open_board(broadcast)
+        self._place_actors(cfg, ctx)
+
+    def _open_board(self, broadcast):
+        """The job's weight board (`ray_actor.WeightBoard`): rank 0 creates it as a named actor that reserves no
+        core (it fits beside full placement groups) and hands its name to the other ranks. None with one process."""
+        if self.world_size == 1:
+            return None
+        if broadcast is None:
+            raise RolloutError("async mode with several training processes needs `broadcast` to share the weight "
+                               "board's name between them.")
+        from grpo_cli.rollout.ray_actor import WeightBoard
+
+        ray = self._ray
+        if self.rank != 0:
+            return ray.get_actor(broadcast(None), namespace=BOARD_NAMESPACE)
+        name = f"weight-board-{uuid.uuid4().hex[:12]}"
+        board = ray.remote(num_cpus=0)(WeightBoard).options(name=name, namespace=BOARD_NAMESPACE).remote(
+            self.world_size - 1)
+        ray.get(board.held.remote())  # registered before the other ranks look it up
+        broadcast(name)
+        return board
+
+    def _place_actors(self, cfg: GRPOConfig, ctx: EngineContext) -> None:
+        """This rank's `num_actors / processes` actors on its own placement group: `cpus_per_actor` cores each,
+        plus one GPU on CUDA (tensor parallelism inside an actor is refused by the config rules)."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from grpo_cli.rollout.ray_actor import RolloutActor
 
-        rc = cfg.rollout.ray
+        ray, rc = self._ray, cfg.rollout.ray
         count = rc.num_actors // ctx.world_size
-        gpus = cfg.rollout.vllm.tensor_parallel_size if cfg.distributed.device == "cuda" else 0
+        gpus = 1 if uses_cuda(cfg) else 0
         bundle = {"CPU": rc.cpus_per_actor, **({"GPU": gpus} if gpus else {})}
-        self._ray = ray
-        self.bucket_bytes = cfg.distributed.weight_sync_bucket_mb * 2**20
-        self.weight_version = 0
-        self.dtype = engine_dtype(cfg)  # the actors' dtype bounds the sync probe's tolerance (trainer masters are fp32)
-        self._tickets: dict[object, list] = {}
-        self._pushes: list = []
         self.first_index = ctx.rank * count
         self.pg = placement_group([dict(bundle)] * count, strategy="PACK")
         try:
@@ -146,11 +257,13 @@ class AsyncRolloutEngine:
             for i in range(count)
         ]
         try:
-            self.pids = ray.get([a.ready.remote() for a in self.actors], timeout=rc.start_timeout_s)
+            ready = ray.get([a.ready.remote() for a in self.actors], timeout=rc.start_timeout_s)
         except Exception as exc:
             self.close()
             raise RolloutError(f"a rollout actor failed to start its {cfg.rollout.engine} engine: {exc}. Check "
                                "model.name_or_path and the engine settings (the actor's log is above).") from exc
+        self.pids = [r["pid"] for r in ready]
+        self.gpu_ids = [r["gpus"] for r in ready]  # each actor's CUDA_VISIBLE_DEVICES as Ray set it ('' or None: none)
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None) -> AsyncRolloutEngine:
@@ -194,14 +307,43 @@ class AsyncRolloutEngine:
     # ---- weights ---------------------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, object]], version: int) -> None:
-        """Snapshot the tensors into the object store, one flat buffer (`flat_weights`) per bucket of at most
-        `distributed.weight_sync_bucket_mb`, and queue their load on every actor (one call, so a layer's tensors
-        may land in any bucket). The trainer holds one bucket at a time; the object store holds a copy of the
-        full weights per training process until the actors have loaded them."""
+        """Rank 0: snapshot the tensors into the object store, one flat buffer (`flat_weights`) per bucket of at
+        most `distributed.weight_sync_bucket_mb`, post their refs on the weight board for the other ranks, and
+        queue their load on this rank's actors (one call, so a layer's tensors may land in any bucket). The trainer
+        holds one bucket at a time; the object store holds one copy of the weights per job until every actor has
+        loaded it. On another rank (a caller streaming on every rank) the stream is drained and rank 0 followed."""
+        if self.rank != 0:
+            for _ in named_tensors:  # its gathers are collective: take part, keep nothing
+                pass
+            self.follow_update(version)
+            return
         from grpo_cli.rollout.flat_weights import byte_buckets, flatten
 
         parts = [(layout, self._ray.put(buffer))
                  for layout, buffer in map(flatten, byte_buckets(named_tensors, self.bucket_bytes))]
+        self._syncs += 1
+        if self.board is not None:  # the refs go nested in the arguments: Ray counts the board as a borrower
+            self._pushes.append(self.board.post.remote(self._syncs, version, parts))
+        self._queue_load(parts, version)
+
+    def follow_update(self, version: int) -> None:
+        """Ranks other than 0, after rank 0's `update_weights` of the same sync: take the buffers rank 0 posted
+        from the weight board (waiting for the post up to `distributed.timeout_minutes`) and queue their load on
+        this rank's actors, behind the generations this rank queued before (Ray keeps one caller's order)."""
+        self._syncs += 1
+        try:
+            posted, parts = self._ray.get(self.board.take.remote(self._syncs), timeout=self.follow_timeout_s)
+        except self._ray.exceptions.RayError as exc:
+            raise RolloutError(
+                f"rank {self.rank} did not receive rank 0's weights for version {version} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:300]}); rank 0 may have failed during the sync (see its log)."
+            ) from exc
+        if posted != version:
+            raise RolloutError(f"rank 0 pushed weight version {posted} while rank {self.rank} syncs version "
+                               f"{version}: the ranks' weight syncs are out of step.")
+        self._queue_load(parts, version)
+
+    def _queue_load(self, parts: list, version: int) -> None:
         self._pushes += [a.update_weights.remote(parts, version) for a in self.actors]
         self.weight_version = version
 
@@ -229,6 +371,9 @@ class AsyncRolloutEngine:
         for actor in getattr(self, "actors", []):
             ray.kill(actor)
         self.actors = []
+        if getattr(self, "board", None) is not None and self.rank == 0:
+            ray.kill(self.board)
+        self.board = None
         if getattr(self, "pg", None) is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -42,6 +42,10 @@ class ServerFacts:
     version: tuple[int, ...] | None
     tp_size: int
     deterministic: bool
+    dp_size: int = 1
+    """Data-parallel replicas (`--dp-size`)."""
+    dp_attention: bool = False
+    """`enable_dp_attention`: with it, older SGLang took tensor updates at dp_size > 1."""
 
 
 def parse_version(text: str | None) -> tuple[int, ...] | None:
@@ -51,20 +55,20 @@ def parse_version(text: str | None) -> tuple[int, ...] | None:
 
 
 def sglang_serializer(named_tensors: list) -> str:
-    """SGLang's own wire format for `/update_weights_from_tensor` (its MultiprocessingSerializer, which passes
-    CUDA IPC handles: same machine only). Imported from sglang because the format is sglang's."""
-    try:
-        from sglang.srt.utils import MultiprocessingSerializer
-    except ImportError as e:
-        raise RolloutError("weight transport 'tensor' needs the sglang package on the trainer (same machine as "
-                           "the server); use the 'disk' transport otherwise") from e
-    return MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+    """SGLang's wire format for `/update_weights_from_tensor` (CUDA IPC handles, the device as its UUID):
+    `sglang_payload.sglang_serializer`, imported when a tensor update runs (it imports torch)."""
+    from grpo_cli.rollout.sglang_payload import sglang_serializer as serialize
+
+    return serialize(named_tensors)
 
 
 class SGLangEngine:
     """RolloutEngine over one or more SGLang servers; groups stay whole on one server."""
 
     shares_policy_weights = False
+    push_from_main_only = True
+    """One push per job (`train.sync_ranks`): rank 0 alone writes the disk checkpoint or opens the weight-update
+    session (a second rank's /begin_weight_update would close the first one's session)."""
 
     def __init__(self, urls: list[str], *, policy: Policy | None = None, api_key: str | None = None,
                  stop_token_ids: list[int] | None = None, model_path: str | None = None,
@@ -130,15 +134,24 @@ class SGLangEngine:
         return self.facts[url]
 
     def server_facts(self, url: str) -> ServerFacts:
-        """Version, TP size and `--enable-deterministic-inference` from `/server_info` (the resolved server args);
-        refuses SGLang older than MIN_VERSION and warns when the server ignores sampling seeds."""
+        """Version, TP/DP sizes and `--enable-deterministic-inference` from `/server_info` (the resolved server
+        args); refuses SGLang older than MIN_VERSION, and data-parallel replicas with the tensor transport, and
+        warns when the server ignores sampling seeds."""
         info = self._get(url, "/server_info", "/get_server_info")
         version = parse_version(info.get("version"))
         if version is not None and version < MIN_VERSION:
             raise RolloutError(f"SGLang server {url} runs sglang {info.get('version')}; grpo-cli needs sglang >= "
                                f"{'.'.join(map(str, MIN_VERSION))} (per-request sampling seeds, memory tags, weight "
                                "versions): upgrade sglang on the server")
-        facts = ServerFacts(version, int(info.get("tp_size") or 1), bool(info.get("enable_deterministic_inference")))
+        facts = ServerFacts(version, int(info.get("tp_size") or 1), bool(info.get("enable_deterministic_inference")),
+                            int(info.get("dp_size") or 1), bool(info.get("enable_dp_attention")))
+        if self.weight_transport == "tensor" and facts.dp_size > 1 and not facts.dp_attention:
+            # managers/tokenizer_control_mixin.py update_weights_from_tensor asserts dp_size == 1 (an HTTP 500)
+            raise RolloutError(
+                f"SGLang server {url} runs {facts.dp_size} data-parallel replicas (--dp-size {facts.dp_size}), and "
+                "SGLang refuses weight updates from tensors on such a server (HTTP 500 at the first sync). Use "
+                "rollout.server.sglang_weight_transport: disk, or start one SGLang server per replica with "
+                "--dp-size 1 and list each in rollout.server.urls (groups are split over the servers).")
         if not facts.deterministic:
             warnings.warn(f"SGLang server {url} runs without --enable-deterministic-inference, so it ignores "
                           "sampling_seed: seeded rollouts are not reproducible (a resumed run samples other "

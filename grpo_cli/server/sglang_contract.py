@@ -43,8 +43,11 @@ def launch_flags(args: list[str]) -> dict[str, Any]:
     def value(flag: str, default: str | None) -> str | None:
         return args[args.index(flag) + 1] if flag in args else default
 
+    # server_args.py: `--attn-dp-size` (or the deprecated `--enable-dp-attention`) is DP attention, which
+    # resolved_dict reports as enable_dp_attention; `--dp-size` counts data-parallel replicas.
     return {"tp_size": int(value("--tp-size", "1")), "api_key": value("--api-key", None),
-            "deterministic": "--enable-deterministic-inference" in args}
+            "deterministic": "--enable-deterministic-inference" in args, "dp_size": int(value("--dp-size", "1")),
+            "dp_attention": int(value("--attn-dp-size", "1")) > 1 or "--enable-dp-attention" in args}
 
 
 def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | None = None,
@@ -85,7 +88,8 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
     @app.get("/get_server_info")
     async def server_info():
         # utils/common.py build_server_info: the resolved server args (flat), plus "version".
-        return {"model_path": served.model, "tp_size": state["tp_size"], "random_seed": 0,
+        return {"model_path": served.model, "tp_size": state["tp_size"], "dp_size": state["dp_size"],
+                "enable_dp_attention": state["dp_attention"], "random_seed": 0,
                 "enable_deterministic_inference": state["deterministic"], "version": version}
 
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -135,6 +139,10 @@ def _weight_routes(app: FastAPI, engine, state: dict, sessions: bool) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         obj = await request.json()
+        # managers/tokenizer_control_mixin.py update_weights_from_tensor: `assert get_parallel().dp_size == 1`
+        # (0.5.23; older: `dp_size == 1 or enable_dp_attention`) in the HTTP process, uncaught: a bare 500.
+        if state["dp_size"] > 1 and not state["dp_attention"]:
+            return Response("Internal Server Error", status_code=500)
         # scheduler_components/weight_updater.py (0.5.21+): refused outside begin/end_weight_update.
         if sessions and state["session"] is None:
             return JSONResponse({"success": False, "message": "update_weights_from_tensor must run between "

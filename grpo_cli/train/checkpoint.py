@@ -1,13 +1,14 @@
 """Atomic checkpoints: everything needed for an exact resume, written to a temp folder and renamed when whole.
 
 Layout of `checkpoint-<step>/`: the backend's weights + optimizer state (ddp: an HF folder + optimizer.pt;
-fsdp2: `dcp/` shards; deepspeed: its own per-rank files), tokenizer, scheduler.pt, rng.pt, trainer_state.json, config.yaml and MANIFEST.json (sha256 of every file), written last.
+fsdp2: `dcp/` shards; deepspeed: its own per-rank files), tokenizer, scheduler.pt, `rng-<rank>.pt` (each rank's
+Python, NumPy, torch CPU and, on CUDA, its device's generator), trainer_state.json, config.yaml and MANIFEST.json
+(every file's size and XXH3-128 checksum, hashed by all ranks in parallel: `train/manifest.py`), written last.
 A folder without a valid manifest is partial and is never loaded.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -17,25 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.launch.dist import barrier
+from grpo_cli.launch.accel import rng_states, set_rng_states
+from grpo_cli.launch.dist import DistInfo, barrier
+from grpo_cli.train.manifest import MANIFEST, CheckpointError, verify_manifest, write_manifest
 
 PREFIX = "checkpoint-"
-MANIFEST = "MANIFEST.json"
-
-
-class CheckpointError(UserError):
-    """A checkpoint is partial, corrupt, or belongs to a different run; the message says which file or field."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def resume_fingerprint(cfg: GRPOConfig) -> dict:
@@ -48,14 +37,24 @@ def resume_fingerprint(cfg: GRPOConfig) -> dict:
             "world_size": cfg.distributed.num_processes * cfg.distributed.num_machines}
 
 
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def rng_state(device: torch.device) -> dict:
+    """This process's generators: Python's, NumPy's, torch's CPU one and, on CUDA, its device's (dropout draws from
+    it). Saved per rank: each rank's generators advance differently."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), **rng_states(device)}
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    set_rng_states(state, device)
+
+
+def _rng_file(path: Path, rank: int) -> Path:
+    """This rank's RNG file; checkpoints written before per-rank files hold rank 0's CPU state alone in rng.pt."""
+    own = path / f"rng-{rank}.pt"
+    if own.exists() or not (path / "rng.pt").exists():
+        return own
+    return path / "rng.pt"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -66,21 +65,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_manifest_and_fsync(tmp: Path, step: int) -> None:
-    files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=2))
-    for p in tmp.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-
-
 def save_checkpoint(root: Path, *, step: int, cfg: GRPOConfig, policy, trainer_state: dict, keep_last: int) -> Path:
     """Write checkpoint-<step> atomically under `root`, then prune to the newest `keep_last` complete ones.
 
     Collective: every rank writes its part of the weights and optimizer state (`backend.save_state`: one HF folder
-    for ddp, DCP shards for fsdp2, DeepSpeed's own files for ZeRO); rank 0 writes the rest, the manifest last, and
-    renames the folder. On any failure (disk full, kill) only the temp folder is affected."""
+    for ddp, DCP shards for fsdp2, DeepSpeed's own files for ZeRO) and its RNG file; rank 0 writes the rest; all
+    ranks hash their share of the files (`write_manifest`); rank 0 writes the manifest last and renames the folder.
+    On any failure (disk full, kill) only the temp folder is affected."""
     info = policy.backend.info
     final = root / f"{PREFIX}{step}"
     tmp = root / f".tmp-{PREFIX}{step}"
@@ -91,15 +82,18 @@ def save_checkpoint(root: Path, *, step: int, cfg: GRPOConfig, policy, trainer_s
             tmp.mkdir()
         barrier(info)
         policy.backend.save_state(tmp)
-        barrier(info)
+        torch.save(rng_state(policy.device), tmp / f"rng-{info.rank}.pt")
         if info.is_main:
             policy.tokenizer.save_pretrained(tmp)
             torch.save(policy.scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(rng_state(), tmp / "rng.pt")
             state = {**trainer_state, "step": step, "fingerprint": resume_fingerprint(cfg)}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
             (tmp / "config.yaml").write_text(dump_config(cfg))
-            _write_manifest_and_fsync(tmp, step)
+        barrier(info)
+        write_manifest(tmp, step=step, info=info)
+        if info.is_main:
+            for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+                _fsync_dir(d)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -138,25 +132,26 @@ def resolve_resume(resume: str, output_dir: Path) -> Path | None:
     return path
 
 
-def verify_checkpoint(path: Path) -> dict:
-    """Check the manifest and every file's sha256; return trainer_state. Raises CheckpointError naming the file."""
-    manifest = path / MANIFEST
-    if not manifest.exists():
-        raise CheckpointError(f"{path} is a partial checkpoint (no {MANIFEST}); resume from an earlier one.")
-    files = json.loads(manifest.read_text())["files"]
-    for name, digest in files.items():
-        f = path / name
-        if not f.exists():
-            raise CheckpointError(f"{path} is missing {name}; the checkpoint is incomplete, use an earlier one.")
-        if _sha256(f) != digest:
-            raise CheckpointError(f"{f} is corrupt (checksum mismatch); resume from an earlier checkpoint.")
+def verify_checkpoint(path: Path, info: DistInfo | None = None) -> dict:
+    """Check the manifest and every file's size and checksum; return trainer_state. Collective when `info` spans
+    several ranks: each file is hashed once, by one rank (shares balanced by size), and every rank raises the same
+    CheckpointError naming the first bad file. Manifests of older checkpoints (SHA-256) verify too."""
+    verify_manifest(path, info or DistInfo())
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def load_checkpoint(path: Path, *, cfg: GRPOConfig, policy) -> dict:
-    """Restore policy weights and optimizer (through the backend), scheduler and RNG from `path`; return its
-    trainer_state. Collective under sharded backends."""
-    state = verify_checkpoint(path)
+def load_checkpoint(path: Path, *, cfg: GRPOConfig, policy, verify: bool = True) -> dict:
+    """Restore policy weights and optimizer (through the backend), scheduler and this rank's RNG from `path`;
+    return its trainer_state. Collective under several processes. `verify=False` skips the checksums when the
+    caller has just run `verify_checkpoint` on `path` (`grpo train` does, before building anything), so a resume
+    reads the checkpoint's bytes for hashing once."""
+    info = policy.backend.info
+    if verify:
+        state = verify_checkpoint(path, info)
+    elif (path / MANIFEST).exists():
+        state = json.loads((path / "trainer_state.json").read_text())
+    else:
+        raise CheckpointError(f"{path} is a partial checkpoint (no {MANIFEST}); resume from an earlier one.")
     want, have = resume_fingerprint(cfg), state["fingerprint"]
     diff = sorted(k for k in want if want[k] != have.get(k))
     if diff:
@@ -166,5 +161,6 @@ def load_checkpoint(path: Path, *, cfg: GRPOConfig, policy) -> dict:
         )
     policy.backend.load_state(path)
     policy.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))  # our own file, checksum-verified above
+    # our own file, checksum-verified: Python's and NumPy's states are tuples that weights_only refuses
+    set_rng_state(torch.load(_rng_file(path, info.rank), weights_only=False), policy.device)
     return state

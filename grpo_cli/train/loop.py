@@ -14,7 +14,7 @@ from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor
 from grpo_cli.launch.dist import DistInfo, all_reduce_sum, mean_metrics
 from grpo_cli.rewards.resolve import RewardFn
-from grpo_cli.rollout.base import RolloutEngine, RolloutError, SamplingParams
+from grpo_cli.rollout.base import RolloutEngine, SamplingParams
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
 from grpo_cli.train.dynamic_sampling import ROUND_SEED_STRIDE, fill_step
@@ -23,6 +23,7 @@ from grpo_cli.train.pipeline import RolloutPipeline, take_step_prompts
 from grpo_cli.train.policy import Policy
 from grpo_cli.train.rewards_phase import ScoredRollout, reward_step, score_rollout
 from grpo_cli.train.step import NonFiniteStep, batch_logprobs, optimizer_step
+from grpo_cli.train.sync_ranks import generate_with_resync
 from grpo_cli.train.timing import PhaseTimer, peak_rss_mb
 
 StepCallback = Callable[[int, dict[str, float], list[dict]], None]
@@ -122,15 +123,9 @@ def score_phase(tr: Trainer, state: LoopState) -> tuple[ScoredRollout, ScoredRol
 
 
 def generate_with_recovery(tr: Trainer, prompt_ids: list[list[int]], sampling):
-    """Generate; when a rollout server died and came back (`recovered`), push the weights again and retry once."""
-    try:
-        return tr.engine.generate(prompt_ids, sampling)
-    except RolloutError as exc:
-        if not getattr(exc, "recovered", False):
-            raise
-        if tr.sync is not None:
-            tr.sync(tr.engine.weight_version)
-        return tr.engine.generate(prompt_ids, sampling)
+    """Generate; when a rollout server died and came back (`recovered`), push the weights again and retry once
+    (`sync_ranks.generate_with_resync`: collectively where rank 0 alone pushes)."""
+    return generate_with_resync(tr.engine, tr.sync, tr.dist, lambda: tr.engine.generate(prompt_ids, sampling))
 
 
 def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:
@@ -198,6 +193,8 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
         metrics.update({"dist/param_numel_local": float(local), "dist/param_numel_total": float(total)})
     metrics.update(sync_phase(tr, state))
     metrics.update(tr.timer.pop())
+    for kind, moved in getattr(tr.offload, "moved_bytes", {}).items():  # measured, not what the config asked
+        metrics[f"offload/moved_bytes/{kind}"] = float(moved)
     elapsed = time.perf_counter() - start
     metrics["time/step"] = elapsed
     metrics["tokens_per_second"] = float(batch.completion_mask.sum()) * tr.dist.world_size / elapsed

@@ -54,7 +54,7 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
 
         def sync(version: int, verify: bool = cfg.rollout.vllm.verify_sync and cfg.rollout.mode != "async"):
             return sync_weights(engine, policy.module, version=version, bucket_mb=cfg.distributed.weight_sync_bucket_mb,
-                                verify=verify, probe=[prompts[0].ids])
+                                verify=verify, probe=[prompts[0].ids], info=info)
 
         trainer.sync = sync
     if cfg.eval.every_steps:
@@ -93,7 +93,7 @@ def _trainer_state(tr: Trainer, state: LoopState) -> dict:
 
 def _resume(tr: Trainer, path: Path, state: LoopState, log) -> None:
     """Restore everything, then push the restored weights to the engine before its first generation."""
-    saved = ckpt.load_checkpoint(path, cfg=tr.cfg, policy=tr.policy)
+    saved = ckpt.load_checkpoint(path, cfg=tr.cfg, policy=tr.policy, verify=False)  # run_training verified it
     tr.cursor.load_state_dict(saved["cursor"])
     for f in dataclasses.fields(LoopState):
         setattr(state, f.name, saved[f.name])
@@ -142,7 +142,9 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
     log = reporter.message if reporter is not None and info.is_main else (lambda *_: None)
     resume = ckpt.resolve_resume(cfg.checkpoint.resume, path) if cfg.checkpoint.resume else None
     if resume is not None:
-        ckpt.verify_checkpoint(resume)  # a corrupt checkpoint fails before anything is loaded or written
+        # a corrupt checkpoint fails before anything is loaded or written; collective: each file hashed once, by
+        # one rank, so no rank waits past the process group's timeout (the load below does not hash again)
+        ckpt.verify_checkpoint(resume, info)
     trackers = open_trackers(cfg, path) if info.is_main else []  # a missing tracker package fails before loading
     trainer = build_trainer(cfg, info, device, log=log)
     state = LoopState()

@@ -103,3 +103,22 @@ def test_dry_run_prints_config_and_notes_without_torch():
             "heavy = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+
+
+def test_what_a_backend_ignores_is_said():
+    notes = _plan("qwen-72b-colocate").notes
+    assert any(n.startswith("distributed.offload.optimizer: DeepSpeed keeps the optimizer state") and
+               "nothing to move" in n for n in notes)
+    assert any(n.startswith("distributed.offload.grads: only ZeRO-3's reduce bucket leaves the GPU") for n in notes)
+    stand_in = _plan("qwen-72b-colocate", deepspeed_ready=False).notes  # fsdp2 moves what it is asked to
+    assert not any(n.startswith("distributed.offload.") for n in stand_in)
+
+
+def test_gpu_only_lists_what_cpu_cannot_exercise():
+    big = dict(_plan("qwen-72b-colocate").gpu_only)
+    assert {"NCCL", "pinned host memory", "CUDA RNG", "CUDA sleep level 2", "real memory fit"} <= set(big)
+    assert "--host-mem" in big["real memory fit"]
+    assert "pinned host memory" not in dict(_plan("qwen-7b-colocate-tp2").gpu_only)  # nothing offloaded there
+    tensor = build_config("qwen-7b-sglang-server", overrides=["rollout.server.sglang_weight_transport=tensor"])
+    assert "CUDA IPC" in dict(plan_rehearsal(tensor, deepspeed_ready=True).gpu_only)
+    assert "CUDA IPC" not in dict(_plan("qwen-7b-sglang-server").gpu_only)

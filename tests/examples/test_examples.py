@@ -151,7 +151,8 @@ def test_72b_recipe_plan_and_rehearsal_notes(tmp_path):
     notes (dry run: the CPU config and its changes, nothing trained) name the changes the README describes. The
     rehearsal itself runs in tests/e2e/test_rehearse.py."""
     env = _env(tmp_path)
-    plan = _run([sys.executable, "-m", "grpo_cli", "plan", "qwen-72b-colocate", "--gpu-mem", "80GiB"], tmp_path, env)
+    plan = _run([sys.executable, "-m", "grpo_cli", "plan", "qwen-72b-colocate", "--gpu-mem", "80GiB", "--host-mem",
+                 "2TB"], tmp_path, env)
     assert plan.returncode == 0, plan.stderr
     readme = (EXAMPLES / "72b-recipe" / "README.md").read_text()
     block = readme.split("```\n# batch plan")[1].split("```")[0]

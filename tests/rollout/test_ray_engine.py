@@ -140,3 +140,144 @@ def test_byte_buckets_cap_and_order():
     named = [(str(i), torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5])]  # fp32: 40, 40, 120, 20, 20 bytes
     groups = [[name for name, _ in b] for b in byte_buckets(iter(named), 80)]
     assert groups == [["0", "1"], ["2"], ["3", "4"]]
+
+
+# ---- item 13: the local cluster sees only the rollout GPUs ---------------------------------------------------
+
+def test_trainer_gpu_ids_follow_cuda_visible_devices():
+    from grpo_cli.rollout.ray_engine import trainer_gpu_ids
+
+    assert trainer_gpu_ids({"CUDA_VISIBLE_DEVICES": "GPU-a1, GPU-b2"}) == ["GPU-a1", "GPU-b2"]
+    assert trainer_gpu_ids({"CUDA_VISIBLE_DEVICES": ""}, device_count=8) == []
+    assert trainer_gpu_ids({}, device_count=3) == ["0", "1", "2"]
+
+
+def test_rollout_gpu_ids_are_the_ones_after_the_training_gpus():
+    from grpo_cli.rollout.ray_engine import rollout_gpu_ids
+
+    assert rollout_gpu_ids([str(i) for i in range(8)], num_processes=4, rollout_gpus=4) == ["4", "5", "6", "7"]
+    assert rollout_gpu_ids(["3", "2", "1", "0"], num_processes=2, rollout_gpus=1) == ["1"]
+    with pytest.raises(RolloutError, match=r"2 GPU\(s\) .* 3 more .* = 5, but this machine shows 4"):
+        rollout_gpu_ids(["0", "1", "2", "3"], num_processes=2, rollout_gpus=3)
+    with pytest.raises(RolloutError, match=r"distributed\.rollout_gpus is 0"):
+        rollout_gpu_ids(["0", "1"], num_processes=1, rollout_gpus=0)
+
+
+class _FakeRay:
+    """Records what `ray.init` is given and the CUDA_VISIBLE_DEVICES the processes it starts would inherit."""
+
+    def __init__(self):
+        self.calls = []
+
+    def is_initialized(self):
+        return False
+
+    def init(self, **kwargs):
+        import os
+
+        self.calls.append((kwargs, os.environ.get("CUDA_VISIBLE_DEVICES")))
+
+
+def _start_local(monkeypatch, cfg, ctx):
+    from grpo_cli.rollout import ray_engine
+
+    fake = _FakeRay()
+    monkeypatch.setattr(ray_engine, "import_ray", lambda: fake)
+    ray_engine.connect(cfg, ctx)
+    (call,) = fake.calls
+    return call
+
+
+def _gpu_cfg(tiny_checkpoint: str, **distributed) -> GRPOConfig:
+    return GRPOConfig.model_validate({
+        "model": {"name_or_path": tiny_checkpoint},
+        "rollout": {"engine": "hf", "mode": "async", "ray": {"num_actors": 2}},
+        "distributed": {"device": "cuda", "num_processes": 2, "rollout_gpus": 2, **distributed},
+    })
+
+
+def test_rank0_starts_ray_with_only_the_rollout_gpus(monkeypatch, tiny_checkpoint):
+    """CUDA_VISIBLE_DEVICES=0,1,5,7 with 2 training processes: Ray gets 2 GPUs and its raylet sees 5,7 (Ray maps
+    a worker's GPU slot i to entry i of what it inherited); the trainer's own variable is back afterwards."""
+    ctx = EngineContext(tiny_checkpoint, [0], 0, rank=0, world_size=2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,5,7")
+    kwargs, seen = _start_local(monkeypatch, _gpu_cfg(tiny_checkpoint), ctx)
+    assert kwargs["num_gpus"] == 2 and seen == "5,7"
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,5,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # unset: the ids come from the device count (mocked: no GPU here)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    kwargs, seen = _start_local(monkeypatch, _gpu_cfg(tiny_checkpoint), ctx)
+    assert kwargs["num_gpus"] == 2 and seen == "2,3" and "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_cpu_trainer_starts_ray_without_gpus(monkeypatch, tiny_checkpoint):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    cfg = _gpu_cfg(tiny_checkpoint, device="cpu", rollout_gpus=0, num_processes=1)
+    kwargs, seen = _start_local(monkeypatch, cfg, EngineContext(tiny_checkpoint, [0], 0))
+    assert kwargs["num_gpus"] == 0 and seen == ""
+
+
+# ---- item 14: no tensor parallelism inside an actor; item 16: an actor's share of the step --------------------
+
+def test_async_refuses_tensor_parallel_actors_and_a_local_cluster_over_machines():
+    from grpo_cli.config.load import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.tensor_parallel_size=2 is not available in async mode.*"
+                                          r"rollout\.vllm\.tensor_parallel_size=1"):
+        build_config("qwen-7b-async", overrides=["rollout.vllm.tensor_parallel_size=2",
+                                                 "distributed.rollout_gpus=8"])
+    with pytest.raises(ConfigError, match=r"rollout\.ray\.address is null.*num_machines=2.*rollout\.ray\.address=auto"):
+        build_config("qwen-7b-async", overrides=["distributed.num_machines=2", "distributed.main_process_ip=10.0.0.1",
+                                                 "rollout.ray.num_actors=8"])
+    cfg = build_config("qwen-7b-async", overrides=["distributed.num_machines=2", "distributed.main_process_ip=10.0.0.1",
+                                                   "rollout.ray.num_actors=8", "rollout.ray.address=auto"])
+    assert cfg.rollout.ray.address == "auto"
+
+
+def test_sequences_per_actor_is_the_actor_share():
+    from grpo_cli.config.load import build_config
+    from grpo_cli.rollout.ray_actor import sequences_per_actor
+
+    assert sequences_per_actor(build_config("qwen-7b-async")) == 64 // 4 * 8
+    two = build_config("qwen-7b-async", overrides=["distributed.num_processes=2", "rollout.ray.num_actors=4",
+                                                   "train.prompts_per_step=66", "train.micro_batch_size=1"])
+    assert sequences_per_actor(two) == 17 * 8  # 33 prompts per rank over 2 actors: 17 and 16
+
+
+def test_actor_vllm_engine_defaults_to_its_share(monkeypatch, tiny_checkpoint):
+    """vLLM's own default sizes for a rank's whole share (an actor's context has world size 1): the actor passes
+    its share of the step instead."""
+    from grpo_cli.rollout import vllm_engine
+    from grpo_cli.rollout.ray_actor import build_actor_engine
+
+    seen = {}
+    monkeypatch.setattr(vllm_engine.VLLMEngine, "from_config",
+                        classmethod(lambda cls, cfg, ctx: seen.setdefault("cfg", cfg)))
+    cfg = GRPOConfig.model_validate({"model": {"name_or_path": tiny_checkpoint},
+                                     "rollout": {"engine": "vllm", "mode": "async", "ray": {"num_actors": 4}},
+                                     "train": {"prompts_per_step": 8, "generations_per_prompt": 4}})
+    build_actor_engine(cfg.model_dump(mode="json"), dataclasses.asdict(EngineContext(tiny_checkpoint, [0], 0)))
+    assert seen["cfg"].rollout.vllm.max_num_seqs == 2 * 4
+
+
+@pytest.mark.parametrize("name", ["qwen-7b-async", "tiny-cpu-async"])
+def test_async_presets_size_vllm_per_actor(name):
+    """A preset's per-actor max_num_seqs covers the actor's share, and (for a named model on dedicated rollout GPUs)
+    the KV cache of that share at full length fits in what gpu_memory_utilization leaves after the weights on an
+    80 GiB GPU (qwen-7b-async had 0.3: ~8 GiB for 17.5 GiB of KV, so vLLM preempted)."""
+    from grpo_cli.config.load import build_config
+    from grpo_cli.config.plan import BYTES, model_shape
+    from grpo_cli.rollout.ray_actor import sequences_per_actor
+
+    cfg = build_config(name)
+    v, share = cfg.rollout.vllm, sequences_per_actor(cfg)
+    assert v.max_num_seqs is None or v.max_num_seqs >= share, (v.max_num_seqs, share)
+    if cfg.distributed.device != "cuda":
+        return
+    shape, wbytes = model_shape(cfg.model.name_or_path), BYTES[cfg.model.dtype]
+    tokens = share * (cfg.data.max_prompt_length + cfg.rollout.max_completion_length)
+    kv = tokens * 2 * shape.layers * shape.kv_dim * wbytes
+    budget = v.gpu_memory_utilization * 80 * 2**30 - shape.params * wbytes - 2 * 2**30
+    assert kv <= budget, (kv / 2**30, budget / 2**30)

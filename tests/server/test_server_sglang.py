@@ -14,7 +14,7 @@ from served_app import app_in_thread
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.scoring import completion_logprobs, score_sequences
-from grpo_cli.rollout.sglang_client import SGLangEngine
+from grpo_cli.rollout.sglang_client import SGLangEngine, ServerFacts
 from grpo_cli.server.engines import ServeError, ServeOptions
 from grpo_cli.server.launch import run_sglang, sglang_command
 from grpo_cli.server.sglang_contract import create_contract_app, safetensors_b64_serializer
@@ -173,13 +173,45 @@ def test_sglang_older_than_the_supported_range_is_refused(served_tiny, tiny_chec
             SGLangEngine([url], policy=FAST, api_key=KEY, model_path=tiny_checkpoint)
 
 
-def test_tensor_transport_without_sglang_says_what_to_do(served_tiny, tiny_checkpoint):
-    if importlib.util.find_spec("sglang") is not None:
-        pytest.skip("sglang is installed")
-    with app_in_thread(create_contract_app(served_tiny, launch_args=launch_args(tiny_checkpoint))) as url:
+def test_tensor_transport_with_host_tensors_says_what_to_do(served_tiny, tiny_checkpoint):
+    """The payload is written here (sglang_payload, no sglang package needed); host tensors cannot travel as CUDA
+    IPC handles, so they are refused before anything is sent."""
+    app = create_contract_app(served_tiny, launch_args=launch_args(tiny_checkpoint))
+    with app_in_thread(app) as url:
         eng = SGLangEngine([url], policy=FAST, api_key=KEY, model_path=tiny_checkpoint, weight_transport="tensor")
-        with pytest.raises(RolloutError, match="needs the sglang package"):
+        with pytest.raises(RolloutError, match=r"streams cpu tensors.*sglang_weight_transport: disk"):
             eng.update_weights([("model.norm.weight", torch.ones(64))], 1)
+        assert not [p for p, _ in app.state.contract["log"] if p == "/update_weights_from_tensor"]
+        eng.close()
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_data_parallel_replicas_refuse_tensor_updates_up_front(served_tiny, tiny_checkpoint, tmp_path, transport):
+    """SGLang asserts dp_size == 1 in update_weights_from_tensor (managers/tokenizer_control_mixin.py): an HTTP 500
+    at the first sync. The client reads dp_size from /server_info and refuses at start; disk updates are fine."""
+    app = create_contract_app(served_tiny, launch_args=launch_args(tiny_checkpoint) + ["--dp-size", "2"])
+    with app_in_thread(app) as url:
+        if transport == "tensor":
+            with pytest.raises(RolloutError, match=r"2 data-parallel replicas.*sglang_weight_transport: disk"):
+                _tensor_engine(url, tiny_checkpoint)
+            eng = _tensor_engine(url, tiny_checkpoint, connect=False)  # what refusing spares: a bare 500
+            eng.facts[url] = ServerFacts(version=(0, 5, 23), tp_size=1, deterministic=True)
+            with pytest.raises(RolloutError, match="answered 500"):
+                eng.update_weights(_trained(tiny_checkpoint).named_parameters(), 1)
+        else:
+            eng = SGLangEngine([url], policy=FAST, api_key=KEY, model_path=tiny_checkpoint,
+                               weight_sync_dir=str(tmp_path / "sync"))
+            eng.update_weights(_trained(tiny_checkpoint).named_parameters(), 1)
+            assert app.state.contract["weight_version"] == "1"
+        eng.close()
+
+
+def test_dp_attention_takes_tensor_updates(served_tiny, tiny_checkpoint):
+    """Older SGLang took tensor updates with `--dp-size N --enable-dp-attention` (the assert's second clause)."""
+    args = launch_args(tiny_checkpoint) + ["--dp-size", "2", "--enable-dp-attention"]
+    with app_in_thread(create_contract_app(served_tiny, launch_args=args, version="0.5.20")) as url:
+        eng = _tensor_engine(url, tiny_checkpoint)
+        eng.update_weights(_trained(tiny_checkpoint).named_parameters(), 1)
         eng.close()
 
 

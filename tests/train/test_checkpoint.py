@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +122,93 @@ def test_kill_during_checkpoint_writes_leaves_a_loadable_one(tmp_path, setup, ti
     latest = ckpt.resolve_resume("auto", tmp_path)
     assert latest is not None
     ckpt.load_checkpoint(latest, cfg=cfg, policy=policy)
+
+
+def test_two_ranks_hash_their_share_once_and_restore_their_own_rng(tmp_path):
+    """2 gloo processes: at save each rank hashes a share of the files (every file once, by one rank, both ranks
+    busy); the resume hashes every file once in all (not each rank the whole checkpoint twice); each rank gets its
+    own generators back (not rank 0's); a corrupted file in either rank's share fails on both ranks, named."""
+    import json
+
+    from dist_env import clean_env, free_port
+
+    worker = str(Path(__file__).with_name("checkpoint_worker.py"))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                    f"--master_port={free_port()}", "--master_addr=127.0.0.1", worker, str(tmp_path)],
+                   check=True, timeout=300, env=clean_env(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1"))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    files = ranks[0]["manifest_files"]
+    assert {"shards/__0_0.bin", "shards/__1_0.bin", "optimizer.pt", "rng-0.pt", "rng-1.pt",
+            "trainer_state.json"} <= set(files)
+    manifest = json.loads((tmp_path / "run" / "checkpoint-3" / "MANIFEST.json").read_text())
+    assert manifest["hash"] == "xxh3_128"
+    for phase in ("saved", "resumed"):
+        done = ranks[0][phase] + ranks[1][phase]
+        assert sorted(done) == files, phase  # every file exactly once, across the ranks
+        assert ranks[0][phase] and ranks[1][phase], phase  # both ranks hashed
+    assert {n: e["rank"] for n, e in manifest["files"].items()} == {
+        n: r for r in range(2) for n in ranks[r]["saved"]}
+    assert [r["rng_restored"] for r in ranks] == [True, True]
+    assert ranks[0]["errors"].keys() == {ranks[0]["resumed"][0], ranks[1]["resumed"][0]}
+    for name, error in ranks[0]["errors"].items():
+        assert f"{name} is corrupt (checksum mismatch)" in error, error
+        assert ranks[1]["errors"][name] == error  # the same error on both ranks: neither waits for the other
+
+
+def test_cuda_generator_is_saved_and_restored(tmp_path, setup, monkeypatch):
+    """On CUDA the device's generator (dropout draws from it) is saved and restored with the CPU ones (CUDA calls
+    faked: the branch runs on CPU)."""
+    cfg, policy = setup
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d: torch.tensor([d.index, 42], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d: restored.append((s.tolist(), d)))
+    on_cuda = dataclasses.replace(policy, device=torch.device("cuda", 1))
+    path = ckpt.save_checkpoint(tmp_path, step=1, cfg=cfg, policy=on_cuda, trainer_state=_state(1), keep_last=2)
+    assert torch.load(path / "rng-0.pt", weights_only=False)["cuda"].tolist() == [1, 42]
+    ckpt.load_checkpoint(path, cfg=cfg, policy=on_cuda)
+    assert restored == [([1, 42], torch.device("cuda", 1))]
+
+
+def test_checkpoint_with_sha256_manifest_and_one_rng_file_still_loads(tmp_path, setup):
+    """Checkpoints written before the XXH3 manifest and per-rank RNG files (`files: {name: sha256}`, rng.pt)
+    verify with SHA-256 and resume; corruption in them is still caught."""
+    import hashlib
+    import json
+
+    cfg, policy = setup
+    path = ckpt.save_checkpoint(tmp_path, step=1, cfg=cfg, policy=policy, trainer_state=_state(1), keep_last=2)
+    (path / "rng-0.pt").rename(path / "rng.pt")
+    files = {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(path.rglob("*")) if p.is_file() and p.name != "MANIFEST.json"}
+    (path / "MANIFEST.json").write_text(json.dumps({"step": 1, "files": files}))
+    draws = torch.rand(3)
+    ckpt.load_checkpoint(path, cfg=cfg, policy=policy)
+    torch.rand(1)
+    ckpt.load_checkpoint(path, cfg=cfg, policy=policy)
+    assert torch.equal(torch.rand(3), draws)  # rng.pt's CPU state
+    state = path / "scheduler.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    state.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="scheduler.pt is corrupt"):
+        ckpt.verify_checkpoint(path)
+
+
+def test_resume_hashes_each_file_once(tmp_path, monkeypatch):
+    """`grpo train --set checkpoint.resume=auto` reads the checkpoint's bytes for hashing once (it verified before
+    loading, and then again inside the load)."""
+    from grpo_cli.train import manifest
+    from grpo_cli.train.run import run_training
+
+    base = ["train.steps=1", "train.prompts_per_step=2", "train.generations_per_prompt=2", "train.micro_batch_size=4",
+            "rollout.max_completion_length=4", "eval.every_steps=0"]
+    run_training(build_config(overrides=base), output_dir=str(tmp_path))
+    saved = tmp_path / "checkpoint-1"
+    files = sorted(manifest.read_manifest(saved)[1])
+    hashed = []
+    digest = manifest.file_digest
+    monkeypatch.setattr(manifest, "file_digest", lambda p, *a, **k: hashed.append(Path(p)) or digest(p, *a, **k))
+    summary = run_training(build_config(overrides=[*base, "train.steps=2", "checkpoint.resume=auto"]),
+                           output_dir=str(tmp_path))
+    assert summary["steps"] == 2
+    assert sorted(str(p.relative_to(saved)) for p in hashed if saved in p.parents) == files

@@ -7,6 +7,7 @@ import copy
 import sys
 import types
 
+import pytest
 import torch
 
 from grpo_cli.config.schema import OffloadConfig
@@ -101,15 +102,31 @@ class FakeDeepSpeedEngine(torch.nn.Module):
         self.calls.append(("reload",))
 
 
-def test_deepspeed_engine_uses_its_own_offload(monkeypatch):
+@pytest.fixture
+def ds_offload_enums(monkeypatch):
+    """DeepSpeed's offload enums as plain strings (the real module needs DeepSpeed's accelerator set up)."""
     enums = types.ModuleType("deepspeed.runtime.zero.offload_config")
     enums.OffloadStateTypeEnum = types.SimpleNamespace(
         optim_states="optim_states", hp_params="hp_params", lp_params="lp_params", lp_grads="lp_grads",
         contiguous_grad_buffer="contiguous_grad_buffer")
     enums.OffloadDeviceEnum = types.SimpleNamespace(cpu="cpu")
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.zero.offload_config", enums)
+
+
+def test_deepspeed_engine_uses_its_own_offload(ds_offload_enums):
     engine = FakeDeepSpeedEngine()
     off = TrainingStateOffload(engine, None, optimizer_state=False, grads=True, params=True, force=True)
     off.offload()
     off.reload()
     assert engine.calls == [("offload", ["contiguous_grad_buffer", "lp_grads", "lp_params"], "cpu"), ("reload",)]
+
+
+@pytest.mark.parametrize("cpu_optimizer", [True, False])
+def test_zero3_cpu_optimizer_keeps_its_gradient_partitions(ds_offload_enums, cpu_optimizer):
+    """Under ZeRO-3 + offload_optimizer the gradient partitions are on the host already; offloading them made a
+    second pinned copy and `reload_states` then put them on the GPU (DeepSpeed 0.19.8). Only the bucket moves."""
+    engine = FakeDeepSpeedEngine()
+    zero3 = types.SimpleNamespace(offload_optimizer=cpu_optimizer, state={})
+    TrainingStateOffload(engine, zero3, optimizer_state=False, grads=True, params=False, force=True).offload()
+    moved = ["contiguous_grad_buffer"] if cpu_optimizer else ["contiguous_grad_buffer", "lp_grads"]
+    assert engine.calls == [("offload", moved, "cpu")]

@@ -207,7 +207,7 @@ class DeepSpeedBackend(TrainingBackend):
     def offloader(self):
         """`engine.offload_states` for the selected states. What `distributed.deepspeed.offload_*` already keeps
         in host memory is not moved again (DeepSpeed refuses to move offloaded parameters)."""
-        from grpo_cli.train.offload import TrainingStateOffload
+        from grpo_cli.train.offload import FORCE_ENV, TrainingStateOffload
 
         off, ds = self.cfg.distributed.offload, self.cfg.distributed.deepspeed
         optimizer_state = off.optimizer and not ds.offload_optimizer
@@ -215,7 +215,7 @@ class DeepSpeedBackend(TrainingBackend):
         if not (optimizer_state or off.grads or params):
             return None
         return TrainingStateOffload(self.engine, self.optimizer, optimizer_state=optimizer_state, grads=off.grads,
-                                    params=params)
+                                    params=params, force=os.environ.get(FORCE_ENV) == "1")
 
     def save_state(self, folder: Path) -> None:
         self.engine.save_checkpoint(str(folder), tag=TAG, client_state={}, save_latest=False)
