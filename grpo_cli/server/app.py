@@ -10,81 +10,24 @@ import anyio
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 import grpo_cli
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.server.codec import FrameError
 from grpo_cli.server.engines import Served
+from grpo_cli.server.state import (
+    Conflict,
+    GenerateBody,
+    ScoreBody,
+    SleepBody,
+    State,
+    UserError,
+    WakeBody,
+    reset_cache,
+)
 
 OPEN_PATHS = {"/health"}
 STREAM_PATHS = {"/update_weights"}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SamplingBody(_Strict):
-    n: int = Field(1, ge=1, le=1024)
-    max_tokens: int = Field(ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
-
-
-class GenerateBody(_Strict):
-    prompt_ids: list[list[int]] = Field(min_length=1, max_length=65536)
-    sampling: SamplingBody
-    stop_token_ids: list[int] | None = None
-
-
-class ScoreBody(_Strict):
-    sequences: list[list[int]] = Field(min_length=1, max_length=65536)
-
-
-class DiskBody(_Strict):
-    path: str
-    version: int = Field(ge=0)
-
-
-class ShmBody(_Strict):
-    name: str = Field(pattern=r"^grpo-weights-[A-Za-z0-9_.-]+$")
-    """A file in the server's shared-memory folder (`/dev/shm`), written by `codec.write_stream`."""
-    bytes: int = Field(ge=0)
-    version: int = Field(ge=0)
-
-
-class SleepBody(_Strict):
-    level: int = Field(1, ge=0, le=2)
-
-
-class WakeBody(_Strict):
-    tags: list[str] | None = None
-
-
-class CommBody(_Strict):
-    host: str
-    port: int = Field(ge=1, le=65535)
-    world_size: int = Field(ge=2)
-    rank: int = Field(ge=1)
-    timeout_s: float = Field(600.0, gt=0)
-
-
-class NcclUpdateBody(_Strict):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    version: int = Field(ge=0)
-
-
-class UserError(ValueError):
-    """A request the engine cannot serve as asked (400 with this message)."""
-
-
-class Conflict(UserError):
-    """The server's state forbids the call right now (409): asleep, or weights inconsistent."""
 
 
 class Guard:
@@ -137,19 +80,6 @@ async def _send_json(send, status: int, message: str, extra=()) -> None:
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *extra]})
     await send({"type": "http.response.body", "body": body})
-
-
-class State:
-    """Weight version and health of the served engine. `inconsistent` after a partial weight update:
-    generation is refused (409) until a complete update arrives."""
-
-    def __init__(self, served: Served) -> None:
-        self.served = served
-        self.lock = anyio.Lock()
-        self.weight_version = 0
-        self.state = "ready"
-        self.last_error = ""
-        self.comm = None
 
 
 def create_app(served: Served, *, token: str | None = None, max_request_bytes: int = 16 << 20,
@@ -272,12 +202,6 @@ def _require_ready(st: State) -> None:
         raise Conflict(f"weights are inconsistent after a failed update ({st.last_error}); push the weights again")
     if st.state == "sleeping":
         raise Conflict("the engine is asleep: call /wake_up first")
-
-
-def reset_cache(engine) -> None:
-    fn = getattr(engine, "reset_prefix_cache", None)
-    if fn is not None:
-        fn()
 
 
 def _generate(engine, prompt_ids, sampling, stop_token_ids):

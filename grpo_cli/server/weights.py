@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 from fastapi import FastAPI, Request
 
-from grpo_cli.server.app import CommBody, DiskBody, NcclUpdateBody, ShmBody, State, UserError, reset_cache
+from grpo_cli.server.state import CommBody, DiskBody, NcclUpdateBody, ShmBody, State, UserError, reset_cache
 from grpo_cli.server.codec import SHM_DIR, Frame, FrameError, FrameReader, read_stream
 
 

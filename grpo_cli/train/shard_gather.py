@@ -13,6 +13,14 @@ import torch
 import torch.distributed as dist
 
 
+def shard_rows(param, rank: int, world: int) -> tuple[int, int]:
+    """[start, stop) of dim 0 that `rank` holds of a `Shard(0)` parameter (torch.chunk's split, as above)."""
+    n = param.shape[0]
+    chunk = -(-n // world)
+    start = min(n, rank * chunk)
+    return start, min(n, start + chunk)
+
+
 def row_sharded(tensor: torch.Tensor) -> bool:
     """A DTensor sharded on dim 0 over a 1-D mesh (what `fully_shard` makes); others gather with `full_tensor`."""
     from torch.distributed.tensor import Shard

@@ -17,6 +17,7 @@ from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
 from grpo_cli.train.backends.hf_io import check_names, save_hf_folder, weight_files
 from grpo_cli.train.checkpoint import CheckpointError
 from grpo_cli.train.lora import apply_lora, checkpoint_name, init_adapter
+from grpo_cli.train.shard_gather import shard_rows
 
 DCP_DIR = "dcp"
 
@@ -54,14 +55,6 @@ def materialize(module: torch.nn.Module, device: torch.device, *, params_on: tor
     for name, value in buffers.items():
         owner, _, leaf = name.rpartition(".")
         module.get_submodule(owner)._buffers[leaf] = value.to(device)
-
-
-def shard_rows(param, rank: int, world: int) -> tuple[int, int]:
-    """[start, stop) of dim 0 that `rank` holds of a `Shard(0)` parameter (torch.chunk's split)."""
-    n = param.shape[0]
-    chunk = -(-n // world)
-    start = min(n, rank * chunk)
-    return start, min(n, start + chunk)
 
 
 @torch.no_grad()
