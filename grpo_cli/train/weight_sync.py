@@ -280,6 +280,10 @@ def _check_engine(engine, model: torch.nn.Module, version: int, sent: dict[str, 
     if checked:
         checked_what.append(f"{len(checked)} small tensors read back for exact equality ({', '.join(checked)})")
     out = {"sync/checked_tensors": float(len(checked))}
+    defer = getattr(engine, "probe_when_awake", None)  # a sleeping colocated engine probes when awake anyway
+    if probe and defer is not None and defer(lambda p=probe: _check_engine(engine, model, version, {}, p,
+                                                                            trainer_lp, sent_rows)):
+        probe, out["sync/probe_deferred"] = [], 1.0
     if probe:
         out.update(_probe_diffs(engine.score(probe), trainer_lp))
         dtype = _dtype_of(engine, model)

@@ -38,7 +38,7 @@ def main(ckpt: str, level: str) -> None:
     second = engine.generate(PROMPTS, SAMPLING)
     out = {"free_awake": free_awake, "free_asleep": free_asleep, "total": torch.cuda.mem_get_info()[1],
            "first": first.completion_ids, "second": second.completion_ids, "version": second.weight_version,
-           "sync": metrics}
+           "sync": {**engine.last_probe, **metrics}}  # asleep at the sync: the probe ran in `second`'s generate
     engine.close()
     print("RESULT " + json.dumps(out))
 
