@@ -12,7 +12,8 @@ from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.plan import render_plan, required_gpus
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.launch.command import deepspeed_json, launch_command
+from grpo_cli.config.deepspeed import deepspeed_json
+from grpo_cli.launch.command import launch_command
 
 
 def check_gpus(cfg: GRPOConfig) -> None:

@@ -77,7 +77,8 @@ def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
     from grpo_cli.launch.dist import DistInfo
     from grpo_cli.launch.quiet import quiet_hf_stack
     from grpo_cli.rewards.resolve import build_reward_fns
-    from grpo_cli.rollout.factory import EngineContext, make_engine
+    from grpo_cli.rollout.base import EngineContext
+    from grpo_cli.rollout.factory import make_engine
     from grpo_cli.launch.accel import resolve_device
     from grpo_cli.train.policy import eos_token_ids, load_policy
 

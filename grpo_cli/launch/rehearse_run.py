@@ -17,7 +17,7 @@ from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.launch.rehearse import Rehearsal, plan_rehearsal
-from grpo_cli.rollout.factory import engine_dtype
+from grpo_cli.rollout.base import engine_dtype
 from grpo_cli.server.launch import wait_ready_line
 
 PHASE_TIMEOUT_S = 900.0

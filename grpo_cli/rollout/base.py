@@ -11,6 +11,8 @@ from grpo_cli.config.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+    from grpo_cli.config.schema import GRPOConfig
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -67,3 +69,19 @@ class RolloutEngine(Protocol):
     def wake_up(self, tags: list[str] | None = None) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine needs to know about the training side."""
+
+    model_path: str
+    eos_token_ids: list[int]
+    pad_token_id: int
+    rank: int = 0
+    world_size: int = 1
+
+
+def engine_dtype(cfg: GRPOConfig) -> str:
+    """The rollout engine's dtype name: `rollout.dtype`, or `model.dtype` when it is `auto`."""
+    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype

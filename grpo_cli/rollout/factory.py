@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from grpo_cli.rollout.base import RolloutEngine, SamplingParams
+from grpo_cli.rollout.base import EngineContext, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
-
-
-@dataclass(frozen=True)
-class EngineContext:
-    """What an engine needs to know about the training side."""
-
-    model_path: str
-    eos_token_ids: list[int]
-    pad_token_id: int
-    rank: int = 0
-    world_size: int = 1
 
 
 def sampling_params(cfg: GRPOConfig, *, seed: int | None) -> SamplingParams:
@@ -33,11 +21,6 @@ def sampling_params(cfg: GRPOConfig, *, seed: int | None) -> SamplingParams:
         top_k=r.top_k,
         seed=seed,
     )
-
-
-def engine_dtype(cfg: GRPOConfig) -> str:
-    """The rollout engine's dtype name: `rollout.dtype`, or `model.dtype` when it is `auto`."""
-    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
 
 
 def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, broadcast=None) -> RolloutEngine:

@@ -21,7 +21,7 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
     import torch
 
     from grpo_cli.config.schema import GRPOConfig
-    from grpo_cli.rollout.factory import EngineContext, engine_dtype
+    from grpo_cli.rollout.base import EngineContext, engine_dtype
 
     cfg = GRPOConfig.model_validate(cfg_dump)
     ctx = EngineContext(**ctx_fields)

@@ -19,12 +19,11 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
-from grpo_cli.rollout.factory import engine_dtype
+from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams, engine_dtype
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
-    from grpo_cli.rollout.factory import EngineContext
+    from grpo_cli.rollout.base import EngineContext
 
 BOARD_NAMESPACE = "grpo_cli"
 """Ray namespace of the weight board (named actors are looked up by namespace + name)."""

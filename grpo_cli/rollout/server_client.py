@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from grpo_cli.config.schema import GRPOConfig
-    from grpo_cli.rollout.factory import EngineContext
+    from grpo_cli.rollout.base import EngineContext
     from grpo_cli.rollout.shm_file import ShmFile
 
 __all__ = ["RolloutServerDown", "ServerEngine", "model_identity"]

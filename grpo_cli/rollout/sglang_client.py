@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from grpo_cli.config.schema import GRPOConfig
-    from grpo_cli.rollout.factory import EngineContext
+    from grpo_cli.rollout.base import EngineContext
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 MIN_VERSION = (0, 5, 3)  # first with sampling_seed, release/resume tags, weight_version and deterministic inference

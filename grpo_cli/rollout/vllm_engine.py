@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from grpo_cli.config.schema import GRPOConfig
-    from grpo_cli.rollout.factory import EngineContext
+    from grpo_cli.rollout.base import EngineContext
 
 _ALL_TAGS = ("weights", "kv_cache")
 

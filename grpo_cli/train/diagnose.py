@@ -146,7 +146,8 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
     recompute their logprobs with the training-side model. Returns the sample, the tokenizer and the setup."""
     from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
     from grpo_cli.data.sources import load_rows
-    from grpo_cli.rollout.factory import EngineContext, make_engine, sampling_params
+    from grpo_cli.rollout.base import EngineContext
+    from grpo_cli.rollout.factory import make_engine, sampling_params
     from grpo_cli.train.batch import build_batch
     from grpo_cli.launch.accel import resolve_device
     from grpo_cli.train.policy import eos_token_ids, load_tokenizer

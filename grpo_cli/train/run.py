@@ -13,7 +13,8 @@ from grpo_cli.launch.accel import local_rank_from_env, resolve_device
 from grpo_cli.launch.dist import DistInfo, barrier, broadcast_object, init_from_env, shutdown
 from grpo_cli.launch.quiet import quiet_hf_stack
 from grpo_cli.rewards.resolve import build_reward_fns
-from grpo_cli.rollout.factory import EngineContext, make_engine, sampling_params
+from grpo_cli.rollout.base import EngineContext
+from grpo_cli.rollout.factory import make_engine, sampling_params
 from grpo_cli.train import checkpoint as ckpt
 from grpo_cli.train.alarms import step_alarms
 from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_seed

@@ -15,7 +15,7 @@ def vllm_report(request, tiny_checkpoint):
     pytest.importorskip("vllm")
     import torch
 
-    from grpo_cli.rollout.factory import EngineContext
+    from grpo_cli.rollout.base import EngineContext
     from grpo_cli.rollout.vllm_engine import VLLMEngine
     from grpo_cli.train.diagnose import diagnose
     from grpo_cli.train.policy import load_tokenizer

@@ -18,7 +18,7 @@ import torch
 
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.factory import EngineContext
+from grpo_cli.rollout.base import EngineContext
 
 ray = pytest.importorskip("ray")
 

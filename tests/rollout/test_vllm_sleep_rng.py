@@ -160,7 +160,7 @@ def _direct_cpu():
 
 def _from_config_cuda():
     from grpo_cli.config.load import build_config
-    from grpo_cli.rollout.factory import EngineContext
+    from grpo_cli.rollout.base import EngineContext
     from grpo_cli.rollout.vllm_engine import VLLMEngine
 
     cfg = build_config(overrides=["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2",

@@ -156,7 +156,8 @@ def test_generation_is_split_over_servers_with_groups_whole(tiny_checkpoint):
 
 def test_make_engine_builds_the_server_client_from_config(server, tiny_checkpoint, monkeypatch):
     from grpo_cli.config.schema import GRPOConfig
-    from grpo_cli.rollout.factory import EngineContext, make_engine
+    from grpo_cli.rollout.base import EngineContext
+    from grpo_cli.rollout.factory import make_engine
 
     url, _ = server
     monkeypatch.setenv("MY_TOKEN", TOKEN)
