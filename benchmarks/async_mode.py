@@ -91,7 +91,7 @@ def main() -> None:
     cache = Path(os.environ.get("GRPO_BENCH_CACHE", "/tmp/grpo-bench"))
     cache.mkdir(parents=True, exist_ok=True)
     if args.size == "tiny":
-        from grpo_cli.train.tiny_model import resolve_model_path
+        from grpo_cli.models.tiny import resolve_model_path
 
         ckpt, params = resolve_model_path("builtin:tiny"), None
     else:

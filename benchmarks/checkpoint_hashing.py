@@ -73,7 +73,7 @@ def worker(ckpt: str, out_dir: str, rounds: int, overrides: list[str]) -> None:
     import torch
 
     from grpo_cli.config.load import build_config
-    from grpo_cli.launch.dist import all_reduce_sum, barrier, init_from_env
+    from grpo_cli.runtime.dist import all_reduce_sum, barrier, init_from_env
     from grpo_cli.train.batch import TrainBatch
     from grpo_cli.train.checkpoint import save_checkpoint
     from grpo_cli.train.manifest import verify_manifest, write_manifest

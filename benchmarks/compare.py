@@ -230,7 +230,7 @@ def machine_info() -> dict:
 
 
 def build_checkpoint(size: str, root: Path) -> tuple[str, int]:
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = root / (f"bench-{size}-qwen2c" if SIZES[size].get("chars") else f"bench-{size}")
     if not (path / "grpo_cli_tiny.json").exists():

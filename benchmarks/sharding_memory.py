@@ -59,7 +59,7 @@ def worker(ckpt: str, out_dir: str, steps: int, micro_batches: int, overrides: l
 
     from grpo_cli.config.load import build_config
     from grpo_cli.config.plan import model_shape, training_state_bytes
-    from grpo_cli.launch.dist import all_reduce_sum, init_from_env
+    from grpo_cli.runtime.dist import all_reduce_sum, init_from_env
     from grpo_cli.train.batch import TrainBatch
     from grpo_cli.train.policy import load_policy
     from grpo_cli.train.step import optimizer_step

@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--chunk-mb", type=int, default=128)
     ap.add_argument("--transport", nargs="+", default=["http", "shm"], choices=["http", "shm"])
     args = ap.parse_args()
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

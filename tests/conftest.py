@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> str:
     """A random-init 2-layer Llama + word-level tokenizer saved like a real checkpoint."""
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     return str(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt"))
 

@@ -38,7 +38,7 @@ def serve_rollout(
     frames), /update_weights_from_disk, /sleep, /wake_up, /reset_prefix_cache."""
     from grpo_cli.server.engines import ServeOptions
     from grpo_cli.server.launch import run_server
-    from grpo_cli.train.tiny_model import resolve_model_path
+    from grpo_cli.models.tiny import resolve_model_path
 
     opts = ServeOptions(engine=engine, model=resolve_model_path(model), host=host, port=port,
                         tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,

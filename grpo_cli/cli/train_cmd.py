@@ -46,7 +46,7 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
         typer.echo("launching: " + " ".join(cmd))
         return subprocess.call(cmd)
     from grpo_cli.train.run import run_training
-    from grpo_cli.train.run_dir import default_output_dir
+    from grpo_cli.train.supervise.run_dir import default_output_dir
     from grpo_cli.ui.progress import ProgressView
 
     main_rank = os.environ.get("RANK", "0") == "0"

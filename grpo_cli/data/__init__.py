@@ -1,1 +1,2 @@
-"""Prompt datasets: files, saved `datasets` folders, built-in tasks; tokenisation and length policy."""
+"""Prompt datasets: files, saved `datasets` folders, built-in tasks; tokenisation and length policy. The
+bottom layer: imports config only."""

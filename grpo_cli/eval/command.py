@@ -62,7 +62,7 @@ def merged_copy(folder: Path, cfg: GRPOConfig, scratch: Path) -> Path:
     """A LoRA adapter folder → a Hugging Face folder of its base with the adapter merged (engines load that)."""
     import torch
 
-    from grpo_cli.train.lora import load_merged
+    from grpo_cli.train.weights.lora import load_merged
     from grpo_cli.train.policy import load_tokenizer
 
     model = load_merged(str(folder), dtype=torch.float32, attn_implementation=cfg.model.attn_implementation)
@@ -74,12 +74,12 @@ def merged_copy(folder: Path, cfg: GRPOConfig, scratch: Path) -> Path:
 def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
     """Build the policy and the engine the run used (one process) and run the evaluation once."""
     from grpo_cli.eval.runner import Evaluator
-    from grpo_cli.launch.dist import DistInfo
-    from grpo_cli.launch.quiet import quiet_hf_stack
+    from grpo_cli.runtime.dist import DistInfo
+    from grpo_cli.runtime.quiet import quiet_hf_stack
     from grpo_cli.rewards.resolve import build_reward_fns
     from grpo_cli.rollout.base import EngineContext
     from grpo_cli.rollout.factory import make_engine
-    from grpo_cli.launch.accel import resolve_device
+    from grpo_cli.runtime.accel import resolve_device
     from grpo_cli.train.policy import eos_token_ids, load_policy
 
     quiet_hf_stack()

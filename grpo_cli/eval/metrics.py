@@ -8,7 +8,7 @@ import torch
 from grpo_cli.algo.advantages import weighted_rewards
 from grpo_cli.algo.pass_at_k import k_values, pass_at_k
 from grpo_cli.config.schema import EvalConfig
-from grpo_cli.launch.dist import DistInfo, all_reduce_sum
+from grpo_cli.runtime.dist import DistInfo, all_reduce_sum
 
 
 def _sum_count(values: torch.Tensor) -> tuple[float, float]:

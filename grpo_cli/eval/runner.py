@@ -12,10 +12,10 @@ from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import Prompt, tokenize_prompts
 from grpo_cli.data.sources import DataError, load_rows
 from grpo_cli.eval.metrics import local_sums, reduce_means
-from grpo_cli.launch.dist import DistInfo
+from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutBatch, SamplingParams
-from grpo_cli.train.rewards_phase import score_rollout
+from grpo_cli.train.scoring.rewards_phase import score_rollout
 
 EVAL_SEED = 7_777_777
 """Offset of the evaluation seed from `train.seed · 1_000_003` (step seeds use offsets below `train.steps`)."""

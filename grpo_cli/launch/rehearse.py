@@ -89,7 +89,7 @@ def offload_effects(cfg: GRPOConfig) -> dict[str, tuple[bool, str, str]]:
     """What the backend makes of each `distributed.offload` flag it does not simply honour: kind → (whether it
     still moves bytes, why, the short form). DeepSpeed keeps in host memory all run what `deepspeed.offload_*`
     puts there, so the flag for it moves nothing; under ZeRO-3 + offload_optimizer the gradient partitions are on
-    the host too (`train/offload.py` leaves them there), and only the reduce bucket leaves the GPU."""
+    the host too (`train/weights/offload.py` leaves them there), and only the reduce bucket leaves the GPU."""
     d, out = cfg.distributed, {}
     if d.backend != "deepspeed":
         return out

@@ -73,7 +73,7 @@ def rehearsal_env(token: str, token_env: str) -> dict[str, str]:
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["PYTHONUNBUFFERED"] = "1"
-    env["GRPO_CLI_FORCE_OFFLOAD"] = "1"  # train/offload.py FORCE_ENV: the offload path runs on CPU too
+    env["GRPO_CLI_FORCE_OFFLOAD"] = "1"  # train/weights/offload.py FORCE_ENV: the offload path runs on CPU too
     env[token_env] = token
     return env
 

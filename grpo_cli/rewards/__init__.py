@@ -1,1 +1,2 @@
-"""Reward functions: built-ins and the resolver for user functions (`module:function`, `file.py:function`)."""
+"""Reward functions: built-ins and the resolver for user functions (`module:function`, `file.py:function`).
+The bottom layer: imports config only."""

@@ -73,7 +73,7 @@ class HFEngine:
 def require_compilable(model, *, setting: str = "rollout.compile") -> None:
     """Refuse `setting` (a compiled decode step) where it would change nothing or cannot build: a model whose decode
     runs the full forward (not a Llama/Qwen2/Qwen3 decoder `decode_step` reproduces), or no C++ compiler."""
-    from grpo_cli.launch.compiler import require_compiler, turn_off
+    from grpo_cli.runtime.compiler import require_compiler, turn_off
 
     if decoder_parts(model) is None:
         raise UserError(f"{setting} compiles the lean decode step of Llama, Qwen2 and Qwen3 decoders; "

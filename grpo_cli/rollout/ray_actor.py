@@ -68,7 +68,7 @@ class RolloutActor:
     def __init__(self, cfg_dump: dict, ctx_fields: dict, threads: int) -> None:
         import torch
 
-        from grpo_cli.launch.quiet import quiet_hf_stack
+        from grpo_cli.runtime.quiet import quiet_hf_stack
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # no INFO line per weight push in the trainer's log
         torch.set_num_threads(threads)

@@ -150,7 +150,7 @@ def _environ(updates: dict[str, str]):
 def uses_cuda(cfg: GRPOConfig) -> bool:
     """Whether this training process runs on CUDA (`distributed.device`, `auto` resolved as everywhere else);
     then each rollout actor takes one GPU of `distributed.rollout_gpus`."""
-    from grpo_cli.launch.accel import is_cuda, local_rank_from_env, resolve_device
+    from grpo_cli.runtime.accel import is_cuda, local_rank_from_env, resolve_device
 
     return is_cuda(resolve_device(cfg.distributed.device, local_rank_from_env()))
 

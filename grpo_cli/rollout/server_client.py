@@ -44,7 +44,7 @@ class ServerEngine:
 
     shares_policy_weights = False
     push_from_main_only = True
-    """One push per job (`train.sync_ranks`): rank 0 uploads (one /dev/shm file with `shm`, the only NCCL peer
+    """One push per job (`train.weights.sync_ranks`): rank 0 uploads (one /dev/shm file with `shm`, the only NCCL peer
     of the servers with `nccl`); every rank generates its own prompts and checks the version of each answer."""
 
     def __init__(self, urls: list[str], *, policy: Policy | None = None, token: str | None = None,

@@ -67,7 +67,7 @@ class SGLangEngine:
 
     shares_policy_weights = False
     push_from_main_only = True
-    """One push per job (`train.sync_ranks`): rank 0 alone writes the disk checkpoint or opens the weight-update
+    """One push per job (`train.weights.sync_ranks`): rank 0 alone writes the disk checkpoint or opens the weight-update
     session (a second rank's /begin_weight_update would close the first one's session)."""
 
     def __init__(self, urls: list[str], *, policy: Policy | None = None, api_key: str | None = None,

@@ -22,7 +22,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 from torch.multiprocessing import reductions
 
-from grpo_cli.launch.accel import device_uuid
+from grpo_cli.runtime.accel import device_uuid
 from grpo_cli.rollout.base import RolloutError
 
 CUDA_DEVICE_ARG = 6

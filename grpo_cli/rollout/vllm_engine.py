@@ -65,7 +65,7 @@ class VLLMEngine:
         vllm = support.import_vllm()
         import torch
 
-        from grpo_cli.launch import accel
+        from grpo_cli.runtime import accel
 
         self.device = torch.device(device) if device is not None else accel.resolve_device(
             "auto", accel.local_rank_from_env())
@@ -117,7 +117,7 @@ class VLLMEngine:
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> VLLMEngine:
         """Engine for one training rank: sizes from `data`/`rollout`/`train`, `seed = train.seed + rank // tp`, on
         the device the trainer resolved from `distributed.device` (same rule: `accel.resolve_device`)."""
-        from grpo_cli.launch.accel import local_rank_from_env, resolve_device
+        from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 
         v, r = cfg.rollout.vllm, cfg.rollout
         if ctx.world_size % v.tensor_parallel_size:
@@ -153,7 +153,7 @@ class VLLMEngine:
         import torch.distributed as dist
 
         from grpo_cli.config.schema import DistributedConfig
-        from grpo_cli.launch.dist import init_process_group
+        from grpo_cli.runtime.dist import init_process_group
 
         if not dist.is_initialized():
             default = DistributedConfig.model_fields["timeout_minutes"].default

@@ -145,7 +145,7 @@ def preserve_rng(device):
     NumPy's, torch's CPU generator and, on CUDA, the training `device`'s (`accel.rng_states`)."""
     import numpy as np
 
-    from grpo_cli.launch.accel import rng_states, set_rng_states
+    from grpo_cli.runtime.accel import rng_states, set_rng_states
 
     py, npy, states = random.getstate(), np.random.get_state(), rng_states(device)
     try:

@@ -115,7 +115,7 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
 
     if opts.tensor_parallel_size != 1:
         raise ServeError("--engine hf runs on one device: use --tensor-parallel-size 1 (or --engine vllm)")
-    from grpo_cli.launch.accel import local_rank_from_env, resolve_device
+    from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 
     model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=getattr(torch, dtype))
     model = model.to(resolve_device("auto", local_rank_from_env()))

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from grpo_cli.server.engines import ServeOptions, build
     from grpo_cli.server.sglang_contract import create_contract_app
-    from grpo_cli.train.tiny_model import resolve_model_path
+    from grpo_cli.models.tiny import resolve_model_path
 
     model = resolve_model_path(args.model)
     sock = bind("127.0.0.1", args.port)

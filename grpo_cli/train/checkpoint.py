@@ -20,8 +20,8 @@ import torch
 
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.launch.accel import rng_states, set_rng_states
-from grpo_cli.launch.dist import DistInfo, barrier
+from grpo_cli.runtime.accel import rng_states, set_rng_states
+from grpo_cli.runtime.dist import DistInfo, barrier
 from grpo_cli.train.manifest import MANIFEST, CheckpointError, verify_manifest, write_manifest
 
 PREFIX = "checkpoint-"

@@ -12,19 +12,19 @@ import torch
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor
-from grpo_cli.launch.dist import DistInfo, all_reduce_sum, mean_metrics
+from grpo_cli.runtime.dist import DistInfo, all_reduce_sum, mean_metrics
 from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutEngine, SamplingParams
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
-from grpo_cli.train.dynamic_sampling import ROUND_SEED_STRIDE, fill_step
+from grpo_cli.train.scoring.dynamic_sampling import ROUND_SEED_STRIDE, fill_step
 from grpo_cli.train.loss import trained_mask
 from grpo_cli.train.pipeline import RolloutPipeline, take_step_prompts
 from grpo_cli.train.policy import Policy
-from grpo_cli.train.rewards_phase import ScoredRollout, reward_step, score_rollout
+from grpo_cli.train.scoring.rewards_phase import ScoredRollout, reward_step, score_rollout
 from grpo_cli.train.step import NonFiniteStep, batch_logprobs, optimizer_step
-from grpo_cli.train.sync_ranks import generate_with_resync
-from grpo_cli.train.timing import PhaseTimer, peak_rss_mb
+from grpo_cli.train.weights.sync_ranks import generate_with_resync
+from grpo_cli.train.supervise.timing import PhaseTimer, peak_rss_mb
 
 StepCallback = Callable[[int, dict[str, float], list[dict]], None]
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import xxhash
 
 from grpo_cli.config.errors import UserError
-from grpo_cli.launch.dist import DistInfo, all_gather_object, broadcast_object
+from grpo_cli.runtime.dist import DistInfo, all_gather_object, broadcast_object
 
 MANIFEST = "MANIFEST.json"
 HASH = "xxh3_128"

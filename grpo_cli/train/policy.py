@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.launch.dist import DistInfo
+from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.train.backends import make_backend
 from grpo_cli.train.backends.base import TrainingBackend
 

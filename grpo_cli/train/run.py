@@ -9,22 +9,22 @@ from pathlib import Path
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
 from grpo_cli.data.sources import load_rows
-from grpo_cli.launch.accel import local_rank_from_env, resolve_device
-from grpo_cli.launch.dist import DistInfo, barrier, broadcast_object, init_from_env, shutdown
-from grpo_cli.launch.quiet import quiet_hf_stack
+from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
+from grpo_cli.runtime.dist import DistInfo, barrier, broadcast_object, init_from_env, shutdown
+from grpo_cli.runtime.quiet import quiet_hf_stack
 from grpo_cli.rewards.resolve import build_reward_fns
 from grpo_cli.rollout.base import EngineContext
 from grpo_cli.rollout.factory import make_engine, sampling_params
 from grpo_cli.train import checkpoint as ckpt
-from grpo_cli.train.alarms import step_alarms
+from grpo_cli.train.supervise.alarms import step_alarms
 from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_seed
 from grpo_cli.train.pipeline import RolloutPipeline
 from grpo_cli.train.policy import eos_token_ids, load_policy
-from grpo_cli.train.run_dir import RunDir, default_output_dir
-from grpo_cli.train.signals import SignalFlag
-from grpo_cli.train.tiny_model import resolve_model_path
-from grpo_cli.train.trackers import close_trackers, log_trackers, open_trackers
-from grpo_cli.train.watchdog import StallWatchdog
+from grpo_cli.train.supervise.run_dir import RunDir, default_output_dir
+from grpo_cli.train.supervise.signals import SignalFlag
+from grpo_cli.models.tiny import resolve_model_path
+from grpo_cli.train.supervise.trackers import close_trackers, log_trackers, open_trackers
+from grpo_cli.train.supervise.watchdog import StallWatchdog
 
 
 def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trainer:
@@ -48,7 +48,7 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload)
     if not engine.shares_policy_weights:
-        from grpo_cli.train.weight_sync import describe_ties, sync_weights
+        from grpo_cli.train.weights.weight_sync import describe_ties, sync_weights
 
         if info.is_main and (ties := describe_ties(policy.module)):
             log(ties)

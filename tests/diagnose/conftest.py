@@ -7,9 +7,9 @@ import pytest
 
 @pytest.fixture(scope="session")
 def validate_report():
-    """Validate a report dict against grpo_cli/train/diagnose_schema.json (jsonschema, draft 2020-12)."""
+    """Validate a report dict against grpo_cli/diagnose/diagnose_schema.json (jsonschema, draft 2020-12)."""
     jsonschema = pytest.importorskip("jsonschema")
-    from grpo_cli.train.diagnose import report_schema
+    from grpo_cli.diagnose.command import report_schema
 
     schema = report_schema()
     jsonschema.Draft202012Validator.check_schema(schema)

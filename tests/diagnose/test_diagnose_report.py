@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo_cli.config.load import build_config
-from grpo_cli.train import diagnose as dg
+from grpo_cli.diagnose import command as dg
 from grpo_cli.train.loss import MISMATCH_PREFIX, mismatch_metrics
 
 G = 4
@@ -151,5 +151,5 @@ def test_options_cover_the_grid_and_flag_the_configured_one():
 
 
 def test_cli_module_loads_without_torch():
-    code = "import sys, grpo_cli.cli.diagnose, grpo_cli.train.diagnose; assert 'torch' not in sys.modules"
+    code = "import sys, grpo_cli.cli.diagnose, grpo_cli.diagnose.command; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

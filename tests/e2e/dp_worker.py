@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo_cli.config.load import build_config
-from grpo_cli.launch.accel import local_rank_from_env, resolve_device
-from grpo_cli.launch.dist import all_reduce_sum, init_from_env, shutdown
+from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
+from grpo_cli.runtime.dist import all_reduce_sum, init_from_env, shutdown
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.policy import load_policy
 from grpo_cli.train.step import batch_logprobs, forward_logprobs, optimizer_step

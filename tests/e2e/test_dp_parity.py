@@ -26,7 +26,7 @@ CASES = {  # name: (checkpoint, aggregation, overrides shared by the 1- and 2-pr
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_checkpoint, tmp_path_factory) -> dict[str, str]:
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     qwen2 = build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2") / "ckpt", arch="qwen2")
     return {"llama": tiny_checkpoint, "qwen2": str(qwen2)}

@@ -43,7 +43,7 @@ def _cmd(variant: str, out: Path, *extra: str) -> list[str]:
 def _with_stop_signals_at_default(cmd: list[str]) -> list[str]:
     """`cmd` started with SIGINT and SIGHUP at their defaults, as in a terminal. A test runner started in the
     background (`cmd &` in a non-interactive shell ignores SIGINT) or under nohup (SIGHUP) would pass the ignore on,
-    and grpo keeps a signal ignored at start ignored, by design (`train/signals.py`)."""
+    and grpo keeps a signal ignored at start ignored, by design (`train/supervise/signals.py`)."""
     reset = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
              "signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
     return [sys.executable, "-c", reset, *cmd]

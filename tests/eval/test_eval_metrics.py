@@ -10,7 +10,7 @@ import torch
 from grpo_cli.config.schema import EvalConfig
 from grpo_cli.data.sources import DataError, load_rows
 from grpo_cli.eval.metrics import local_sums, reduce_means
-from grpo_cli.launch.dist import DistInfo
+from grpo_cli.runtime.dist import DistInfo
 
 
 def test_eval_metrics_by_hand():

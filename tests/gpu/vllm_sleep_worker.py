@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_cli.rollout.base import SamplingParams
 from grpo_cli.rollout.vllm_engine import VLLMEngine
-from grpo_cli.train.weight_sync import sync_weights
+from grpo_cli.train.weights.weight_sync import sync_weights
 
 PROMPTS = [[3, 4, 6, 7, 8, 5], [3, 4, 9, 10, 5]]
 SAMPLING = SamplingParams(n=4, max_tokens=16, temperature=1.0, seed=3)

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from grpo_cli.config.load import build_config
-from grpo_cli.launch import accel
-from grpo_cli.launch import dist as gdist
+from grpo_cli.runtime import accel
+from grpo_cli.runtime import dist as gdist
 
 
 @pytest.mark.parametrize(("setting", "available", "rank", "expected"), [

@@ -10,7 +10,7 @@ from grpo_cli.config.load import build_config
 from grpo_cli.data.prompts import Prompt
 from grpo_cli.rewards.resolve import build_reward_fns
 from grpo_cli.rollout.base import RolloutBatch
-from grpo_cli.train.rewards_phase import reward_step, score_rollout
+from grpo_cli.train.scoring.rewards_phase import reward_step, score_rollout
 
 SOURCE = "def score(prompts, completions, **_):\n    return [float(len(c)) for c in completions]\n"
 

@@ -15,7 +15,7 @@ from grpo_cli.data.prompts import Prompt
 from grpo_cli.rewards.process import split_steps, step_end_tokens
 from grpo_cli.rewards.resolve import RewardError, build_reward_fns
 from grpo_cli.rollout.base import RolloutBatch
-from grpo_cli.train.rewards_phase import reward_step, score_rollout
+from grpo_cli.train.scoring.rewards_phase import reward_step, score_rollout
 
 STEP_FN = """
 def cat_steps(prompts, completions, *, steps, **_):
@@ -86,7 +86,7 @@ def test_wrong_step_count_names_the_function(tmp_path, tokenizer):
 
 
 def test_step_rewards_keep_their_rows_through_dynamic_sampling():
-    from grpo_cli.train.step_rewards import StepRewards
+    from grpo_cli.train.scoring.step_rewards import StepRewards
 
     s = StepRewards(values=[[[1.0], [2.0, 3.0], [4.0]]], ends=[[0], [0, 1], [2]], last=[0, 1, 2])
     kept = s.rows([2, 1])

@@ -16,7 +16,7 @@ from grpo_cli.train.batch import build_batch
 
 @pytest.fixture(scope="module")
 def gqa_checkpoint(tmp_path_factory):
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     return str(build_tiny_checkpoint(tmp_path_factory.mktemp("gqa") / "ckpt", hidden_size=128, num_layers=2,
                                      arch="qwen2", kv_heads=2, chars=True))

@@ -9,7 +9,7 @@ import torch
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import build_config
-from grpo_cli.launch import compiler
+from grpo_cli.runtime import compiler
 from grpo_cli.rollout import decode as decode_mod
 from grpo_cli.rollout.attention import attention_implementation
 from grpo_cli.rollout.base import SamplingParams
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(compiler.compiler_problem(torch.device("cpu")) i
 def load(tmp_path_factory, arch: str, hidden_size: int = 128, num_layers: int = 2):
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path_factory.mktemp(arch) / "ckpt", hidden_size=hidden_size,
                                  num_layers=num_layers, arch=arch)
@@ -53,7 +53,7 @@ def test_compiled_decode_step_samples_what_the_eager_step_samples(tmp_path_facto
 def test_compiled_step_keeps_the_onednn_linear_of_routed_layers(tmp_path_factory, monkeypatch):
     """Layers `model.cpu_linear` routes to oneDNN (≥ 512 features) run it inside the compiled step too, as an
     opaque op (inductor cannot lower mkldnn's linear with dynamic shapes), with the eager step's tokens."""
-    from grpo_cli.train import cpu_linear
+    from grpo_cli.train.backends import cpu_linear
 
     if not cpu_linear.available():
         pytest.skip("this torch build has no oneDNN linear")

@@ -22,7 +22,7 @@ PROMPTS = [[3, 5, 7, 9, 11], [4, 6], [8, 9, 10, 11, 12, 13, 14], [20]]
 def load(tmp_path_factory, arch: str, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path_factory.mktemp(arch) / "ckpt", hidden_size=128, arch=arch)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -120,7 +120,7 @@ def test_projections_fuse_only_when_their_call_is_a_plain_linear():
     assert decode_step._fuse([a, torch.nn.Linear(8, 6, bias=False)]) is None
     b.forward = lambda inp: inp[:, :6]
     assert decode_step._fuse([a, b]) is None
-    from grpo_cli.train import cpu_linear  # names its kernel: both layers routed → fused through that kernel
+    from grpo_cli.train.backends import cpu_linear  # names its kernel: both layers routed → fused through that kernel
     pair = [torch.nn.Linear(512, 512), torch.nn.Linear(512, 1024)]
     assert cpu_linear.install(torch.nn.Sequential(*pair)) == 2
     fn, weight, bias = decode_step._fuse(pair)

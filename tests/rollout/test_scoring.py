@@ -102,7 +102,7 @@ def test_structured_packed_attention_equals_a_plain_pass_with_checkpointing(tmp_
     recomputed forward finds the layout on the same mask). All groups share one row, without padding between them."""
     import torch.nn.functional as F
 
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = str(build_tiny_checkpoint(tmp_path / arch, arch=arch))
     model, (ids, mask) = load(path, "grpo_sdpa"), group_batch(group=16)

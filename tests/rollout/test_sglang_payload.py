@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.multiprocessing import reductions
 
-from grpo_cli.launch import accel
+from grpo_cli.runtime import accel
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.sglang_payload import CUDA_DEVICE_ARG, sglang_serializer, uuid_reduction
 

@@ -119,7 +119,7 @@ def _adamw_step(model, lr: float) -> None:
 
 
 def test_vllm_weight_sync_after_optimizer_step(engine, policy):
-    from grpo_cli.train.weight_sync import sync_weights
+    from grpo_cli.train.weights.weight_sync import sync_weights
 
     old = score_sequences(policy, PROBE, pad_token_id=0)
     _adamw_step(policy, lr=1e-2)

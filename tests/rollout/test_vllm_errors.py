@@ -38,7 +38,7 @@ def test_model_longer_than_max_model_len(tiny_checkpoint):
 def test_unsupported_head_dim(tmp_path):
     pytest.importorskip("vllm")
     from grpo_cli.rollout.vllm_engine import VLLMEngine
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path / "hd16", head_dim=16)
     with pytest.raises(RolloutError, match=r"head_dim=16.*head dimensions.*rollout.engine: hf") as info:

@@ -40,8 +40,8 @@ def test_evaluation_after_the_sync_keeps_the_weights_at_level_2(policy, monkeypa
     Level 2 after the evaluation would discard the synced weights and the next rollout would raise."""
     from grpo_cli.config.load import build_config
     from grpo_cli.eval import runner
-    from grpo_cli.launch.dist import DistInfo
-    from grpo_cli.train.timing import PhaseTimer
+    from grpo_cli.runtime.dist import DistInfo
+    from grpo_cli.train.supervise.timing import PhaseTimer
 
     llm = FakeLLM(copy.deepcopy(policy))
     engine = bare_engine(llm, sleep_level=2)
@@ -65,7 +65,7 @@ def test_evaluation_after_the_sync_keeps_the_weights_at_level_2(policy, monkeypa
 def test_verified_sync_wakes_only_the_weights_and_probes_at_the_next_generation(policy):
     """Right after a sync the optimizer state is still on the device: the read-back wakes the weights only, the
     probe (which needs the KV cache) runs once the next generation has woken the engine."""
-    from grpo_cli.train.weight_sync import sync_weights
+    from grpo_cli.train.weights.weight_sync import sync_weights
 
     held = copy.deepcopy(policy)
     llm = FakeLLM(held)

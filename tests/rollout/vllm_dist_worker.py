@@ -14,7 +14,7 @@ import torch.distributed as dist
 from grpo_cli.rollout.base import SamplingParams
 from grpo_cli.rollout.scoring import completion_logprobs
 from grpo_cli.rollout.vllm_engine import VLLMEngine
-from grpo_cli.train.weight_sync import sync_weights
+from grpo_cli.train.weights.weight_sync import sync_weights
 
 PROMPTS = {0: [[3, 4, 6, 7, 5], [3, 4, 8, 5]], 1: [[3, 4, 9, 10, 11, 5], [3, 4, 12, 5], [3, 4, 13, 5]]}
 PROBE = [[3, 4, 6, 7, 8, 5, 20, 21, 22, 23]]

@@ -278,8 +278,8 @@ def test_tied_checkpoint_is_served_under_every_name_and_syncs_verified(tmp_path)
     from transformers import AutoModelForCausalLM
 
     from grpo_cli.server.engines import ServeOptions, build, checkpoint_shapes
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
-    from grpo_cli.train.weight_sync import sync_weights
+    from grpo_cli.models.tiny import build_tiny_checkpoint
+    from grpo_cli.train.weights.weight_sync import sync_weights
 
     path = str(build_tiny_checkpoint(tmp_path / "qwen2", arch="qwen2"))
     assert "lm_head.weight" in checkpoint_shapes(path)  # stored once, accepted under its tied name (vllm server)

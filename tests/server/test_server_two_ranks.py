@@ -15,7 +15,7 @@ from served_app import app_in_thread
 
 from grpo_cli.server.app import create_app
 from grpo_cli.server.engines import ServeOptions, build
-from grpo_cli.train.tiny_model import resolve_model_path
+from grpo_cli.models.tiny import resolve_model_path
 
 
 def counted(served) -> dict:

@@ -21,7 +21,7 @@ def arch_engine(request, tmp_path_factory):
     """(architecture, checkpoint folder, a vLLM engine on it) for the module's tests of that architecture."""
     pytest.importorskip("vllm")
     from grpo_cli.rollout.vllm_engine import VLLMEngine
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = str(build_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param))
     eng = VLLMEngine(path, dtype="float32", max_model_len=64, max_num_seqs=8, eos_token_ids=[1])
@@ -50,7 +50,7 @@ def _max_diff(got: list[list[float]], want: list[list[float]]) -> float:
 
 def _two_verified_steps(engine, policy) -> list[float]:
     """Two optimizer steps, each followed by a verified sync; the engine's probe logprobs after each."""
-    from grpo_cli.train.weight_sync import sync_weights
+    from grpo_cli.train.weights.weight_sync import sync_weights
 
     diffs = []
     for version in (1, 2):
@@ -66,7 +66,7 @@ def _two_verified_steps(engine, policy) -> list[float]:
 
 
 def test_colocate_sync_matches_the_trainer(arch_engine):
-    from grpo_cli.train.weight_sync import checkpoint_names
+    from grpo_cli.train.weights.weight_sync import checkpoint_names
 
     arch, path, engine = arch_engine
     policy = _policy(path)
@@ -118,7 +118,7 @@ class _UntiedSender:
 
 
 def test_sync_without_the_tied_name_is_caught_and_explained(arch_engine):
-    from grpo_cli.train.weight_sync import sync_weights
+    from grpo_cli.train.weights.weight_sync import sync_weights
 
     arch, path, engine = arch_engine
     if arch != "qwen2":

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from grpo_cli.config.load import build_config
-from grpo_cli.launch.accel import local_rank_from_env, resolve_device
-from grpo_cli.launch.dist import all_gather_object, barrier, init_from_env, shutdown
+from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
+from grpo_cli.runtime.dist import all_gather_object, barrier, init_from_env, shutdown
 from grpo_cli.train import checkpoint as ckpt
 from grpo_cli.train import manifest
 

@@ -23,14 +23,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from grpo_cli.config.load import build_config
-from grpo_cli.launch import accel
-from grpo_cli.launch.dist import all_reduce_sum, init_from_env, shutdown
+from grpo_cli.runtime import accel
+from grpo_cli.runtime.dist import all_reduce_sum, init_from_env, shutdown
 from grpo_cli.train.backends.fsdp2 import _fsdp_params, gradient_bytes
 from grpo_cli.train.batch import TrainBatch
-from grpo_cli.train.offload import TrainingStateOffload
+from grpo_cli.train.weights.offload import TrainingStateOffload
 from grpo_cli.train.policy import load_policy
 from grpo_cli.train.step import forward_logprobs, optimizer_step
-from grpo_cli.train.weight_sync import buckets, stream_named_tensors
+from grpo_cli.train.weights.weight_sync import buckets, stream_named_tensors
 
 ROWS, MICRO, P, T = 16, 4, 5, 7  # per rank: 4 micro-batches of 4
 
@@ -231,7 +231,7 @@ def uneven(info) -> bool:
     """Rows that do not split evenly (5 rows: 3 + 2; 1 row: rank 1 holds none) come back whole and in order."""
     from torch.distributed.fsdp import fully_shard
 
-    from grpo_cli.train.shard_gather import GatheredBucket
+    from grpo_cli.train.weights.shard_gather import GatheredBucket
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 1), torch.nn.Linear(1, 3))

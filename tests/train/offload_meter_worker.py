@@ -16,10 +16,10 @@ import sys
 import torch
 
 from grpo_cli.config.load import build_config
-from grpo_cli.launch.dist import DistInfo
+from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.train.batch import TrainBatch
-from grpo_cli.train.offload import FORCE_ENV
-from grpo_cli.train.offload_meter import held_bytes, snapshot
+from grpo_cli.train.weights.offload import FORCE_ENV
+from grpo_cli.train.weights.offload_meter import held_bytes, snapshot
 from grpo_cli.train.policy import load_policy
 from grpo_cli.train.step import optimizer_step
 

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from grpo_cli.launch.dist import DistInfo
+from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.hf import HFEngine
 from grpo_cli.server.transport import RolloutServerDown
-from grpo_cli.train.sync_ranks import generate_with_resync
-from grpo_cli.train.weight_sync import sync_weights
+from grpo_cli.train.weights.sync_ranks import generate_with_resync
+from grpo_cli.train.weights.weight_sync import sync_weights
 
 PROBE = [[3, 4, 6, 7, 8, 5]]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.rollout.scoring import completion_logprobs
-from grpo_cli.train import activations
+from grpo_cli.train.backends import activations
 
 
 def _grads(model, ids, mask):

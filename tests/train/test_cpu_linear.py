@@ -10,8 +10,8 @@ from torch import nn
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import build_config
-from grpo_cli.train import cpu_linear
-from grpo_cli.train.cpu_linear import install, use_onednn_linear
+from grpo_cli.train.backends import cpu_linear
+from grpo_cli.train.backends.cpu_linear import install, use_onednn_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch build has no oneDNN linear")
 
@@ -70,8 +70,8 @@ def test_model_logprobs_and_gradients_match_pytorch_matmul(tmp_path, monkeypatch
 
     from grpo_cli.rollout.attention import attention_implementation
     from grpo_cli.rollout.scoring import completion_logprobs
-    from grpo_cli.train.activations import enable_checkpointing
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.train.backends.activations import enable_checkpointing
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path / "q", arch="qwen2", hidden_size=128)
     models = [AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention_implementation("sdpa"))

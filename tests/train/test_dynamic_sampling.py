@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.data.prompts import Prompt
-from grpo_cli.launch.dist import DistInfo
+from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.rollout.base import RolloutBatch
-from grpo_cli.train.dynamic_sampling import fill_step
-from grpo_cli.train.rewards_phase import ScoredRollout
+from grpo_cli.train.scoring.dynamic_sampling import fill_step
+from grpo_cli.train.scoring.rewards_phase import ScoredRollout
 
 G = 2
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0)

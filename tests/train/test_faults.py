@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo_cli.config.load import build_config
-from grpo_cli.launch.dist import DistInfo
+from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.rewards.resolve import RewardError, build_reward_fns, score
 from grpo_cli.train.loop import LoopState, TrainingStopped, run_step
 from grpo_cli.train import step as step_module

@@ -23,7 +23,7 @@ def _peak(ckpt: str, *sets: str) -> float:
 
 @pytest.mark.slow
 def test_lora_reference_costs_no_second_model(tmp_path):
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     ckpt = str(build_tiny_checkpoint(tmp_path / "m", hidden_size=768, num_layers=8))
     model_mb = (tmp_path / "m" / "model.safetensors").stat().st_size / 2**20  # ~190 MB of float32 weights

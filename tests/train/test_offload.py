@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo_cli.config.schema import OffloadConfig
-from grpo_cli.train.offload import TrainingStateOffload
+from grpo_cli.train.weights.offload import TrainingStateOffload
 
 
 def trained_pair():

@@ -18,8 +18,8 @@ from offload_meter_worker import ZERO3_CPU_OPTIMIZER
 
 from grpo_cli.config.load import build_config
 from grpo_cli.config.plan import host_plan, memory_plan, model_shape
-from grpo_cli.train.offload import TrainingStateOffload
-from grpo_cli.train.offload_meter import held_bytes, moved_bytes, snapshot
+from grpo_cli.train.weights.offload import TrainingStateOffload
+from grpo_cli.train.weights.offload_meter import held_bytes, moved_bytes, snapshot
 
 WORKER = str(Path(__file__).with_name("offload_meter_worker.py"))
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from grpo_cli.train.signals import SignalFlag
+from grpo_cli.train.supervise.signals import SignalFlag
 
 
 def test_sighup_twice_is_one_stop_request():

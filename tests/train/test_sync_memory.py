@@ -17,7 +17,7 @@ BUCKET_MB = 4
 
 @pytest.fixture(scope="module")
 def mid_checkpoint(tmp_path_factory) -> str:
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     return str(build_tiny_checkpoint(tmp_path_factory.mktemp("mid") / "ckpt", hidden_size=512, num_layers=8))
 

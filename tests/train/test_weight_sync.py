@@ -9,7 +9,7 @@ import torch
 
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.hf import HFEngine
-from grpo_cli.train.weight_sync import buckets, checkpoint_names, checksum_names, describe_ties, hf_name, sync_weights
+from grpo_cli.train.weights.weight_sync import buckets, checkpoint_names, checksum_names, describe_ties, hf_name, sync_weights
 
 PROBE = [[3, 4, 6, 7, 8, 5, 20, 21]]
 
@@ -83,7 +83,7 @@ def tied_policy(tmp_path_factory):
     """A tiny Qwen2 with tied embeddings (`lm_head.weight` is `model.embed_tokens.weight`)."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.train.tiny_model import build_tiny_checkpoint
+    from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), arch="qwen2")
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.launch.dist import DistInfo
+from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.train.backends.base import TrainingBackend
 
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.launch.dist import DistInfo
+from grpo_cli.runtime.dist import DistInfo
 
 
 class NonFiniteStep(Exception):
@@ -158,7 +158,7 @@ class TrainingBackend:
 
     def offloader(self):
         """The `distributed.offload` mover for this backend (None when nothing is selected)."""
-        from grpo_cli.train.offload import TrainingStateOffload
+        from grpo_cli.train.weights.offload import TrainingStateOffload
 
         return TrainingStateOffload.from_config(self.cfg.distributed.offload, self.model, self.optimizer)
 
@@ -177,7 +177,7 @@ class TrainingBackend:
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: full (unsharded) tensors of the trained parameters, on CPU (rank 0's copy is used)."""
-        from grpo_cli.train.lora import trainable_state
+        from grpo_cli.train.weights.lora import trainable_state
 
         return {n: t.cpu() for n, t in trainable_state(self.module).items()}
 
@@ -190,7 +190,7 @@ class TrainingBackend:
     def export_merged(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
         """Collective (`model.lora`): base + adapter merged into an ordinary Hugging Face folder (rank 0), the
         trained weights untouched."""
-        from grpo_cli.train.weight_sync import stream_named_tensors
+        from grpo_cli.train.weights.weight_sync import stream_named_tensors
 
         stats: dict = {"tensors": 0, "bytes": 0, "copies": {}}
         merged = {n: t.cpu() for n, t in stream_named_tensors(

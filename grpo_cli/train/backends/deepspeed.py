@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_cli.train.activations import enable_checkpointing
+from grpo_cli.train.backends.activations import enable_checkpointing
 from grpo_cli.train.backends.base import NonFiniteStep, TrainingBackend, compute_dtype, make_adamw, make_scheduler
 from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
 from grpo_cli.train.backends.hf_io import check_names, load_hf_model, save_hf_folder, weight_files
@@ -28,7 +28,7 @@ def ensure_process_group(device: torch.device, *, timeout_minutes: float) -> Non
     import deepspeed
     import torch.distributed as dist
 
-    from grpo_cli.launch.dist import init_process_group, process_group_options
+    from grpo_cli.runtime.dist import init_process_group, process_group_options
 
     if not dist.is_initialized():
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
@@ -207,7 +207,7 @@ class DeepSpeedBackend(TrainingBackend):
     def offloader(self):
         """`engine.offload_states` for the selected states. What `distributed.deepspeed.offload_*` already keeps
         in host memory is not moved again (DeepSpeed refuses to move offloaded parameters)."""
-        from grpo_cli.train.offload import FORCE_ENV, TrainingStateOffload
+        from grpo_cli.train.weights.offload import FORCE_ENV, TrainingStateOffload
 
         off, ds = self.cfg.distributed.offload, self.cfg.distributed.deepspeed
         optimizer_state = off.optimizer and not ds.offload_optimizer
@@ -247,7 +247,7 @@ class DeepSpeedBackend(TrainingBackend):
             for name, param in self.module.named_parameters():
                 yield name, safe_get_full_fp32_param(param)
             return
-        from grpo_cli.train.weight_sync import stream_named_tensors
+        from grpo_cli.train.weights.weight_sync import stream_named_tensors
 
         stats: dict = {"tensors": 0, "bytes": 0, "copies": {}}
         yield from stream_named_tensors(self.module, bucket_mb=self.cfg.distributed.weight_sync_bucket_mb,

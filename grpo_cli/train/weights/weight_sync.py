@@ -9,14 +9,14 @@ from collections.abc import Iterator
 
 import torch
 
-from grpo_cli.launch.dist import DistInfo
+from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.flat_weights import byte_buckets
 from grpo_cli.rollout.scoring import score_sequences
 from grpo_cli.rollout.weight_names import tied_aliases
-from grpo_cli.train.lora import merged_tensor
-from grpo_cli.train.shard_gather import GatheredBucket, row_sharded
-from grpo_cli.train.sync_ranks import agree, attempt, follow, pushes_from_main
+from grpo_cli.train.weights.lora import merged_tensor
+from grpo_cli.train.weights.shard_gather import GatheredBucket, row_sharded
+from grpo_cli.train.weights.sync_ranks import agree, attempt, follow, pushes_from_main
 
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
 """Largest mean |engine − trainer| probe logprob (nats/token) accepted, by the less precise of the two dtypes.

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 
 from grpo_cli.algo.advantages import informative_groups, weighted_rewards
-from grpo_cli.launch.dist import DistInfo, all_reduce_sum
+from grpo_cli.runtime.dist import DistInfo, all_reduce_sum
 from grpo_cli.rollout.base import RolloutBatch
-from grpo_cli.train.rewards_phase import ScoredRollout
-from grpo_cli.train.step_rewards import StepRewards
+from grpo_cli.train.scoring.rewards_phase import ScoredRollout
+from grpo_cli.train.scoring.step_rewards import StepRewards
 
 ROUND_SEED_STRIDE = 1_000_000_007
 """Extra round r of a step samples with the step's seed + r · stride (round 0 is the step's usual seed)."""

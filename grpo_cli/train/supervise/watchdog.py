@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from grpo_cli.train.timing import PhaseTimer
+from grpo_cli.train.supervise.timing import PhaseTimer
 
 
 class StallWatchdog:

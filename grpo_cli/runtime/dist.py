@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from grpo_cli.launch.accel import is_cuda, local_rank_from_env, set_device
+from grpo_cli.runtime.accel import is_cuda, local_rank_from_env, set_device
 
 
 @dataclass(frozen=True)

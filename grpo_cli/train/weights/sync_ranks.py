@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from grpo_cli.launch.dist import DistInfo, all_gather_object
+from grpo_cli.runtime.dist import DistInfo, all_gather_object
 from grpo_cli.rollout.base import RolloutError
 
 

@@ -75,7 +75,7 @@ def merged_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> to
 def init_adapter(model: torch.nn.Module, *, seed: int, rank: int, world: int) -> None:
     """PEFT's initialisation (A: kaiming-uniform(a=√5), B: 0) from a generator seeded by `train.seed`, written
     into this rank's rows of each (possibly `Shard(0)`) adapter parameter: for models built on the meta device."""
-    from grpo_cli.train.shard_gather import shard_rows
+    from grpo_cli.train.weights.shard_gather import shard_rows
 
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from grpo_cli.launch import accel
-from grpo_cli.train import offload_meter
+from grpo_cli.runtime import accel
+from grpo_cli.train.weights import offload_meter
 
 FORCE_ENV = "GRPO_CLI_FORCE_OFFLOAD"
 """Set to 1 (by `grpo train --rehearse`): offload even on CPU, where the training state already is in host memory,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from grpo_cli.config.errors import UserError
-from grpo_cli.train.alarms import K3_KL_ALARM
+from grpo_cli.train.supervise.alarms import K3_KL_ALARM
 
 if TYPE_CHECKING:
     import torch
@@ -149,10 +149,10 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
     from grpo_cli.rollout.base import EngineContext
     from grpo_cli.rollout.factory import make_engine, sampling_params
     from grpo_cli.train.batch import build_batch
-    from grpo_cli.launch.accel import resolve_device
+    from grpo_cli.runtime.accel import resolve_device
     from grpo_cli.train.policy import eos_token_ids, load_tokenizer
     from grpo_cli.train.step import batch_logprobs
-    from grpo_cli.train.tiny_model import resolve_model_path
+    from grpo_cli.models.tiny import resolve_model_path
 
     start = time.perf_counter()
     model_path = resolve_model_path(cfg.model.name_or_path)

@@ -13,7 +13,7 @@ from grpo_cli.data.prompts import Prompt
 from grpo_cli.rewards.resolve import RewardFn, score
 from grpo_cli.rollout.base import RolloutBatch
 from grpo_cli.train.loss import compute_advantages
-from grpo_cli.train.step_rewards import StepRewards
+from grpo_cli.train.scoring.step_rewards import StepRewards
 
 
 @dataclass
