@@ -37,7 +37,7 @@ def checkpoint_model_path(folder: Path) -> str:
 
 def parse_gates(items: list[str] | None, *, flag: str) -> dict[str, float]:
     """`metric=value` items (prefix `rollout_correction/` optional) -> {metric: limit}; UserError names the fix."""
-    from grpo_cli.diagnose.command import METRIC_NAMES
+    from grpo_cli.diagnose.rules import METRIC_NAMES
 
     out: dict[str, float] = {}
     for item in items or []:
@@ -84,7 +84,7 @@ def diagnose_mismatch(
     Exit 0, or 1 when a --fail-above/--fail-below gate fails, 2 on bad input."""
     with user_errors():
         if print_schema:
-            from grpo_cli.diagnose.command import report_schema
+            from grpo_cli.diagnose.rules import report_schema
 
             typer.echo(json.dumps(report_schema(), indent=2))
             return
@@ -107,7 +107,8 @@ def _run(cfg, *, num_prompts: int, with_tokens: bool, above: dict, below: dict) 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from grpo_cli.runtime.quiet import quiet_hf_stack
-    from grpo_cli.diagnose.command import check_gates, diagnose, metric_values
+    from grpo_cli.diagnose.command import diagnose, metric_values
+    from grpo_cli.diagnose.rules import check_gates
 
     quiet_hf_stack()
     report = diagnose(cfg, num_prompts=num_prompts, with_tokens=with_tokens)

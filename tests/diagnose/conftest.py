@@ -9,7 +9,7 @@ import pytest
 def validate_report():
     """Validate a report dict against grpo_cli/diagnose/diagnose_schema.json (jsonschema, draft 2020-12)."""
     jsonschema = pytest.importorskip("jsonschema")
-    from grpo_cli.diagnose.command import report_schema
+    from grpo_cli.diagnose.rules import report_schema
 
     schema = report_schema()
     jsonschema.Draft202012Validator.check_schema(schema)

@@ -92,7 +92,7 @@ def test_bad_input_exits_2_naming_the_fix(args, needle):
 
 
 def test_print_schema_is_the_documented_schema():
-    from grpo_cli.diagnose.command import report_schema
+    from grpo_cli.diagnose.rules import report_schema
 
     result = runner.invoke(app, ["diagnose-mismatch", "--print-schema"])
     assert result.exit_code == 0 and json.loads(result.output) == report_schema()

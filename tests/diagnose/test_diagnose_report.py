@@ -11,6 +11,7 @@ import torch
 
 from grpo_cli.config.load import build_config
 from grpo_cli.diagnose import command as dg
+from grpo_cli.diagnose import rules
 from grpo_cli.train.loss import MISMATCH_PREFIX, mismatch_metrics
 
 G = 4
@@ -52,7 +53,7 @@ def test_metric_names_are_the_cores():
     smp = _sample(torch.zeros(8, 5))
     out = mismatch_metrics(old_logprobs=smp.train, sampler_logprobs=smp.rollout, completion_mask=smp.mask,
                            algorithm=build_config("tiny-cpu").algorithm)
-    assert {k.removeprefix(MISMATCH_PREFIX) for k in out} == set(dg.METRIC_NAMES)
+    assert {k.removeprefix(MISMATCH_PREFIX) for k in out} == set(rules.METRIC_NAMES)
 
 
 def test_report_numbers_equal_the_core_on_the_same_tensors(validate_report, recompute, reported):
@@ -62,7 +63,7 @@ def test_report_numbers_equal_the_core_on_the_same_tensors(validate_report, reco
                             algorithm=cfg.algorithm)
     assert reported(report) == {k.removeprefix(MISMATCH_PREFIX): float(v) for k, v in core.items()}
     assert recompute(report, cfg.algorithm) == pytest.approx(reported(report), rel=1e-6, abs=1e-9)
-    assert [r["key"] for r in report["metrics"]] == [MISMATCH_PREFIX + n for n in dg.METRIC_NAMES]
+    assert [r["key"] for r in report["metrics"]] == [MISMATCH_PREFIX + n for n in rules.METRIC_NAMES]
     validate_report(report)
     worst = report["worst_tokens"][0]
     assert abs(worst["log_ratio"]) == pytest.approx(float((smp.train - smp.rollout)[smp.mask].abs().max()))
@@ -77,7 +78,7 @@ def test_report_numbers_equal_the_core_on_the_same_tensors(validate_report, reco
     ("is_weight_mean", 1.001, "ok"), ("training_ppl", 1e6, "info"),
 ])
 def test_verdict_rules(name, value, expected):
-    assert dg.verdict(name, value) == expected
+    assert rules.verdict(name, value) == expected
 
 
 def test_histogram_uses_signed_decades():
@@ -90,7 +91,7 @@ def test_histogram_uses_signed_decades():
 
 
 def test_gates_fail_strictly_beyond_their_limit():
-    gates = dg.check_gates({"k3_kl": 1e-3, "ess": 0.99}, above={"k3_kl": 1e-3}, below={"ess": 0.995})
+    gates = rules.check_gates({"k3_kl": 1e-3, "ess": 0.99}, above={"k3_kl": 1e-3}, below={"ess": 0.995})
     assert [(g["metric"], g["failed"]) for g in gates] == [("k3_kl", False), ("ess", True)]
 
 
@@ -144,7 +145,7 @@ def test_broad_drift_falls_back_to_truncation_and_says_why():
 def test_options_cover_the_grid_and_flag_the_configured_one():
     cfg = build_config("tiny-cpu", overrides=["algorithm.is_correction.lower=0.5"])
     _, _, report = _report(torch.zeros(8, 4), cfg=cfg)
-    grid = sum(len(v) for v in dg.OPTION_GRID.values()) * 2
+    grid = sum(len(v) for v in rules.OPTION_GRID.values()) * 2
     assert len(report["options"]) == grid + 1
     mine = [o for o in report["options"] if o["configured"]]
     assert [(o["level"], o["action"], o["threshold"], o["lower"]) for o in mine] == [("token", "truncate", 2.0, 0.5)]
