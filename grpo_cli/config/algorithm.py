@@ -226,6 +226,6 @@ class AlgorithmConfig(Section):
     def _expand_preset(cls, data: Any) -> Any:
         if not isinstance(data, dict) or data.get("loss") is None:
             return data
-        if data["loss"] not in PRESETS:
-            return data  # the Literal check reports the valid names
+        if not isinstance(data["loss"], str) or data["loss"] not in PRESETS:
+            return data  # the Literal check reports the valid names (a mapping there is not hashable)
         return _merge(PRESETS[data["loss"]], data)

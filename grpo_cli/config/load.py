@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -136,16 +137,50 @@ def format_validation_error(exc: ValidationError) -> str:
     return "Invalid configuration: " + " ".join(parts) + " Fix it in your config file or with --set key=value."
 
 
+def check_override_path(path: list[str], item: str) -> None:
+    """Refuse `--set a.b.c=v` where `a.b` is a single value in the schema (a number, a name, a list): a sub-key
+    there has no meaning, and merging it would replace the value by a mapping."""
+    from grpo_cli.config.reference import section_model
+
+    model: Any = GRPOConfig
+    for depth, part in enumerate(path[:-1]):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return  # an unknown key: validation names it with the valid ones
+        model = section_model(field.annotation)
+        if model is None:
+            choices = typing.get_args(field.annotation)
+            if typing.get_origin(field.annotation) is dict or any(
+                    isinstance(a, type) and issubclass(a, BaseModel) for a in choices):
+                return  # a mapping or a choice of sections: validation judges the sub-key
+            where = ".".join(path[: depth + 1])
+            raise ConfigError(
+                f"--set '{item}': {where} is a single value, not a section, so it has no sub-key "
+                f"'{path[depth + 1]}'; set it as a whole (--set {where}=VALUE) or check the key's spelling "
+                "(`grpo presets show NAME` lists every key)."
+            )
+
+
 def build_config(
     preset: str | None = None, file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> GRPOConfig:
-    """Merge preset, user file and overrides (later wins) and validate into a frozen `GRPOConfig`."""
-    name = preset or DEFAULT_PRESET
-    tree: dict[str, Any] = deep_merge(load_preset(name), {"preset": name})
-    if file is not None:
-        tree = deep_merge(tree, _read_yaml(Path(file), "config file"))
+    """Merge preset, user file and overrides (later wins) and validate into a frozen `GRPOConfig`.
+
+    The base is `preset`, else the file's own `extends: NAME`, else the default preset; a file that names no
+    preset starts from the default's model, data, rewards and sizes but not from its `eval` block (evaluation of
+    the default's built-in task would not fit the file's own data)."""
+    user = _read_yaml(Path(file), "config file") if file is not None else {}
+    extends = user.pop("extends", None)
+    if preset and extends and preset != extends:
+        raise ConfigError(f"the preset '{preset}' and the config file's `extends: {extends}` disagree; keep one.")
+    name = preset or extends or DEFAULT_PRESET
+    base = load_preset(name)
+    if file is not None and not (preset or extends):
+        base.pop("eval", None)
+    tree: dict[str, Any] = deep_merge(deep_merge(base, {"preset": name}), user)
     for item in overrides:
         path, value = parse_override(item)
+        check_override_path(path, item)
         tree = set_path(tree, path, value)
     return validate_tree(tree)
 

@@ -1,8 +1,11 @@
-"""Generate README's config reference (markdown) from the schema: `python -m grpo_cli.config.reference`."""
+"""Generate the config reference of docs/configuration.md (markdown) from the schema: `python -m
+grpo_cli.config.reference` prints it, `--write` puts it between the markers of docs/configuration.md."""
 
 from __future__ import annotations
 
+import sys
 import typing
+from pathlib import Path
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
@@ -34,6 +37,13 @@ def _optional_section(ann) -> type[BaseModel] | None:
     return None
 
 
+def section_model(ann) -> type[BaseModel] | None:
+    """The section model of a field's annotation (`Section` or `Section | None`); None for a single value."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    return _optional_section(ann)
+
+
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
     for name, field in model.model_fields.items():
@@ -55,5 +65,14 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
+def write_reference(page: Path) -> None:
+    """Replace the table between `BEGIN` and `END` in `page` with the current one."""
+    text = page.read_text()
+    page.write_text(text[: text.index(BEGIN)] + reference_markdown() + text[text.index(END) + len(END):])
+
+
 if __name__ == "__main__":
-    print(reference_markdown())
+    if sys.argv[1:] == ["--write"]:
+        write_reference(Path(__file__).resolve().parents[2] / "docs" / "configuration.md")
+    else:
+        print(reference_markdown())

@@ -35,6 +35,10 @@ def test_presets_list_and_show():
     (["train", "--config", "/no/such/file.yaml"], "does not exist"),
     (["train", "--preset", "qwen-72b-colocate"], "needs 8 CUDA GPUs, found 0"),
     (["plan", "--gpu-mem", "lots"], "--gpu-mem 'lots' is not a size"),
+    (["train", "--preset", "qwen-1.5b-server", "--set", "algorithm.loss.x=1e309", "--dry-run"],
+     "algorithm.loss is a single value"),
+    (["train", "--preset", "qwen-72b-colocate", "--set", "algorithm.loss.bogus=inf", "--dry-run"],
+     "no sub-key 'bogus'"),
 ])
 def test_user_errors_exit_2_with_one_paragraph(args, needle):
     result = runner.invoke(app, args)
