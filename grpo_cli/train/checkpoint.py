@@ -39,14 +39,38 @@ def resume_fingerprint(cfg: GRPOConfig) -> dict:
 
 def rng_state(device: torch.device) -> dict:
     """This process's generators: Python's, NumPy's, torch's CPU one and, on CUDA, its device's (dropout draws from
-    it). Saved per rank: each rank's generators advance differently."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), **rng_states(device)}
+    it), as tensors and plain numbers only, so that resuming loads them with `torch.load(weights_only=True)` (an
+    unpickler that builds no arbitrary objects: a crafted checkpoint cannot run code). Saved per rank: each rank's
+    generators advance differently."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            **rng_states(device)}
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
     set_rng_states(state, device)
+
+
+def load_rng_file(path: Path) -> dict:
+    """An RNG file read with `weights_only=True`. Files of grpo-cli before 0.2 pickled NumPy arrays, which only an
+    unrestricted unpickler (one that runs whatever a crafted file says) reads: they are refused, with the way out."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path} holds random-generator states in the old pickled format, which would have to be loaded with "
+            "an unrestricted unpickler (it runs any code a crafted file contains). Resume from a checkpoint this "
+            "version wrote, or start a new run from these weights with --set model.name_or_path=<checkpoint>."
+        ) from None
 
 
 def _rng_file(path: Path, rank: int) -> Path:
@@ -161,6 +185,5 @@ def load_checkpoint(path: Path, *, cfg: GRPOConfig, policy, verify: bool = True)
         )
     policy.backend.load_state(path)
     policy.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    # our own file, checksum-verified: Python's and NumPy's states are tuples that weights_only refuses
-    set_rng_state(torch.load(_rng_file(path, info.rank), weights_only=False), policy.device)
+    set_rng_state(load_rng_file(_rng_file(path, info.rank)), policy.device)
     return state

@@ -164,7 +164,7 @@ def test_cuda_generator_is_saved_and_restored(tmp_path, setup, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d: restored.append((s.tolist(), d)))
     on_cuda = dataclasses.replace(policy, device=torch.device("cuda", 1))
     path = ckpt.save_checkpoint(tmp_path, step=1, cfg=cfg, policy=on_cuda, trainer_state=_state(1), keep_last=2)
-    assert torch.load(path / "rng-0.pt", weights_only=False)["cuda"].tolist() == [1, 42]
+    assert torch.load(path / "rng-0.pt", weights_only=True)["cuda"].tolist() == [1, 42]
     ckpt.load_checkpoint(path, cfg=cfg, policy=on_cuda)
     assert restored == [([1, 42], torch.device("cuda", 1))]
 
@@ -212,3 +212,31 @@ def test_resume_hashes_each_file_once(tmp_path, monkeypatch):
                            output_dir=str(tmp_path))
     assert summary["steps"] == 2
     assert sorted(str(p.relative_to(saved)) for p in hashed if saved in p.parents) == files
+
+
+def test_rng_files_load_without_unpickling_code(tmp_path, setup):
+    """Every generator (Python, NumPy, torch) resumes exactly from a file `torch.load(weights_only=True)` reads; a
+    file that needs the unrestricted unpickler (the old format, or a crafted one that would run code) is refused
+    with a CheckpointError naming it, and its code never runs."""
+    import os
+    import pickle
+    import random
+
+    import numpy as np
+
+    cfg, policy = setup
+    path = ckpt.save_checkpoint(tmp_path, step=1, cfg=cfg, policy=policy, trainer_state=_state(1), keep_last=2)
+    draws = (random.random(), np.random.rand(), torch.rand(1).item())
+    ckpt.set_rng_state(ckpt.load_rng_file(path / "rng-0.pt"), policy.device)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    crafted = tmp_path / "rng-crafted.pt"
+    with open(crafted, "wb") as f:
+        pickle.dump({"python": Payload()}, f)
+    with pytest.raises(ckpt.CheckpointError, match="rng-crafted.pt holds random-generator states in the old"):
+        ckpt.load_rng_file(crafted)
+    assert not (tmp_path / "pwned").exists()
