@@ -8,6 +8,7 @@ import torch
 from grpo_cli.algo.advantages import weighted_rewards
 from grpo_cli.algo.pass_at_k import k_values, pass_at_k
 from grpo_cli.config.schema import EvalConfig
+from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.runtime.dist import DistInfo, all_reduce_sum
 
 
@@ -16,17 +17,18 @@ def _sum_count(values: torch.Tensor) -> tuple[float, float]:
     return float(ok.sum()), float(len(ok))
 
 
-def local_sums(cfg: EvalConfig, *, per_func: torch.Tensor, names: list[str], weights: list[float],
+def local_sums(cfg: EvalConfig, *, per_func: torch.Tensor, reward_fns: list[RewardFn],
                completion_ids: list[list[int]], group_size: int) -> dict[str, tuple[float, float]]:
     """(sum, count) of every metric over this rank's completions (B = prompts × group_size, group-contiguous);
-    a missing score (None → NaN) is left out of its mean and counts as not correct for pass@k."""
+    a missing score (None → NaN) is left out of its mean and counts as not correct for pass@k. A function's metric
+    is `eval/<label>/mean` with training's label (`RewardFn.label`: the alias or the function's name, no path)."""
     out: dict[str, tuple[float, float]] = {}
-    rewards = weighted_rewards(per_func, weights)
+    rewards = weighted_rewards(per_func, [f.weight for f in reward_fns])
     if "reward" in cfg.metrics:
         out["eval/reward/mean"] = _sum_count(rewards)
     if "per_function" in cfg.metrics:
-        for name, col in zip(names, per_func.T, strict=True):
-            out[f"eval/{name}/mean"] = _sum_count(col)
+        for fn, col in zip(reward_fns, per_func.T, strict=True):
+            out[f"eval/{fn.label}/mean"] = _sum_count(col)
     if "pass_at_k" in cfg.metrics:
         correct = (rewards >= cfg.pass_threshold).reshape(-1, group_size).sum(dim=1)
         for k in k_values(group_size):

@@ -71,9 +71,8 @@ class Evaluator:
         rollout = generate(self.prompts, sampling)
         scored = score_rollout(self.cfg, self.reward_fns, self.tokenizer, self.prompts, rollout,
                                group_size=sampling.n, max_completion_length=sampling.max_tokens)
-        sums = local_sums(self.cfg.eval, per_func=scored.per_func, names=[f.name for f in self.reward_fns],
-                          weights=[f.weight for f in self.reward_fns], completion_ids=rollout.completion_ids,
-                          group_size=sampling.n)
+        sums = local_sums(self.cfg.eval, per_func=scored.per_func, reward_fns=self.reward_fns,
+                          completion_ids=rollout.completion_ids, group_size=sampling.n)
         out = reduce_means(sums, self.dist)
         out["time/eval"] = time.perf_counter() - start
         return out

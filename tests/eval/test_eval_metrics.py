@@ -10,14 +10,19 @@ import torch
 from grpo_cli.config.schema import EvalConfig
 from grpo_cli.data.sources import DataError, load_rows
 from grpo_cli.eval.metrics import local_sums, reduce_means
+from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.runtime.dist import DistInfo
+
+
+def _fn(name: str, weight: float, **kw) -> RewardFn:
+    return RewardFn(name=name, fn=lambda **_: [], weight=weight, kwargs={}, **kw)
 
 
 def test_eval_metrics_by_hand():
     # 2 prompts × G = 2; functions a (weight 1) and b (weight 2); one missing score of b.
     per_func = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, float("nan")]])
     cfg = EvalConfig(pass_threshold=1.0)
-    sums = local_sums(cfg, per_func=per_func, names=["a", "b"], weights=[1.0, 2.0],
+    sums = local_sums(cfg, per_func=per_func, reward_fns=[_fn("a", 1.0), _fn("b", 2.0)],
                       completion_ids=[[1], [1, 2], [1, 2, 3], [1, 2, 3, 4]], group_size=2)
     out = reduce_means(sums, DistInfo())
     # rewards: 1, 0, 3, 0 → mean 1; correct (≥ 1): prompt 0 has 1 of 2, prompt 1 has 1 of 2.
@@ -29,10 +34,29 @@ def test_eval_metrics_by_hand():
 
 def test_eval_metrics_can_be_chosen():
     cfg = EvalConfig(metrics=["reward"])
-    sums = local_sums(cfg, per_func=torch.zeros(4, 1), names=["a"], weights=[1.0], completion_ids=[[1]] * 4,
+    sums = local_sums(cfg, per_func=torch.zeros(4, 1), reward_fns=[_fn("a", 1.0)], completion_ids=[[1]] * 4,
                       group_size=4)
     assert set(reduce_means(sums, DistInfo())) == {"eval/reward/mean"}
     assert math.isnan(reduce_means({"x": (0.0, 0.0)}, DistInfo())["x"])
+
+
+def test_eval_and_training_label_a_reward_file_function_alike(tmp_path):
+    """A function given as /abs/path/rw.py:mine is `eval/mine/mean` (was `eval//abs/path/rw.py:mine/mean`), as
+    training's `reward/mine/mean`; an alias wins in both."""
+    from types import SimpleNamespace
+
+    from grpo_cli.train.scoring.rewards_phase import reward_metrics
+
+    fns = [_fn(f"{tmp_path}/rw.py:mine", 1.0), _fn("length", 1.0, label="short")]
+    per_func = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    evaluated = reduce_means(local_sums(EvalConfig(metrics=["per_function"]), per_func=per_func, reward_fns=fns,
+                                        completion_ids=[[1], [2]], group_size=2), DistInfo())
+    assert set(evaluated) == {"eval/mine/mean", "eval/short/mean"}
+    scored = SimpleNamespace(per_func=per_func, errors=0,
+                             rollout=SimpleNamespace(completion_ids=[[1], [2]], finish_reasons=["stop", "stop"]))
+    trained = reward_metrics(SimpleNamespace(train=SimpleNamespace(generations_per_prompt=2)), fns, scored)
+    assert {k for k in trained if k.count("/") == 2 and k.endswith("/mean")} == {"reward/mine/mean",
+                                                                                  "reward/short/mean"}
 
 
 @pytest.mark.parametrize("task", ["words", "arith"])
