@@ -55,7 +55,7 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
                       log_path=run_dir / "train.log" if main_rank else None) as view:
         summary = run_training(cfg, output_dir=str(run_dir), reporter=view)
         if main_rank:
-            view.message(
+            view.finish(
                 f"done: {summary['steps']} steps; mean reward first 10% = {summary['reward_first_10pct']:.3f}, "
                 f"last 10% = {summary['reward_last_10pct']:.3f}; run dir {summary['output_dir']}"
             )

@@ -16,7 +16,7 @@ from grpo_cli.rewards.resolve import build_reward_fns
 from grpo_cli.rollout.base import EngineContext
 from grpo_cli.rollout.factory import make_engine, sampling_params
 from grpo_cli.train import checkpoint as ckpt
-from grpo_cli.train.supervise.alarms import step_alarms
+from grpo_cli.train.supervise.alarms import StepAlarms
 from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_seed
 from grpo_cli.train.pipeline import RolloutPipeline
 from grpo_cli.train.policy import eos_token_ids, load_policy
@@ -163,13 +163,15 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
                                      trainer_state=_trainer_state(trainer, st), keep_last=cfg.checkpoint.keep_last)
         log(f"checkpoint saved: {saved}")
 
+    alarms = StepAlarms()
+
     def on_step(step, metrics, samples):
         if run_dir is not None:
             run_dir.log_step(step, metrics, samples)
         log_trackers(trackers, step, metrics)
         if reporter is not None and info.is_main:
             reporter.update(step, metrics, samples)
-            for alarm in step_alarms(metrics):
+            for alarm in alarms.check(metrics):
                 reporter.alarm(step, alarm)
 
     try:

@@ -38,9 +38,12 @@ def sparkline(values: list[float]) -> str:
 
 
 def rate_text(steps_per_s: float | None) -> str:
+    """`0.21 steps/s (4.8 s/step)`; under a second a step, milliseconds (`20.00 steps/s (50 ms/step)`)."""
     if not steps_per_s:
         return "- steps/s"
-    return f"{steps_per_s:.2f} steps/s ({1 / steps_per_s:.1f} s/step)"
+    seconds = 1 / steps_per_s
+    per_step = f"{seconds:.1f} s/step" if seconds >= 1 else f"{seconds * 1000:.0f} ms/step"
+    return f"{steps_per_s:.2f} steps/s ({per_step})"
 
 
 def progress_line(step: int, total: int, *, elapsed: float, eta: float | None, steps_per_s: float | None) -> Table:

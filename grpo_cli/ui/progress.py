@@ -137,6 +137,14 @@ class ProgressView:
         else:
             self.console.print(line, highlight=False, soft_wrap=True)
 
+    def finish(self, text: str) -> None:
+        """The run's last line, below the final frame: the live view is stopped first (its last frame stays on
+        screen once), so the line is not printed above a frame that is then drawn again."""
+        if self.live is not None:
+            self.live.__exit__(None, None, None)
+            self.live = None
+        self.message(text)
+
     def alarm(self, step: int, text: str) -> None:
         self.last_alarm = f"(step {step}) {text}"
         self.message(f"alarm (step {step}): {text}")

@@ -68,3 +68,18 @@ def test_sparkline_scales_between_min_and_max():
     assert sparkline([0.0, 1.0, 2.0]) == "▁▅█"
     assert sparkline([1.0, 1.0]) == "▁▁"
     assert sparkline([float("nan"), 1.0, 3.0]) == " ▁█"
+
+
+def test_fast_steps_show_milliseconds_and_the_done_line_follows_the_last_frame(tmp_path):
+    from grpo_cli.ui.live_parts import rate_text
+
+    assert rate_text(20.0) == "20.00 steps/s (50 ms/step)"  # was "(0.0 s/step)"
+    assert rate_text(0.21) == "0.21 steps/s (4.8 s/step)"
+    console = Console(file=io.StringIO(), width=140, color_system=None, force_terminal=True)
+    with ProgressView(2, mode="rich", console=console) as view:
+        for step in (1, 2):
+            view.update(step, _metrics(step), _sample(step))
+        view.finish("done: 2 steps")
+    out = console.file.getvalue()
+    assert out.rstrip().endswith("done: 2 steps")  # no frame drawn again after it
+    assert out.count("done: 2 steps") == 1
