@@ -44,5 +44,7 @@ def launch_command(cfg: GRPOConfig, argv: list[str]) -> list[str]:
     # Every backend (ddp, fsdp2, deepspeed) is built inside the workers from the config (train/backends), so
     # accelerate only starts the processes: its `--multi_gpu` launcher (torchrun) works on CPU too, where the
     # workers join a gloo group; its `--cpu` would run ONE process.
-    cmd.append("--multi_gpu")
+    # Precision and compilation are the config's (model.dtype, rollout.compile), not accelerate's: saying so
+    # also keeps accelerate from printing its "values were not passed ... defaults used" block on every launch.
+    cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
     return [*cmd, *worker]

@@ -35,6 +35,7 @@ def test_cli_relaunches_through_accelerate(tmp_path):
         capture_output=True, text=True, timeout=600, env=_env(tmp_path), cwd=tmp_path,
     )
     assert "launching: " in out.stdout and "--multi_gpu" in out.stdout
+    assert "were not passed to `accelerate launch`" not in out.stdout + out.stderr  # grpo passes what it knows
     _check_run(run, out)
 
 
