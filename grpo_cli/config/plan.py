@@ -75,7 +75,7 @@ def model_shape(name: str) -> ModelShape:
             per_layer += 2 * head
         emb = v * h * (1 if c.get("tie_word_embeddings") else 2)
         return ModelShape(n_layers * per_layer + emb + h, h, n_layers, kv, emb + h)
-    if name == "builtin:tiny":
+    if name in ("builtin:tiny", "builtin:tiny-tools"):
         return ModelShape(90_944, 64, 2, 64, 8_768)
     m = re.search(r"(\d+(?:\.\d+)?)B", name, re.IGNORECASE)
     billions = float(m.group(1)) if m else 1.0

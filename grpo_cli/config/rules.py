@@ -197,6 +197,15 @@ def _check_lora_and_eval(cfg: GRPOConfig) -> None:
         )
 
 
+def _check_agent(cfg: GRPOConfig) -> None:
+    if cfg.agent is not None and cfg.rollout.mode == "async":
+        raise ValueError(
+            "agent (multi-turn tool calling) does not run in rollout.mode async yet: the Ray actors generate single "
+            "turns. Use rollout.mode colocate or server (hf, vllm, grpo serve-rollout and SGLang all work), or set "
+            "agent: null."
+        )
+
+
 def check_rules(cfg: GRPOConfig) -> None:
     """Raise ValueError (naming the field and the fix) when fields contradict each other."""
     _check_batch(cfg)
@@ -204,3 +213,4 @@ def check_rules(cfg: GRPOConfig) -> None:
     _check_distributed(cfg)
     _check_sharding(cfg)
     _check_lora_and_eval(cfg)
+    _check_agent(cfg)

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from grpo_cli.config.agent import AgentConfig
 from grpo_cli.config.algorithm import AlgorithmConfig
 from grpo_cli.config.base import Section
 from grpo_cli.config.rollout import RolloutConfig
@@ -300,6 +301,8 @@ class GRPOConfig(Section):
     """Reward functions."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Generation engine and sampling."""
+    agent: AgentConfig | None = None
+    """Multi-turn tool calling during rollouts (null: single-turn completions)."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     """Advantages, objective, aggregation, KL and importance-sampling correction."""
     train: TrainConfig = Field(default_factory=TrainConfig)

@@ -17,18 +17,19 @@ class Prompt:
     columns: dict
 
 
-def render(tokenizer, value, column: str) -> str:
-    """Chat messages through the tokenizer's chat template; plain strings as they are."""
+def render(tokenizer, value, column: str, *, tools: list[dict] | None = None) -> str:
+    """Chat messages through the tokenizer's chat template (with the tool schemas, `agent:`); plain strings as
+    they are."""
     if isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
-        return tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True, tools=tools)
     raise DataError(f"data.prompt_column '{column}' must hold a string or a list of chat messages "
                     f"({{role, content}}); got {type(value).__name__}.")
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, *, prompt_column: str, max_prompt_length: int,
-                     overlong_prompts: str) -> tuple[list[Prompt], int]:
+                     overlong_prompts: str, tools: list[dict] | None = None) -> tuple[list[Prompt], int]:
     """Tokenise every row; prompts longer than `max_prompt_length` are dropped (`filter`) or rejected (`error`).
     Returns the prompts kept and the number dropped."""
     if rows and prompt_column not in rows[0]:
@@ -36,7 +37,7 @@ def tokenize_prompts(rows: list[dict], tokenizer, *, prompt_column: str, max_pro
                         f"{sorted(rows[0])}); set data.prompt_column to the one holding the prompt.")
     kept, dropped = [], 0
     for i, row in enumerate(rows):
-        text = render(tokenizer, row[prompt_column], prompt_column)
+        text = render(tokenizer, row[prompt_column], prompt_column, tools=tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             if overlong_prompts == "error":

@@ -11,6 +11,8 @@ from pathlib import Path
 
 TINY_NAME = "builtin:tiny"
 TINY_VERSION = 1
+TOOLS_NAME = "builtin:tiny-tools"
+"""The built-in tiny model whose tokenizer can call tools (`tiny-cpu-tools`)."""
 SPECIAL = ["<pad>", "<eos>", "<unk>", "<system>", "<user>", "<assistant>"]
 WORDS = (
     "zero one two three four five six seven eight nine ten plus minus times is what the a cat dog sun moon "
@@ -23,6 +25,23 @@ CHAT_TEMPLATE = (
 )
 
 
+TOOL_SPECIAL = ["<tool>"]
+"""The tool role of `TOOLS_TEMPLATE` (a special token, like the other roles)."""
+TOOL_WORDS = (["<tool_call>", "</tool_call>", '{"name":', '"calculator",', '"arguments":', '{"a":', '"b":', "tools",
+               "calculator"] + [f"{d}," for d in range(10)] + [f"{d}}}}}" for d in range(10)]
+              + [str(n) for n in range(21)])
+"""Words a hermes call to the built-in `calculator` is made of, so that the word-level model can write one
+(`<tool_call> {"name": "calculator", "arguments": {"a": 2, "b": 3}} </tool_call>` decodes to valid JSON), and the
+numbers its results are. Plain (not special) tokens: decoding keeps them, as Qwen's tokenizer keeps `<tool_call>`."""
+TOOLS_TEMPLATE = (
+    "{% if tools %}<system> tools {% for t in tools %}{{ t['function']['name'] }} {% endfor %}<eos> {% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+"""ChatML-like: every message ends with the end-of-turn `<eos>`, a tool result is a `<tool>` message, and a
+conversation with one more turn renders as the shorter one plus that turn (prefix-preserving)."""
+
+
 def cache_dir() -> Path:
     """Where built-in artefacts live: $GRPO_CLI_CACHE or ~/.cache/grpo-cli."""
     return Path(os.environ.get("GRPO_CLI_CACHE", Path.home() / ".cache" / "grpo-cli"))
@@ -33,9 +52,10 @@ CHARS = ["Ġ"] + [chr(c) for c in range(33, 127)]
 tokenizers (Qwen2's, which transformers substitutes for a qwen2 checkpoint) spell it."""
 
 
-def build_tokenizer(path: Path, *, chars: bool = False):
+def build_tokenizer(path: Path, *, chars: bool = False, tools: bool = False):
     """Write a fast tokenizer with a chat template: word-level (whitespace split, space-joined decode), or with
-    `chars` one token per printable ASCII character (decode concatenates); the chat roles are special tokens."""
+    `chars` one token per printable ASCII character (decode concatenates); the chat roles are special tokens.
+    `tools` (word-level): the tool role, the words of a calculator call and `TOOLS_TEMPLATE`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,13 +66,16 @@ def build_tokenizer(path: Path, *, chars: bool = False):
         core.add_special_tokens(SPECIAL)
         core.decoder = decoders.ByteLevel()
     else:
-        core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(SPECIAL + WORDS)}, unk_token="<unk>"))
+        special = SPECIAL + (TOOL_SPECIAL if tools else [])
+        vocab = special + WORDS + ([w for w in TOOL_WORDS if w not in WORDS] if tools else [])
+        core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
         core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        core.add_special_tokens(special)
         core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = TOOLS_TEMPLATE if tools else CHAT_TEMPLATE
     tok.save_pretrained(path)
     return tok
 
@@ -86,7 +109,7 @@ def _config(arch: str, *, vocab: int, hidden_size: int, num_layers: int, head_di
 
 def build_tiny_checkpoint(
     path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, head_dim: int = 32, seed: int = 0,
-    arch: str = "llama", kv_heads: int | None = None, chars: bool = False,
+    arch: str = "llama", kv_heads: int | None = None, chars: bool = False, tools: bool = False,
 ) -> Path:
     """Build a random-init model of `arch` (fp32, head_dim 32 so vLLM accepts it) and its tokenizer at `path`;
     `kv_heads` overrides the architecture's K/V head count, `chars` picks the character-level tokenizer."""
@@ -95,7 +118,7 @@ def build_tiny_checkpoint(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(path, chars=chars)
+    tok = build_tokenizer(path, chars=chars, tools=tools)
     config = _config(arch, vocab=len(tok), hidden_size=hidden_size, num_layers=num_layers, head_dim=head_dim,
                      eos=tok.eos_token_id, pad=tok.pad_token_id)
     if kv_heads is not None:
@@ -123,16 +146,18 @@ def build_tiny_checkpoint(
 
 
 def resolve_model_path(name: str) -> str:
-    """Map `builtin:tiny` to its cached folder (built once, atomically); other names pass through."""
-    if name != TINY_NAME:
+    """Map `builtin:tiny` (and `builtin:tiny-tools`) to its cached folder (built once, atomically); other names
+    pass through."""
+    if name not in (TINY_NAME, TOOLS_NAME):
         return name
-    target = cache_dir() / f"tiny-v{TINY_VERSION}"
+    tools = name == TOOLS_NAME
+    target = cache_dir() / f"tiny{'-tools' if tools else ''}-v{TINY_VERSION}"
     if (target / "grpo_cli_tiny.json").exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
-        build_tiny_checkpoint(tmp)
+        build_tiny_checkpoint(tmp, tools=tools)
         missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (tmp / f).is_file()]
         if missing:
             raise RuntimeError(f"building {TINY_NAME} left out {missing} (in {tmp})")

@@ -42,6 +42,13 @@ class RolloutBatch:
     sampler_logprobs: list[list[float]] | None = None
     weight_version: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    loss_masks: list[list[int]] | None = None
+    """Multi-turn rollouts (`agent`): 1 for each sampled token, 0 for the environment's (tool results and the
+    template around them), which then take no part in the loss, KL, entropy, ratios or length metrics."""
+    trajectories: list[list[dict]] | None = None
+    """Multi-turn rollouts: each completion as chat messages (assistant turns and tool results)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Step metrics the rollout measured (`tools/*`)."""
 
 
 class RolloutError(UserError, RuntimeError):

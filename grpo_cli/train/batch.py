@@ -43,7 +43,8 @@ class TrainBatch:
 
 
 def build_batch(rollout: RolloutBatch, *, group_size: int, pad_token_id: int) -> TrainBatch:
-    """Completion j belongs to prompt j // group_size. Sampler logprobs are padded with 0 under the mask."""
+    """Completion j belongs to prompt j // group_size. Sampler logprobs are padded with 0 under the mask; a
+    multi-turn rollout's environment tokens (`loss_masks` 0) are inside the sequence but outside the mask."""
     comps = rollout.completion_ids
     prompts = [rollout.prompt_ids[j // group_size] for j in range(len(comps))]
     p_len, t_len = max(map(len, prompts)), max(1, max(map(len, comps)))
@@ -56,7 +57,8 @@ def build_batch(rollout: RolloutBatch, *, group_size: int, pad_token_id: int) ->
         ids[j, p_len - len(p) : p_len] = torch.tensor(p)
         attn[j, p_len - len(p) : p_len + len(c)] = 1
         ids[j, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long)
-        cmask[j, : len(c)] = 1.0
+        cmask[j, : len(c)] = 1.0 if rollout.loss_masks is None else torch.tensor(rollout.loss_masks[j],
+                                                                                 dtype=torch.float32)
         if sampler is not None:
             sampler[j, : len(c)] = torch.tensor(rollout.sampler_logprobs[j], dtype=torch.float32)
     truncated = torch.tensor([r == "length" for r in rollout.finish_reasons], dtype=torch.bool)

@@ -214,9 +214,11 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
     if tr.pipeline is not None:
         metrics["async/actor_generate_s"] = rollout.timings.get("generate", 0.0)
         metrics["async/in_flight"] = float(len(tr.pipeline.flight))
+    metrics.update(rollout.metrics)  # tools/* of a multi-turn rollout
     samples = [
         {"step": state.step, "prompt": prompts[j // cfg.train.generations_per_prompt].text,
-         "completion": completions[j], "reward": float(rewards[j]), "advantage": float(advantages[j].flatten()[0])}
+         "completion": completions[j], "reward": float(rewards[j]), "advantage": float(advantages[j].flatten()[0]),
+         **({"messages": rollout.trajectories[j]} if rollout.trajectories is not None else {})}
         for j in range(min(cfg.logging.log_completions, len(completions)))
     ]
     return mean_metrics(metrics, tr.dist), samples

@@ -33,9 +33,16 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     reward_fns = build_reward_fns(cfg.rewards.functions)
     policy = load_policy(cfg, model_path, device=device, info=info)
     rows = load_rows(cfg.data.source, seed=cfg.train.seed)
+    schemas = None
+    if cfg.agent is not None:
+        from grpo_cli.agent.rollout import agent_tools
+
+        if cfg.agent.chat_template:
+            policy.tokenizer.chat_template = cfg.agent.chat_template
+        schemas = agent_tools(cfg.agent, policy.tokenizer)[1]
     prompts, dropped = tokenize_prompts(
         rows, policy.tokenizer, prompt_column=cfg.data.prompt_column,
-        max_prompt_length=cfg.data.max_prompt_length, overlong_prompts=cfg.data.overlong_prompts,
+        max_prompt_length=cfg.data.max_prompt_length, overlong_prompts=cfg.data.overlong_prompts, tools=schemas,
     )
     if dropped:
         log(f"data: dropped {dropped} of {len(rows)} prompts longer than {cfg.data.max_prompt_length} tokens")
@@ -45,6 +52,10 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     if cfg.rollout.mode == "async":
         share_cores(cfg, device)
     engine = make_engine(cfg, ctx, policy=policy.module, broadcast=lambda obj: broadcast_object(obj, info))
+    if cfg.agent is not None:
+        from grpo_cli.agent.rollout import wrap_engine
+
+        engine = wrap_engine(engine, cfg.agent, policy.tokenizer)
     offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload)
     if not engine.shares_policy_weights:

@@ -165,3 +165,21 @@ def test_72b_recipe_plan_and_rehearsal_notes(tmp_path):
     assert notes.returncode == 0, notes.stderr
     assert "tensor_parallel_size 8 → 2" in notes.stdout and "builtin:tiny" in notes.stdout
     assert "grpo train --preset qwen-72b-colocate --rehearse" in readme
+
+
+@pytest.mark.slow
+def test_tool_calling(tmp_path):
+    """The tool-calling example with a parser that reads every finished turn as a `lookup` call (a random-init
+    model rarely writes one): its tools run in fresh processes, an error comes back as a message, turns go on."""
+    run = tmp_path / "run"
+    out = _run(["grpo", "train", "--config", "config.yaml", "--output-dir", str(run), "--set", "train.steps=2",
+                "--set", "logging.progress=plain", "--set",
+                f"agent.tool_parser={Path(__file__).parent / 'lookup_parser.py'}:every_turn_looks_up"],
+               EXAMPLES / "07-tool-calling", _env(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = _metrics(run)
+    assert len(rows) == 2 and sum(r["tools/calls_per_rollout"] for r in rows) > 0
+    assert sum(r["tools/errors"] for r in rows) > 0  # lookup("blue") raises: the model reads the error
+    messages = [json.loads(line)["messages"] for line in (run / "completions.jsonl").read_text().splitlines()]
+    results = {m["content"] for ms in messages for m in ms if m["role"] == "tool"}
+    assert "3" in results and any("is not a number word" in r for r in results), results

@@ -12,10 +12,10 @@ ROOT = Path(__file__).resolve().parents[2] / "grpo_cli"
 LAYERS = {
     "cli": 4,
     "launch": 3, "diagnose": 3,
-    "train": 2, "rollout": 2, "server": 2, "eval": 2,
+    "train": 2, "rollout": 2, "server": 2, "eval": 2, "agent": 2,
     "algo": 1, "config": 1, "data": 1, "rewards": 1, "runtime": 1, "models": 1, "ui": 1,
 }
-"""cli → commands (launch, diagnose) → train/rollout/server/eval → algo/config/data/rewards/runtime/models/ui.
+"""cli → commands (launch, diagnose) → train/rollout/server/eval/agent → algo/config/data/rewards/runtime/models/ui.
 A package may import its own layer or a lower one."""
 
 

@@ -34,6 +34,9 @@ def _rows(scored: ScoredRollout, groups: list[int], g: int) -> ScoredRollout:
             sampler_logprobs=None if r.sampler_logprobs is None else [r.sampler_logprobs[j] for j in rows],
             weight_version=r.weight_version,
             timings=r.timings,
+            loss_masks=None if r.loss_masks is None else [r.loss_masks[j] for j in rows],
+            trajectories=None if r.trajectories is None else [r.trajectories[j] for j in rows],
+            metrics=r.metrics,
         ),
         completions=[scored.completions[j] for j in rows],
         per_func=scored.per_func[rows],
@@ -62,6 +65,11 @@ def concat(parts: list[ScoredRollout]) -> ScoredRollout:
             sampler_logprobs=logprobs,
             weight_version=min(r.weight_version for r in rollouts),
             timings=timings,
+            loss_masks=None if any(r.loss_masks is None for r in rollouts) else [
+                row for r in rollouts for row in r.loss_masks],
+            trajectories=None if any(r.trajectories is None for r in rollouts) else [
+                row for r in rollouts for row in r.trajectories],
+            metrics=rollouts[0].metrics,  # the step's first round
         ),
         completions=[c for part in parts for c in part.completions],
         per_func=torch.cat([p.per_func for p in parts]),

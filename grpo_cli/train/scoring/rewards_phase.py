@@ -32,21 +32,29 @@ class ScoredRollout:
 
 
 def decode_completions(tokenizer, rollout: RolloutBatch) -> list[str]:
-    return tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    """The completions' text; of a multi-turn rollout, what the model wrote (its sampled tokens, every turn), not
+    the tool results between them (reward functions get those as `messages`)."""
+    ids = rollout.completion_ids
+    if rollout.loss_masks is not None:
+        ids = [[t for t, m in zip(row, mask, strict=True) if m] for row, mask in zip(ids, rollout.loss_masks,
+                                                                                     strict=True)]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
 def score_rollout(cfg: GRPOConfig, fns: list[RewardFn], tokenizer, prompts: list[Prompt], rollout: RolloutBatch,
                   *, group_size: int | None = None, max_completion_length: int | None = None) -> ScoredRollout:
     """Decode the completions of `prompts` (each repeated G times; G = `group_size`, default the training group
-    size) and score them with every reward function. Functions that name `completion_ids` or
-    `max_completion_length` (default `rollout.max_completion_length`) as parameters receive them."""
+    size) and score them with every reward function. Functions that name `completion_ids`,
+    `max_completion_length` (default `rollout.max_completion_length`) or `messages` (a multi-turn rollout's
+    trajectories, else None) as parameters receive them."""
     g = group_size or cfg.train.generations_per_prompt
     completions = decode_completions(tokenizer, rollout)
     texts = [p.text for p in prompts for _ in range(g)]
     keys = prompts[0].columns.keys() if prompts else []
     columns = {k: [p.columns.get(k) for p in prompts for _ in range(g)] for k in keys}
     extras = {"completion_ids": rollout.completion_ids,
-              "max_completion_length": max_completion_length or cfg.rollout.max_completion_length}
+              "max_completion_length": max_completion_length or cfg.rollout.max_completion_length,
+              "messages": rollout.trajectories}
     outcome = [f for f in fns if f.kind == "outcome"]
     table, errors = score(outcome, texts, completions, columns, on_error=cfg.rewards.on_error, extras=extras)
     per_func = torch.tensor(table, dtype=torch.float32).reshape(len(completions), len(outcome))
@@ -62,7 +70,9 @@ def reward_metrics(cfg: GRPOConfig, fns: list[RewardFn], scored: ScoredRollout) 
     g = cfg.train.generations_per_prompt
     rewards = weighted_rewards(scored.per_func, [f.weight for f in fns])
     valid = rewards[~rewards.isnan()]
-    lengths = torch.tensor([len(c) for c in scored.rollout.completion_ids], dtype=torch.float32)
+    masks = getattr(scored.rollout, "loss_masks", None)  # multi-turn: sampled tokens only
+    lengths = torch.tensor([sum(m) for m in masks] if masks is not None else
+                           [len(c) for c in scored.rollout.completion_ids], dtype=torch.float32)
     metrics = {
         "reward/mean": float(valid.mean()) if len(valid) else float("nan"),
         "reward/std": float(valid.std()) if len(valid) > 1 else 0.0,

@@ -1,0 +1,144 @@
+"""Multi-turn rollouts around any engine, token-in token-out: turn k+1's input is the prompt, every sampled id so
+far and the environment's new tokens (`template.ToolFraming` around the tool result), never a re-encoding of
+decoded text. Environment tokens carry loss mask 0 and logprob 0; engines are only asked for sampled tokens."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from grpo_cli.agent.execute import run_calls
+from grpo_cli.agent.template import ToolFraming
+from grpo_cli.agent.tools import Tool, ToolCall
+from grpo_cli.config.agent import AgentConfig
+from grpo_cli.rollout.base import RolloutBatch, SamplingParams
+
+TURN_SEED_STRIDE = 1_000_003
+"""Turn t of a step samples with seed `seed + t·stride` (reproducible, different from turn 0's)."""
+
+
+@dataclass
+class Trajectory:
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    finish: str = "stop"
+    turns: int = 0
+    pending: list[ToolCall] = field(default_factory=list)
+
+
+class AgentEngine:
+    """An engine whose `generate` runs up to `agent.max_turns` assistant turns per completion, executing the tool
+    calls of each turn (concurrently across the batch) in between. A trajectory stops when a turn calls no tool,
+    ends by length (a truncated call is not run), reaches `max_turns`, or spends `max_completion_length` tokens
+    (every turn and every tool result counts; a result that would overflow is cut and ends the trajectory).
+    Everything but `generate` is the wrapped engine's."""
+
+    def __init__(self, engine, cfg: AgentConfig, tokenizer, *, tools: dict[str, Tool], parse, framing: ToolFraming):
+        self.engine, self.cfg, self.tokenizer = engine, cfg, tokenizer
+        self.tools, self.parse, self.framing = tools, parse, framing
+
+    def __getattr__(self, name):  # weight_version, update_weights, sleep, wake_up, close, score, ...
+        if name == "engine":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def _add_turn(self, t: Trajectory, ids: list[int], logprobs: list[float] | None, finish: str) -> None:
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        t.ids += ids
+        t.mask += [1] * len(ids)
+        t.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        t.messages.append({"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)})
+        t.turns += 1
+        t.finish = finish
+        t.pending = self.parse(text) if finish == "stop" else []
+
+    def _add_results(self, t: Trajectory, results: list[tuple[str, str]], budget: int) -> None:
+        cap = self.cfg.max_tool_output_tokens
+        for text, _ in results:
+            t.messages.append({"role": "tool", "content": text})
+        joined = "\n".join(text for text, _ in results)
+        result_ids = self.tokenizer.encode(joined, add_special_tokens=False)
+        if len(result_ids) > cap:
+            result_ids = result_ids[:cap] + self.tokenizer.encode(" …", add_special_tokens=False)[-1:]
+        env = self.framing.tokens(self.tokenizer, result_ids)
+        room = budget - len(t.ids)
+        if len(env) >= room:  # no room left to answer after the result: cut it, and the trajectory ends here
+            env, t.finish = env[:room], "length"
+        t.ids += env
+        t.mask += [0] * len(env)
+        t.logprobs += [0.0] * len(env)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        start = time.perf_counter()
+        first = self.engine.generate(prompt_ids, sampling)
+        n, budget = sampling.n, sampling.max_tokens
+        trajs = [Trajectory() for _ in first.completion_ids]
+        for j, t in enumerate(trajs):
+            self._add_turn(t, first.completion_ids[j],
+                           first.sampler_logprobs[j] if first.sampler_logprobs is not None else None,
+                           first.finish_reasons[j])
+        stats = {"calls": 0, "errors": 0, "timeouts": 0}
+        tool_seconds = 0.0
+        for turn in range(1, self.cfg.max_turns):
+            active = [j for j, t in enumerate(trajs) if t.pending and t.finish == "stop"]
+            if not active:
+                break
+            tick = time.perf_counter()
+            flat = [(j, call) for j in active for call in trajs[j].pending]
+            results = run_calls([c for _, c in flat], self.tools, timeout=self.cfg.tool_timeout_s,
+                                isolation=self.cfg.tool_isolation)
+            tool_seconds += time.perf_counter() - tick
+            for j in active:
+                mine = [r for (k, _), r in zip(flat, results, strict=True) if k == j]
+                stats["calls"] += len(mine)
+                stats["errors"] += sum(outcome == "error" for _, outcome in mine)
+                stats["timeouts"] += sum(outcome == "timeout" for _, outcome in mine)
+                self._add_results(trajs[j], mine, budget)
+            go = [j for j in active if trajs[j].finish == "stop"]
+            if not go:
+                break
+            room = [budget - len(trajs[j].ids) for j in go]
+            seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
+            out = self.engine.generate([prompt_ids[j // n] + trajs[j].ids for j in go],
+                                       SamplingParams(n=1, max_tokens=max(room), temperature=sampling.temperature,
+                                                      top_p=sampling.top_p, top_k=sampling.top_k, seed=seed))
+            for i, j in enumerate(go):
+                ids, finish = out.completion_ids[i][: room[i]], out.finish_reasons[i]
+                if len(out.completion_ids[i]) > room[i]:
+                    finish = "length"
+                lps = out.sampler_logprobs[i][: room[i]] if out.sampler_logprobs is not None else None
+                self._add_turn(trajs[j], ids, lps, finish)
+        b = len(trajs)
+        metrics = {"tools/calls_per_rollout": stats["calls"] / b, "tools/errors": float(stats["errors"]),
+                   "tools/timeouts": float(stats["timeouts"]), "tools/turns": sum(t.turns for t in trajs) / b}
+        return RolloutBatch(
+            prompt_ids=first.prompt_ids, completion_ids=[t.ids for t in trajs],
+            finish_reasons=[t.finish for t in trajs],
+            sampler_logprobs=[t.logprobs for t in trajs] if first.sampler_logprobs is not None else None,
+            weight_version=first.weight_version,
+            timings={**first.timings, "tools": tool_seconds, "agent_total": time.perf_counter() - start},
+            loss_masks=[t.mask for t in trajs], trajectories=[t.messages for t in trajs], metrics=metrics)
+
+
+def agent_tools(cfg: AgentConfig, tokenizer) -> tuple[dict[str, Tool], list[dict]]:
+    """The configured tools and their schemas, after checking the chat template renders them and is
+    prefix-preserving (a config-time refusal naming `agent.chat_template` otherwise)."""
+    from grpo_cli.agent.template import check_template
+    from grpo_cli.agent.tools import load_tools
+
+    tools = load_tools(cfg.tools)
+    schemas = [t.schema() for t in tools.values()]
+    check_template(tokenizer, template=cfg.chat_template, tools=schemas)
+    return tools, schemas
+
+
+def wrap_engine(engine, cfg: AgentConfig, tokenizer) -> AgentEngine:
+    """`engine` with multi-turn tool calling (`agent:`)."""
+    from grpo_cli.agent.template import tool_framing
+    from grpo_cli.agent.tools import load_parser
+
+    tools, schemas = agent_tools(cfg, tokenizer)
+    framing = tool_framing(tokenizer, template=cfg.chat_template, tools=schemas, end_of_turn=tokenizer.eos_token)
+    return AgentEngine(engine, cfg, tokenizer, tools=tools, parse=load_parser(cfg.tool_parser), framing=framing)

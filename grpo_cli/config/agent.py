@@ -1,0 +1,30 @@
+"""The `agent:` config section: multi-turn tool calling during rollouts (off unless set)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from grpo_cli.config.base import Section
+
+
+class AgentConfig(Section):
+    tools: list[str] = Field(min_length=1)
+    """Tool functions, as reward functions are named: `pkg.module:function` or `path/file.py:function`. Each
+    function's type hints and docstring give the JSON schema the chat template shows the model (`tools=`)."""
+    max_turns: int = Field(4, ge=1)
+    """Most assistant turns per rollout; a trajectory that still calls a tool after the last turn stops there."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from a turn's text: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>`, the format Qwen's templates use) or `pkg.module:function` (text → list of (name, arguments))."""
+    max_tool_output_tokens: int = Field(64, ge=1)
+    """A tool result longer than this many tokens is cut to it (the model sees `…` at the cut)."""
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """A call still running after this long is stopped and answered with a timeout error; the run goes on."""
+    tool_isolation: Literal["inline", "process"] = "process"
+    """`process`: each call runs in a fresh process (killed at the timeout, no state shared with the trainer);
+    `inline`: in a thread of the trainer (faster; a call that hangs keeps its thread until it returns)."""
+    chat_template: str | None = None
+    """A Jinja chat template used instead of the tokenizer's own (one that renders `tools` and tool messages and
+    keeps earlier turns unchanged when a turn is added)."""

@@ -1,0 +1,73 @@
+"""`grpo train` with tools, 2 steps, on the rollout paths that run here: hf and vLLM colocated in this process, a
+real `grpo serve-rollout` process in server mode. Async mode is refused by name (its actors generate single turns)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_cli.config.load import ConfigError, build_config
+from grpo_cli.train.run import run_training
+
+TOOLS = f"{Path(__file__).parent / 'tools_for_tests.py'}"
+SMALL = ["train.steps=2", "train.prompts_per_step=2", "train.generations_per_prompt=4", "train.micro_batch_size=8",
+         "checkpoint.every_steps=0", "logging.log_completions=8", f"agent.tools=[{TOOLS}:add]",
+         f"agent.tool_parser={TOOLS}:always_add", "agent.max_turns=3", "rollout.max_completion_length=64"]
+"""Every finished turn counts as a call of `add` (a random-init model rarely writes one), so the rollouts take
+several turns through the engine."""
+
+
+def _check(run) -> None:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and sum(r["tools/calls_per_rollout"] for r in rows) > 0, rows
+    assert max(r["tools/turns"] for r in rows) > 1.0 and all(r["tools/errors"] == 0 for r in rows)
+    samples = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert samples and all(s["messages"][0]["role"] == "assistant" for s in samples)
+    assert any({"role": "tool", "content": "5"} in s["messages"] for s in samples)
+
+
+def _start_server(env, cwd) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", "serve-rollout", "--engine", "hf", "--model",
+                             "builtin:tiny-tools", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=cwd)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", proc.stdout.readline())
+        if m:
+            return proc, m.group(1)
+        assert proc.poll() is None, "server exited early"
+    raise AssertionError("server did not start")
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_two_steps_with_tools_colocated(tmp_path, engine):
+    overrides = [*SMALL, f"rollout.engine={engine}"]
+    if engine == "vllm":
+        overrides += ["rollout.vllm.kv_cache_space_gib=1"]
+    run_training(build_config("tiny-cpu-tools", overrides=overrides), output_dir=str(tmp_path / "run"))
+    _check(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_two_steps_with_tools_against_a_rollout_server(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server, url = _start_server(env, tmp_path)
+    try:
+        cfg = build_config("tiny-cpu-tools", overrides=[*SMALL, "rollout.mode=server", f"rollout.server.urls=[{url}]"])
+        run_training(cfg, output_dir=str(tmp_path / "run"))
+    finally:
+        server.kill()
+        server.wait(10)
+    _check(tmp_path / "run")
+
+
+def test_async_mode_is_refused_by_name():
+    with pytest.raises(ConfigError, match="does not run in rollout.mode async"):
+        build_config("tiny-cpu-tools", overrides=["rollout.mode=async"])
