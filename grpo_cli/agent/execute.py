@@ -1,17 +1,22 @@
 """Running a turn's tool calls: concurrently across the batch, each under `agent.tool_timeout_s`, inline (a thread)
-or isolated (a fresh process, killed at the timeout). Every failure becomes the text the model reads next."""
+or isolated (a separate interpreter of `WorkerPool`, killed at the timeout). Every failure becomes the text the
+model reads next."""
 
 from __future__ import annotations
 
+import atexit
 import json
-import multiprocessing
+import select
+import subprocess
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from grpo_cli.agent.tools import Tool, ToolCall
 
 
-def _format(value) -> str:
+def format_result(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
@@ -30,45 +35,76 @@ def _check(call: ToolCall, tools: dict[str, Tool]) -> str | None:
     return None
 
 
-def _child(conn, spec: str, name: str, arguments: dict) -> None:
-    """Process entry: resolve the tool by its spec (nothing is pickled but names and JSON), run it, send back."""
-    from grpo_cli.agent.tools import load_tools
+class WorkerPool:
+    """Tool interpreters (`agent.tool_worker`), started on demand and reused: at most `size` run at once, a call
+    waits for a free one. A worker whose call passes the timeout is killed (its call answered with a timeout) and
+    replaced by a fresh one at the next call; all are killed when the trainer exits."""
 
-    try:
-        tool = next(t for t in load_tools([spec]).values() if t.name == name)
-        conn.send(("ok", _format(tool.fn(**arguments))))
-    except BaseException as exc:  # noqa: BLE001  (any failure is the model's next message)
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        conn.close()
+    def __init__(self, size: int) -> None:
+        self.idle: list[subprocess.Popen] = []
+        self.slots = threading.Semaphore(size)
+        self.lock = threading.Lock()
+        self.live: set[subprocess.Popen] = set()
+        atexit.register(self.close)
+
+    def _start(self) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "grpo_cli.agent.tool_worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        with self.lock:
+            self.live.add(proc)
+        return proc
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        proc.kill()
+        proc.wait()
+        with self.lock:
+            self.live.discard(proc)
+
+    def call(self, tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:
+        """(result text, timed out); the timeout counts from the moment a worker takes the call."""
+        with self.slots:
+            with self.lock:
+                proc = self.idle.pop() if self.idle else None
+            proc = proc or self._start()
+            deadline = time.monotonic() + timeout
+            ready = []
+            try:
+                proc.stdin.write(json.dumps({"spec": tool.spec, "name": call.name, "arguments": call.arguments})
+                                 + "\n")
+                proc.stdin.flush()
+                ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                line = proc.stdout.readline() if ready else ""
+            except (BrokenPipeError, OSError):
+                line = ""
+            if not ready:
+                self._kill(proc)
+                return f"error: {call.name} timed out after {timeout:g} s", True
+            if not line:
+                self._kill(proc)
+                return f"error: {call.name} died without a result (exit code {proc.poll()})", False
+            with self.lock:
+                self.idle.append(proc)
+            reply = json.loads(line)
+            return (reply["text"] if reply["status"] == "ok" else f"error: {reply['text']}"), False
+
+    def close(self) -> None:
+        with self.lock:
+            procs, self.live, self.idle = list(self.live), set(), []
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
-def _context():
-    """Processes forked from a fork server that has imported this module once (a call then starts in milliseconds,
-    and never inherits the trainer's threads, CUDA context or open files)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["grpo_cli.agent.execute"])
-    return ctx
+_POOL: WorkerPool | None = None
+POOL_SIZE = 8
+"""Tool interpreters at most per trainer process."""
 
 
 def _in_process(tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:
-    ctx = _context()
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, tool.spec, call.name, call.arguments), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        if not parent.poll(timeout):
-            return f"error: {call.name} timed out after {timeout:g} s", True
-        status, text = parent.recv()
-        return (text if status == "ok" else f"error: {text}"), False
-    except EOFError:
-        return f"error: {call.name} died without a result (exit code {proc.exitcode})", False
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(5)
-        parent.close()
+    global _POOL
+    if _POOL is None:
+        _POOL = WorkerPool(POOL_SIZE)
+    return _POOL.call(tool, call, timeout)
 
 
 def _in_thread(tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:
@@ -76,7 +112,7 @@ def _in_thread(tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:
 
     def run() -> None:
         try:
-            box["out"] = _format(tool.fn(**call.arguments))
+            box["out"] = format_result(tool.fn(**call.arguments))
         except Exception as exc:  # noqa: BLE001
             box["out"] = f"error: {type(exc).__name__}: {exc}"
 

@@ -23,8 +23,9 @@ class AgentConfig(Section):
     tool_timeout_s: float = Field(10.0, gt=0)
     """A call still running after this long is stopped and answered with a timeout error; the run goes on."""
     tool_isolation: Literal["inline", "process"] = "process"
-    """`process`: each call runs in a fresh process (killed at the timeout, no state shared with the trainer);
-    `inline`: in a thread of the trainer (faster; a call that hangs keeps its thread until it returns)."""
+    """`process`: calls run in separate Python interpreters (a pool of up to 8 per trainer process, reused; one
+    whose call passes the timeout is killed and replaced; nothing shared with the trainer but JSON lines);
+    `inline`: in a thread of the trainer (no interpreter start; a call that hangs keeps its thread)."""
     chat_template: str | None = None
     """A Jinja chat template used instead of the tokenizer's own (one that renders `tools` and tool messages and
     keeps earlier turns unchanged when a turn is added)."""
