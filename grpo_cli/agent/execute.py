@@ -124,18 +124,22 @@ def _in_thread(tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:
     return box["out"], False
 
 
-def run_calls(calls: list[ToolCall], tools: dict[str, Tool], *, timeout: float, isolation: str
-              ) -> list[tuple[str, str]]:
-    """(result text, outcome) per call, outcome ∈ ok | error | timeout; the calls run concurrently."""
-    def one(call: ToolCall) -> tuple[str, str]:
-        problem = _check(call, tools)
+def run_calls(calls: list[ToolCall], tools: dict[str, Tool] | list[dict[str, Tool]], *, timeout: float,
+              isolation: str) -> list[tuple[str, str]]:
+    """(result text, outcome) per call, outcome ∈ ok | error | timeout; the calls run concurrently. `tools` is one
+    set for every call, or one per call (an environment's bound methods: each trajectory has its own instance)."""
+    per_call = tools if isinstance(tools, list) else [tools] * len(calls)
+
+    def one(item: tuple[ToolCall, dict[str, Tool]]) -> tuple[str, str]:
+        call, available = item
+        problem = _check(call, available)
         if problem is not None:
             return problem, "error"
         runner = _in_process if isolation == "process" else _in_thread
-        text, timed_out = runner(tools[call.name], call, timeout)
+        text, timed_out = runner(available[call.name], call, timeout)
         return text, "timeout" if timed_out else "error" if text.startswith("error:") else "ok"
 
     if not calls:
         return []
     with ThreadPoolExecutor(max_workers=min(32, len(calls))) as pool:
-        return list(pool.map(one, calls))
+        return list(pool.map(one, zip(calls, per_call, strict=True)))

@@ -32,3 +32,10 @@ def tool_call(prompts, completions, *, messages: list | None = None, tool: str =
         out.append(1.0 if calls and ran else 0.6 if calls else 0.5 * _opening(c, tool) if "<tool_call>" in c
                    else 0.0)
     return out
+
+
+def environment(prompts, completions, *, environment_rewards: list | None = None, **_columns) -> list[float | None]:
+    """Each rollout's `agent.environment` instance's `reward()` (None, left out of the mean, where it has none)."""
+    if environment_rewards is None:
+        raise ValueError("the environment reward needs agent.environment (a class with a reward() method)")
+    return list(environment_rewards)

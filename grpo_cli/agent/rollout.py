@@ -26,6 +26,8 @@ class Trajectory:
     finish: str = "stop"
     turns: int = 0
     pending: list[ToolCall] = field(default_factory=list)
+    tools: dict[str, Tool] = field(default_factory=dict)
+    env: object = None
 
 
 class AgentEngine:
@@ -35,9 +37,27 @@ class AgentEngine:
     (every turn and every tool result counts; a result that would overflow is cut and ends the trajectory).
     Everything but `generate` is the wrapped engine's."""
 
-    def __init__(self, engine, cfg: AgentConfig, tokenizer, *, tools: dict[str, Tool], parse, framing: ToolFraming):
+    def __init__(self, engine, cfg: AgentConfig, tokenizer, *, tools: dict[str, Tool], parse, framing: ToolFraming,
+                 environment: type | None = None):
         self.engine, self.cfg, self.tokenizer = engine, cfg, tokenizer
-        self.tools, self.parse, self.framing = tools, parse, framing
+        self.tools, self.parse, self.framing, self.environment = tools, parse, framing, environment
+        self.rows: list[dict] | None = None
+
+    def bind_prompts(self, prompts) -> None:
+        """The dataset rows of the prompts the next `generate` gets (an environment's `reset(**row)`)."""
+        self.rows = [dict(p.columns) for p in prompts]
+
+    def _start(self, count: int, n: int) -> list[Trajectory]:
+        """One trajectory per completion; with an environment, a fresh instance reset with its prompt's row."""
+        trajs = [Trajectory(tools=self.tools) for _ in range(count)]
+        if self.environment is not None:
+            from grpo_cli.agent.tools import environment_tools
+
+            for j, t in enumerate(trajs):
+                t.env = self.environment()
+                t.env.reset(**(self.rows[j // n] if self.rows else {}))
+                t.tools = {**self.tools, **environment_tools(t.env, self.cfg.environment)}
+        return trajs
 
     def __getattr__(self, name):  # weight_version, update_weights, sleep, wake_up, close, score, ...
         if name == "engine":  # not set yet (copy, unpickling): no recursion
@@ -74,7 +94,7 @@ class AgentEngine:
         start = time.perf_counter()
         first = self.engine.generate(prompt_ids, sampling)
         n, budget = sampling.n, sampling.max_tokens
-        trajs = [Trajectory() for _ in first.completion_ids]
+        trajs = self._start(len(first.completion_ids), n)
         for j, t in enumerate(trajs):
             self._add_turn(t, first.completion_ids[j],
                            first.sampler_logprobs[j] if first.sampler_logprobs is not None else None,
@@ -87,8 +107,8 @@ class AgentEngine:
                 break
             tick = time.perf_counter()
             flat = [(j, call) for j in active for call in trajs[j].pending]
-            results = run_calls([c for _, c in flat], self.tools, timeout=self.cfg.tool_timeout_s,
-                                isolation=self.cfg.tool_isolation)
+            results = run_calls([c for _, c in flat], [trajs[j].tools for j, _ in flat],
+                                timeout=self.cfg.tool_timeout_s, isolation=self.cfg.tool_isolation)
             tool_seconds += time.perf_counter() - tick
             for j in active:
                 mine = [r for (k, _), r in zip(flat, results, strict=True) if k == j]
@@ -119,7 +139,9 @@ class AgentEngine:
             sampler_logprobs=[t.logprobs for t in trajs] if first.sampler_logprobs is not None else None,
             weight_version=first.weight_version,
             timings={**first.timings, "tools": tool_seconds, "agent_total": time.perf_counter() - start},
-            loss_masks=[t.mask for t in trajs], trajectories=[t.messages for t in trajs], metrics=metrics)
+            loss_masks=[t.mask for t in trajs], trajectories=[t.messages for t in trajs], metrics=metrics,
+            environment_rewards=None if self.environment is None else [
+                float(t.env.reward()) if callable(getattr(t.env, "reward", None)) else None for t in trajs])
 
 
 def agent_tools(cfg: AgentConfig, tokenizer) -> tuple[dict[str, Tool], list[dict]]:
@@ -129,7 +151,12 @@ def agent_tools(cfg: AgentConfig, tokenizer) -> tuple[dict[str, Tool], list[dict
     from grpo_cli.agent.tools import load_tools
 
     tools = load_tools(cfg.tools)
-    schemas = [t.schema() for t in tools.values()]
+    shown = dict(tools)
+    if cfg.environment is not None:
+        from grpo_cli.agent.tools import environment_tools, load_environment
+
+        shown.update(environment_tools(load_environment(cfg.environment), cfg.environment))
+    schemas = [t.schema() for t in shown.values()]
     check_template(tokenizer, template=cfg.chat_template, tools=schemas)
     return tools, schemas
 
@@ -141,4 +168,8 @@ def wrap_engine(engine, cfg: AgentConfig, tokenizer) -> AgentEngine:
 
     tools, schemas = agent_tools(cfg, tokenizer)
     framing = tool_framing(tokenizer, template=cfg.chat_template, tools=schemas, end_of_turn=tokenizer.eos_token)
-    return AgentEngine(engine, cfg, tokenizer, tools=tools, parse=load_parser(cfg.tool_parser), framing=framing)
+    from grpo_cli.agent.tools import load_environment
+
+    environment = load_environment(cfg.environment) if cfg.environment else None
+    return AgentEngine(engine, cfg, tokenizer, tools=tools, parse=load_parser(cfg.tool_parser), framing=framing,
+                       environment=environment)

@@ -36,6 +36,8 @@ class Tool:
         described = dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc, re.M))
         props, required = {}, []
         for name, param in inspect.signature(self.fn).parameters.items():
+            if name == "self":  # an environment's method, read from its class
+                continue
             kind = JSON_TYPES.get(typing.get_origin(hints.get(name)) or hints.get(name), "string")
             props[name] = {"type": kind, **({"description": described[name]} if name in described else {})}
             if param.default is inspect.Parameter.empty:
@@ -57,7 +59,7 @@ def calculator(a: int, b: int) -> int:
 BUILTIN_TOOLS = {"calculator": calculator}
 
 
-def _resolve_tool(spec: str) -> Callable:
+def resolve_callable(spec: str) -> Callable:
     from grpo_cli.rewards.resolve import RewardError
 
     if spec in BUILTIN_TOOLS:
@@ -73,15 +75,42 @@ def load_tools(specs: list[str]) -> dict[str, Tool]:
     needs type hints on its parameters (the schema is built from them)."""
     tools: dict[str, Tool] = {}
     for spec in specs:
-        fn = _resolve_tool(spec)
+        fn = resolve_callable(spec)
         name = fn.__name__
-        untyped = [p for p in inspect.signature(fn).parameters if p not in typing.get_type_hints(fn)]
+        untyped = [p for p in inspect.signature(fn).parameters if p not in typing.get_type_hints(fn) and p != "self"]
         if untyped:
             raise ToolError(f"agent.tools: {spec} has parameters without type hints ({', '.join(untyped)}); the "
                             "model is shown a JSON schema built from them: annotate them (e.g. `a: int`).")
         if name in tools:
             raise ToolError(f"agent.tools: two tools are named {name!r} ({tools[name].spec}, {spec}); rename one.")
         tools[name] = Tool(name, fn, spec)
+    return tools
+
+
+ENV_METHODS = ("reset", "reward")
+"""An environment's methods that are not tools."""
+
+
+def load_environment(spec: str) -> type:
+    """The environment class of `agent.environment` (a class with `reset(**row)`)."""
+    cls = resolve_callable(spec)
+    if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
+        raise ToolError(f"agent.environment: {spec} is not a class with a reset(**row) method.")
+    return cls
+
+
+def environment_tools(env, spec: str) -> dict[str, Tool]:
+    """An environment's public methods but `reset`/`reward`, as tools: bound to `env` (an instance: calls change
+    its state) or, given the class, unbound (for the schemas shown in the prompt)."""
+    names = [n for n, f in inspect.getmembers(env if isinstance(env, type) else type(env), inspect.isfunction)
+             if not n.startswith("_") and n not in ENV_METHODS]
+    tools = {n: Tool(n, getattr(env, n), f"{spec}.{n}") for n in names}
+    for tool in tools.values():
+        hints = typing.get_type_hints(tool.fn)
+        untyped = [p for p in inspect.signature(tool.fn).parameters if p not in hints and p != "self"]
+        if untyped:
+            raise ToolError(f"agent.environment: {tool.spec} has parameters without type hints ({', '.join(untyped)})"
+                            "; annotate them (the model is shown a JSON schema built from them).")
     return tools
 
 

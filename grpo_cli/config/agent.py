@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from grpo_cli.config.base import Section
 
 
 class AgentConfig(Section):
-    tools: list[str] = Field(min_length=1)
-    """Tool functions, as reward functions are named: `pkg.module:function` or `path/file.py:function`. Each
-    function's type hints and docstring give the JSON schema the chat template shows the model (`tools=`)."""
+    tools: list[str] = Field(default_factory=list)
+    """Tool functions, as reward functions are named: `pkg.module:function` or `path/file.py:function` (built in:
+    `calculator`). Each function's type hints and docstring give the JSON schema the chat template shows the model
+    (`tools=`)."""
+    environment: str | None = None
+    """`pkg.module:Class` or `path/file.py:Class`: one instance per rollout, `reset(**row)` gets the prompt's dataset
+    row (its other columns), its public methods are tools beside `tools` (their state lives in the trainer, so
+    they run inline), an optional `reward()` is what the reward function `grpo_cli.agent.rewards:environment`
+    returns."""
     max_turns: int = Field(4, ge=1)
     """Most assistant turns per rollout; a trajectory that still calls a tool after the last turn stops there."""
     tool_parser: str = "hermes"
@@ -29,3 +35,13 @@ class AgentConfig(Section):
     chat_template: str | None = None
     """A Jinja chat template used instead of the tokenizer's own (one that renders `tools` and tool messages and
     keeps earlier turns unchanged when a turn is added)."""
+
+    @model_validator(mode="after")
+    def _tools_or_environment(self) -> AgentConfig:
+        if not self.tools and self.environment is None:
+            raise ValueError("agent needs tools (agent.tools: [pkg.module:function, ...]) or an environment "
+                             "(agent.environment: pkg.module:Class); set one, or agent: null for single turns.")
+        if self.environment is not None and self.tool_isolation == "process":
+            raise ValueError("agent.environment's methods keep their state in the trainer process, so they cannot "
+                             "run isolated: set agent.tool_isolation: inline (tools then run in threads too).")
+        return self

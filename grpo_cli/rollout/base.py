@@ -49,6 +49,8 @@ class RolloutBatch:
     """Multi-turn rollouts: each completion as chat messages (assistant turns and tool results)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Step metrics the rollout measured (`tools/*`)."""
+    environment_rewards: list[float | None] | None = None
+    """Multi-turn rollouts with `agent.environment`: each instance's `reward()` (None without one)."""
 
 
 class RolloutError(UserError, RuntimeError):

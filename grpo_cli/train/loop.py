@@ -89,6 +89,8 @@ def generate_phase(tr: Trainer, prompts, *, seed: int | None, sampling: Sampling
             tr.offload.offload()
     # The hf engine runs the policy's own forward: it computes in the trainer's dtype (autocast under ddp).
     compute = tr.policy.backend.compute_context() if tr.engine.shares_policy_weights else contextlib.nullcontext()
+    if hasattr(tr.engine, "bind_prompts"):  # multi-turn: an environment is reset with each prompt's row
+        tr.engine.bind_prompts(prompts)
     with tr.timer.phase("generate"), compute:
         rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling or sampling_params(tr.cfg, seed=seed))
     if tr.offload is not None:

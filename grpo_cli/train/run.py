@@ -56,6 +56,10 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
         from grpo_cli.agent.rollout import wrap_engine
 
         engine = wrap_engine(engine, cfg.agent, policy.tokenizer)
+    if cfg.rollout.custom:
+        from grpo_cli.agent.custom import wrap_custom
+
+        engine = wrap_custom(engine, cfg.rollout.custom, policy.tokenizer)
     offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload)
     if not engine.shares_policy_weights:

@@ -181,3 +181,27 @@ def test_tool_schemas_come_from_hints_and_docstrings():
     assert fn["parameters"]["properties"] == {"a": {"type": "integer", "description": "first"},
                                               "b": {"type": "integer", "description": "second"}}
     assert fn["parameters"]["required"] == ["a", "b"]
+
+
+def test_an_environment_per_rollout_is_reset_with_its_row_and_rewards(tok):
+    """Each trajectory gets its own instance, reset with its prompt's row; its methods are tools (bound: calls
+    change that instance only); `reward()` comes back per trajectory."""
+    from types import SimpleNamespace
+
+    guess = _ids(tok, '<tool_call> {"name": "calculator", "arguments": {"a": 2, "b": 3}} </tool_call> <eos>')
+    engine = ScriptedEngine([[guess, guess], [_ids(tok, "5 <eos>")] * 2], eos=tok.eos_token_id)
+    cfg = AgentConfig(tools=["calculator"], environment=f"{TOOLS}:Counter", tool_isolation="inline",
+                      tool_parser=f"{TOOLS}:always_guess", max_turns=2)
+    agent = wrap_engine(engine, cfg, tok)
+    agent.bind_prompts([SimpleNamespace(columns={"answer_number": 5}), SimpleNamespace(columns={"answer_number": 9})])
+    out = agent.generate([[9], [9]], SamplingParams(n=1, max_tokens=100))
+    assert [m["content"] for m in out.trajectories[0] if m["role"] == "tool"] == ["right"]
+    assert [m["content"] for m in out.trajectories[1] if m["role"] == "tool"] == ["higher"]
+    assert out.environment_rewards == [1.0, 1.0]  # one guess each, counted by its own instance
+
+
+def test_environment_config_needs_inline_and_something_to_call():
+    with pytest.raises(ValueError, match="tool_isolation: inline"):
+        AgentConfig(environment=f"{TOOLS}:Counter")
+    with pytest.raises(ValueError, match="needs tools"):
+        AgentConfig()

@@ -71,3 +71,14 @@ def test_two_steps_with_tools_against_a_rollout_server(tmp_path):
 def test_async_mode_is_refused_by_name():
     with pytest.raises(ConfigError, match="does not run in rollout.mode async"):
         build_config("tiny-cpu-tools", overrides=["rollout.mode=async"])
+
+
+def test_a_custom_rollout_function_trains_on_its_masks(tmp_path):
+    """`rollout.custom` returns ids, masks and logprobs; its environment tokens are in the sequence but not in the
+    length metric (sampled tokens only), and a wrong return is named."""
+    cfg = build_config("tiny-cpu", overrides=[*SMALL[:6], f"rollout.custom={TOOLS}:sample_then_note"])
+    run_training(cfg, output_dir=str(tmp_path / "run"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["completions/mean_length"] <= cfg.rollout.max_completion_length for r in rows)
+    with pytest.raises(ConfigError, match="rollout.custom produces the completions itself"):
+        build_config("tiny-cpu-tools", overrides=[f"rollout.custom={TOOLS}:sample_then_note"])

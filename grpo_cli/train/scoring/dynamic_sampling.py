@@ -36,6 +36,7 @@ def _rows(scored: ScoredRollout, groups: list[int], g: int) -> ScoredRollout:
             timings=r.timings,
             loss_masks=None if r.loss_masks is None else [r.loss_masks[j] for j in rows],
             trajectories=None if r.trajectories is None else [r.trajectories[j] for j in rows],
+            environment_rewards=None if r.environment_rewards is None else [r.environment_rewards[j] for j in rows],
             metrics=r.metrics,
         ),
         completions=[scored.completions[j] for j in rows],
@@ -69,6 +70,8 @@ def concat(parts: list[ScoredRollout]) -> ScoredRollout:
                 row for r in rollouts for row in r.loss_masks],
             trajectories=None if any(r.trajectories is None for r in rollouts) else [
                 row for r in rollouts for row in r.trajectories],
+            environment_rewards=None if any(r.environment_rewards is None for r in rollouts) else [
+                x for r in rollouts for x in r.environment_rewards],
             metrics=rollouts[0].metrics,  # the step's first round
         ),
         completions=[c for part in parts for c in part.completions],
