@@ -4,16 +4,12 @@ model reads next."""
 
 from __future__ import annotations
 
-import atexit
 import json
-import select
-import subprocess
-import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from grpo_cli.agent.tools import Tool, ToolCall
+from grpo_cli.runtime.workers import WorkerPool
 
 
 def format_result(value) -> str:
@@ -35,66 +31,6 @@ def _check(call: ToolCall, tools: dict[str, Tool]) -> str | None:
     return None
 
 
-class WorkerPool:
-    """Tool interpreters (`agent.tool_worker`), started on demand and reused: at most `size` run at once, a call
-    waits for a free one. A worker whose call passes the timeout is killed (its call answered with a timeout) and
-    replaced by a fresh one at the next call; all are killed when the trainer exits."""
-
-    def __init__(self, size: int) -> None:
-        self.idle: list[subprocess.Popen] = []
-        self.slots = threading.Semaphore(size)
-        self.lock = threading.Lock()
-        self.live: set[subprocess.Popen] = set()
-        atexit.register(self.close)
-
-    def _start(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "grpo_cli.agent.tool_worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
-        with self.lock:
-            self.live.add(proc)
-        return proc
-
-    def _kill(self, proc: subprocess.Popen) -> None:
-        proc.kill()
-        proc.wait()
-        with self.lock:
-            self.live.discard(proc)
-
-    def call(self, tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:
-        """(result text, timed out); the timeout counts from the moment a worker takes the call."""
-        with self.slots:
-            with self.lock:
-                proc = self.idle.pop() if self.idle else None
-            proc = proc or self._start()
-            deadline = time.monotonic() + timeout
-            ready = []
-            try:
-                proc.stdin.write(json.dumps({"spec": tool.spec, "name": call.name, "arguments": call.arguments})
-                                 + "\n")
-                proc.stdin.flush()
-                ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-                line = proc.stdout.readline() if ready else ""
-            except (BrokenPipeError, OSError):
-                line = ""
-            if not ready:
-                self._kill(proc)
-                return f"error: {call.name} timed out after {timeout:g} s", True
-            if not line:
-                self._kill(proc)
-                return f"error: {call.name} died without a result (exit code {proc.poll()})", False
-            with self.lock:
-                self.idle.append(proc)
-            reply = json.loads(line)
-            return (reply["text"] if reply["status"] == "ok" else f"error: {reply['text']}"), False
-
-    def close(self) -> None:
-        with self.lock:
-            procs, self.live, self.idle = list(self.live), set(), []
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-
-
 _POOL: WorkerPool | None = None
 POOL_SIZE = 8
 """Tool interpreters at most per trainer process."""
@@ -103,8 +39,13 @@ POOL_SIZE = 8
 def _in_process(tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:
     global _POOL
     if _POOL is None:
-        _POOL = WorkerPool(POOL_SIZE)
-    return _POOL.call(tool, call, timeout)
+        _POOL = WorkerPool("grpo_cli.agent.tool_worker", POOL_SIZE)
+    reply, outcome = _POOL.call({"spec": tool.spec, "name": call.name, "arguments": call.arguments}, timeout)
+    if outcome == "timeout":
+        return f"error: {call.name} timed out after {timeout:g} s", True
+    if reply is None:
+        return f"error: {call.name} died without a result", False
+    return (reply["text"] if reply["status"] == "ok" else f"error: {reply['text']}"), False
 
 
 def _in_thread(tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:

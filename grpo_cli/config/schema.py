@@ -102,6 +102,31 @@ class RewardFunctionConfig(Section):
     after it."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to the function (e.g. `target` for `length`, `pattern` for `format`)."""
+    isolation: Literal["inline", "process"] = "inline"
+    """`process`: each completion is scored by its own call in a pool of separate worker interpreters, each in its
+    own process group, with a fresh temporary working directory per call and a scrubbed environment; a call past
+    `timeout_s`, a crash, `sys.exit`, an exception or a limit hit scores `on_error` and the worker is replaced, so
+    the run goes on. Not a security boundary (same user, same machine): run untrusted code in containers."""
+    workers: int = Field(4, ge=1)
+    """Process isolation: worker interpreters scoring in parallel."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Process isolation: seconds one completion's call may take before its process group is killed."""
+    memory_mb: int | None = Field(None, ge=64)
+    """Process isolation: address-space cap of each worker (RLIMIT_AS); null: none."""
+    on_error: float | None = None
+    """Process isolation: the score of a completion whose call failed, timed out or died (null: missing, left out
+    of the means)."""
+
+    @model_validator(mode="after")
+    def _isolation_fields(self) -> RewardFunctionConfig:
+        process_only = {"workers", "timeout_s", "memory_mb", "on_error"} & self.model_fields_set
+        if self.isolation == "inline" and process_only:
+            raise ValueError(f"rewards.functions[{self.name}]: {', '.join(sorted(process_only))} apply to "
+                             "isolation: process only; set isolation: process or drop them.")
+        if self.name == "code_tests" and self.isolation != "process":
+            raise ValueError("rewards.functions[code_tests] runs generated code: it needs isolation: process "
+                             "(with timeout_s, and memory_mb to cap memory).")
+        return self
 
 
 class RewardsConfig(Section):

@@ -70,6 +70,29 @@ def overlong(prompts, completions, *, completion_ids: list[list[int]], max_compl
     return [0.0 if len(ids) <= free else max(-1.0, (free - len(ids)) / buffer) for ids in completion_ids]
 
 
+_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def code_tests(prompts, completions, *, column: str = "tests", **columns) -> list[float]:
+    """1.0 when the completion's last ```python block (the whole completion without one) runs and the row's tests
+    column (Python statements, e.g. asserts) then passes in the same namespace; 0.0 when anything raises,
+    `SystemExit` and `MemoryError` included. It runs generated code: the config requires `isolation: process`."""
+    tests = columns.get(column)
+    if tests is None:
+        raise ValueError(f"code_tests needs a '{column}' column of tests in the data (or set kwargs.column)")
+    out = []
+    for completion, test in zip(completions, tests, strict=True):
+        blocks = _CODE_BLOCK.findall(completion)
+        code = blocks[-1] if blocks else completion
+        try:
+            exec(compile(f"{code}\n{test}", "<completion>", "exec"), {"__name__": "__completion__"})  # noqa: S102
+            out.append(1.0)
+        except BaseException:  # noqa: BLE001  (the code's failure, whatever it is)
+            out.append(0.0)
+    return out
+
+
 BUILTIN_REWARDS = {
     "length": length, "format": format_reward, "exact_match": exact_match, "math": math, "overlong": overlong,
+    "code_tests": code_tests,
 }

@@ -31,6 +31,8 @@ class RewardFn:
     function part of `name`)."""
     kind: str = "outcome"
     """`outcome` (one reward per completion) or `process` (one per step)."""
+    isolation: dict | None = None
+    """Process isolation settings (`workers`, `timeout_s`, `memory_mb`, `on_error`); None: called inline."""
 
     def __post_init__(self) -> None:
         if not self.label:
@@ -83,7 +85,9 @@ def metric_labels(functions) -> list[str]:
 
 def build_reward_fns(functions) -> list[RewardFn]:
     """Resolve every `rewards.functions` entry (fails before training starts)."""
-    return [RewardFn(f.name, resolve(f.name), f.weight, dict(f.kwargs), label, f.kind)
+    return [RewardFn(f.name, resolve(f.name), f.weight, dict(f.kwargs), label, f.kind,
+                     {"workers": f.workers, "timeout_s": f.timeout_s, "memory_mb": f.memory_mb,
+                      "on_error": f.on_error} if getattr(f, "isolation", "inline") == "process" else None)
             for f, label in zip(functions, metric_labels(functions), strict=True)]
 
 
@@ -120,6 +124,11 @@ def score(fns: list[RewardFn], prompts: list[str], completions: list[str], colum
     that name them as parameters, so `f(prompts, completions, **columns)` functions see the data columns only."""
     table, errors = [], 0
     for rf in fns:
+        if rf.isolation is not None:
+            from grpo_cli.rewards.isolated import score_isolated
+
+            table.append(score_isolated(rf, prompts, completions, columns, _named_extras(rf, extras or {})))
+            continue
         try:
             values = rf.fn(prompts, completions, **columns, **rf.kwargs, **_named_extras(rf, extras or {}))
         except Exception as exc:  # noqa: BLE001 - user code: report which function and sample

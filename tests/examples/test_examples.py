@@ -183,3 +183,10 @@ def test_tool_calling(tmp_path):
     messages = [json.loads(line)["messages"] for line in (run / "completions.jsonl").read_text().splitlines()]
     results = {m["content"] for ms in messages for m in ms if m["role"] == "tool"}
     assert "3" in results and any("is not a number word" in r for r in results), results
+
+
+@pytest.mark.slow
+def test_code_reward(tmp_path):
+    run, rows = _train_example("09-code-reward", 2, tmp_path)
+    assert len(rows) == 2 and all(r["reward/code_tests/mean"] == 0.0 for r in rows), rows  # the tiny model's "code"
+    assert all("reward/length/mean" in r for r in rows)
