@@ -83,12 +83,25 @@ class DataConfig(Section):
 
 
 class RewardFunctionConfig(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _model_shorthand(cls, data: Any) -> Any:
+        """`{model: PATH, batch_size: N}` is `{name: reward_model, kwargs: {model: PATH, batch_size: N}}`."""
+        if isinstance(data, dict) and "model" in data and "name" not in data:
+            data = dict(data)
+            kwargs = {"model": data.pop("model"), **({"batch_size": data.pop("batch_size")}
+                                                     if "batch_size" in data else {}), **data.get("kwargs", {})}
+            data = {**data, "name": "reward_model", "kwargs": kwargs}
+        return data
+
     name: str
-    """A built-in (`length`, `format`, `exact_match`, `math`, `overlong`) or a user function `module:function` /
-    `path/to/file.py:function` with signature `f(prompts, completions, **columns) -> list[float | None]`. A
-    function that names `completion_ids` or `max_completion_length` as parameters also receives the token ids
-    and rollout.max_completion_length. `overlong` is DAPO's soft length penalty: 0 up to max_completion_length
-    - buffer tokens, then falling linearly to -1 at the cap (kwargs: `buffer`, required)."""
+    """A built-in (`length`, `format`, `exact_match`, `math`, `overlong`, `code_tests`, `reward_model`) or a user
+    function `module:function` / `path/to/file.py:function` with signature `f(prompts, completions, **columns) ->
+    list[float | None]`. A function that names `completion_ids`, `max_completion_length`, `messages` (tool-calling
+    trajectories) or `prompt_messages` (the chat messages of each prompt) as parameters also receives them.
+    `overlong` is DAPO's soft length penalty: 0 up to max_completion_length - buffer tokens, then falling linearly
+    to -1 at the cap (kwargs: `buffer`, required). `{model: PATH}` (optionally `batch_size`) is short for
+    `{name: reward_model, kwargs: {model: PATH}}`: a sequence-classification checkpoint's score."""
     alias: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]+$")
     """Name of this function in metrics (`reward/<alias>/mean`); default: the function's name (`length`,
     `my_fn` for `path/to/file.py:my_fn`), never a path. Letters, digits, `_`, `-`, `.`."""

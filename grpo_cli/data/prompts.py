@@ -15,6 +15,9 @@ class Prompt:
     text: str
     ids: list[int]
     columns: dict
+    messages: list | None = None
+    """The chat messages the text was rendered from (None for a plain-string prompt): a reward model renders them
+    with its own template."""
 
 
 def render(tokenizer, value, column: str, *, tools: list[dict] | None = None) -> str:
@@ -45,7 +48,9 @@ def tokenize_prompts(rows: list[dict], tokenizer, *, prompt_column: str, max_pro
                                 "raise the limit or set data.overlong_prompts=filter.")
             dropped += 1
             continue
-        kept.append(Prompt(text=text, ids=ids, columns={k: v for k, v in row.items() if k != prompt_column}))
+        messages = row[prompt_column] if isinstance(row[prompt_column], list) else None
+        kept.append(Prompt(text=text, ids=ids, columns={k: v for k, v in row.items() if k != prompt_column},
+                           messages=messages))
     if not kept:
         raise DataError(f"no prompt fits data.max_prompt_length={max_prompt_length} ({dropped} dropped); raise it.")
     return kept, dropped

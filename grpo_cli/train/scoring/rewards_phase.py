@@ -54,7 +54,8 @@ def score_rollout(cfg: GRPOConfig, fns: list[RewardFn], tokenizer, prompts: list
     columns = {k: [p.columns.get(k) for p in prompts for _ in range(g)] for k in keys}
     extras = {"completion_ids": rollout.completion_ids,
               "max_completion_length": max_completion_length or cfg.rollout.max_completion_length,
-              "messages": rollout.trajectories, "environment_rewards": rollout.environment_rewards}
+              "messages": rollout.trajectories, "environment_rewards": rollout.environment_rewards,
+              "prompt_messages": [p.messages for p in prompts for _ in range(g)]}
     outcome = [f for f in fns if f.kind == "outcome"]
     table, errors = score(outcome, texts, completions, columns, on_error=cfg.rewards.on_error, extras=extras)
     per_func = torch.tensor(table, dtype=torch.float32).reshape(len(completions), len(outcome))
