@@ -132,7 +132,8 @@ class RewardFunctionConfig(Section):
 
     @model_validator(mode="after")
     def _isolation_fields(self) -> RewardFunctionConfig:
-        process_only = {"workers", "timeout_s", "memory_mb", "on_error"} & self.model_fields_set
+        process_only = {name for name in ("workers", "timeout_s", "memory_mb", "on_error")
+                        if getattr(self, name) != type(self).model_fields[name].default}  # a full dump validates
         if self.isolation == "inline" and process_only:
             raise ValueError(f"rewards.functions[{self.name}]: {', '.join(sorted(process_only))} apply to "
                              "isolation: process only; set isolation: process or drop them.")
