@@ -73,6 +73,8 @@ def test_process_settings_need_process_isolation_and_code_tests_needs_it():
         RewardFunctionConfig(name="length", timeout_s=3)
     with pytest.raises(ValueError, match="needs isolation: process"):
         RewardFunctionConfig(name="code_tests")
+    inline = RewardFunctionConfig(name="length")  # a full dump (every field named) validates again
+    assert RewardFunctionConfig.model_validate(inline.model_dump()) == inline
 
 
 def test_a_two_step_run_with_a_hanging_reward_ends_in_bounded_time(tmp_path):
