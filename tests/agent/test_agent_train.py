@@ -33,10 +33,13 @@ def _check(run) -> None:
     assert any({"role": "tool", "content": "5"} in s["messages"] for s in samples)
 
 
-def _start_server(env, cwd) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", "serve-rollout", "--engine", "hf", "--model",
-                             "builtin:tiny-tools", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=cwd)
+SERVERS = {"serve-rollout": ["-m", "grpo_cli", "serve-rollout", "--engine", "hf"],
+           "sglang-contract": ["-m", "grpo_cli.server.sglang_contract_serve"]}
+
+
+def _start_server(env, cwd, kind: str = "serve-rollout") -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, *SERVERS[kind], "--model", "builtin:tiny-tools", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", proc.stdout.readline())
@@ -56,11 +59,15 @@ def test_two_steps_with_tools_colocated(tmp_path, engine):
 
 
 @pytest.mark.slow
-def test_two_steps_with_tools_against_a_rollout_server(tmp_path):
+@pytest.mark.parametrize("kind,engine", [("serve-rollout", "hf"), ("sglang-contract", "sglang")])
+def test_two_steps_with_tools_against_a_rollout_server(tmp_path, kind, engine):
+    """`grpo serve-rollout`, and the SGLang client against the contract server that follows SGLang's own
+    routes (`grpo_cli/server/sglang_contract.py`, NOT SGLang: its wheels need CUDA)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    server, url = _start_server(env, tmp_path)
+    server, url = _start_server(env, tmp_path, kind)
     try:
-        cfg = build_config("tiny-cpu-tools", overrides=[*SMALL, "rollout.mode=server", f"rollout.server.urls=[{url}]"])
+        cfg = build_config("tiny-cpu-tools", overrides=[*SMALL, "rollout.mode=server", f"rollout.engine={engine}",
+                                                        f"rollout.server.urls=[{url}]"])
         run_training(cfg, output_dir=str(tmp_path / "run"))
     finally:
         server.kill()
