@@ -33,6 +33,9 @@ def serve_rollout(
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
     compile: Annotated[bool, typer.Option(help="hf engine: run the decode step under torch.compile (the "
                                                "trainer's rollout.compile; needs a C++ compiler on CPU).")] = False,
+    task: Annotated[Literal["rollout", "reward"], typer.Option(
+        help="rollout: the routes below; reward: a sequence-classification checkpoint on /classify (SGLang's "
+             "reward-model route), for rewards.functions entries {url: ...}.")] = "rollout",
 ) -> None:
     """Serve rollouts over HTTP: /health, /info, /generate, /score, /update_weights (streamed safetensors
     frames), /update_weights_from_disk, /sleep, /wake_up, /reset_prefix_cache."""
@@ -46,7 +49,12 @@ def serve_rollout(
                         token=os.environ.get(token_env) or None, max_request_mb=max_request_mb,
                         max_frame_mb=max_frame_mb, compile=compile)
     with user_errors(), contextlib.suppress(KeyboardInterrupt):
-        run_server(opts)
+        if task == "reward":
+            from grpo_cli.server.launch import run_reward_server
+
+            run_reward_server(opts)
+        else:
+            run_server(opts)
 
 
 if __name__ == "__main__":

@@ -86,12 +86,14 @@ class RewardFunctionConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _model_shorthand(cls, data: Any) -> Any:
-        """`{model: PATH, batch_size: N}` is `{name: reward_model, kwargs: {model: PATH, batch_size: N}}`."""
-        if isinstance(data, dict) and "model" in data and "name" not in data:
-            data = dict(data)
-            kwargs = {"model": data.pop("model"), **({"batch_size": data.pop("batch_size")}
-                                                     if "batch_size" in data else {}), **data.get("kwargs", {})}
-            data = {**data, "name": "reward_model", "kwargs": kwargs}
+        """`{model: PATH, batch_size: N}` is `{name: reward_model, kwargs: {model: PATH, batch_size: N}}`;
+        `{url: URL, ...}` is `{name: served_reward_model, kwargs: {url: URL, ...}}` (also `tokenizer`, `retries`)."""
+        for key, name, extra in (("model", "reward_model", ("batch_size",)),
+                                 ("url", "served_reward_model", ("batch_size", "tokenizer", "retries"))):
+            if isinstance(data, dict) and key in data and "name" not in data:
+                data = dict(data)
+                moved = {k: data.pop(k) for k in (key, *extra) if k in data}
+                data = {**data, "name": name, "kwargs": {**moved, **data.get("kwargs", {})}}
         return data
 
     name: str
@@ -101,7 +103,8 @@ class RewardFunctionConfig(Section):
     trajectories) or `prompt_messages` (the chat messages of each prompt) as parameters also receives them.
     `overlong` is DAPO's soft length penalty: 0 up to max_completion_length - buffer tokens, then falling linearly
     to -1 at the cap (kwargs: `buffer`, required). `{model: PATH}` (optionally `batch_size`) is short for
-    `{name: reward_model, kwargs: {model: PATH}}`: a sequence-classification checkpoint's score."""
+    `{name: reward_model, kwargs: {model: PATH}}`: a sequence-classification checkpoint's score; `{url: URL}`
+    (optionally `tokenizer`, `batch_size`, `retries`) for `served_reward_model`, a served one (`/classify`)."""
     alias: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]+$")
     """Name of this function in metrics (`reward/<alias>/mean`); default: the function's name (`length`,
     `my_fn` for `path/to/file.py:my_fn`), never a path. Letters, digits, `_`, `-`, `.`."""

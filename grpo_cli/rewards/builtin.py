@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from grpo_cli.rewards.model import reward_model
+from grpo_cli.rewards.model import reward_model, served_reward_model
 
 
 def length(prompts, completions, *, target: int = 4, unit: str = "words", **_columns) -> list[float]:
@@ -96,5 +96,5 @@ def code_tests(prompts, completions, *, column: str = "tests", **columns) -> lis
 
 BUILTIN_REWARDS = {
     "length": length, "format": format_reward, "exact_match": exact_match, "math": math, "overlong": overlong,
-    "code_tests": code_tests, "reward_model": reward_model,
+    "code_tests": code_tests, "reward_model": reward_model, "served_reward_model": served_reward_model,
 }

@@ -19,7 +19,7 @@ def _load(path: str):
     return model, tokenizer
 
 
-def _text(tokenizer, prompt: str, messages, completion: str) -> str:
+def _text(tokenizer, prompt: str, messages, completion: str) -> str:  # noqa: D103
     """The conversation in the reward model's own template when the prompt was chat messages (and the model has
     a template), else the policy's prompt text followed by the completion."""
     if isinstance(messages, list) and tokenizer.chat_template:
@@ -28,16 +28,11 @@ def _text(tokenizer, prompt: str, messages, completion: str) -> str:
     return prompt + completion
 
 
-def reward_model(prompts, completions, *, model: str, batch_size: int = 16, prompt_messages: list | None = None,
-                 **_columns) -> list[float]:
-    """Score r_j = head(h_j[last non-pad token]) of prompt j + completion j (the checkpoint's single logit), batches
-    of `batch_size`, right-padded so a sequence's score does not depend on what it is batched with. Written as a
-    `rewards.functions` entry `{model: PATH}` (or `{name: reward_model, kwargs: {model: PATH}}`)."""
+def score_texts(model: str, texts: list[str], *, batch_size: int) -> list[float]:
+    """The checkpoint's single logit at each text's last non-pad token, right-padded batches of `batch_size`."""
     import torch
 
     net, tokenizer = _load(model)
-    messages = prompt_messages or [None] * len(prompts)
-    texts = [_text(tokenizer, p, m, c) for p, m, c in zip(prompts, messages, completions, strict=True)]
     out: list[float] = []
     with torch.no_grad():
         for start in range(0, len(texts), batch_size):
@@ -45,4 +40,61 @@ def reward_model(prompts, completions, *, model: str, batch_size: int = 16, prom
                               add_special_tokens=False)
             logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             out += [float(x) for x in logits[:, 0]]
+    return out
+
+
+def reward_model(prompts, completions, *, model: str, batch_size: int = 16, prompt_messages: list | None = None,
+                 **_columns) -> list[float]:
+    """Score r_j = head(h_j[last non-pad token]) of prompt j + completion j (the checkpoint's single logit), batches
+    of `batch_size`, right-padded so a sequence's score does not depend on what it is batched with. Written as a
+    `rewards.functions` entry `{model: PATH}` (or `{name: reward_model, kwargs: {model: PATH}}`)."""
+    _, tokenizer = _load(model)
+    messages = prompt_messages or [None] * len(prompts)
+    texts = [_text(tokenizer, p, m, c) for p, m, c in zip(prompts, messages, completions, strict=True)]
+    return score_texts(model, texts, batch_size=batch_size)
+
+
+def served_reward_model(prompts, completions, *, url: str, tokenizer: str | None = None, batch_size: int = 64,
+                        retries: int = 3, timeout_s: float = 60.0, token_env: str = "GRPO_ROLLOUT_TOKEN",
+                        prompt_messages: list | None = None, **_columns) -> list[float]:
+    """Scores from a served reward model: POST `{url}/classify` with `{"text": [...]}` in batches, answered with
+    one `{"embedding": [score, ...]}` per text, in order (SGLang's reward-model route,
+    `python/sglang/srt/entrypoints/http_server.py`; also `grpo serve-rollout --task reward`). With `tokenizer` (a
+    local folder of the reward model's tokenizer) chat prompts are rendered in its template, else prompt text +
+    completion. A connection error or a 5xx is retried `retries` times (0.5 s, 1 s, 2 s …)."""
+    import os
+    import time
+
+    import httpx
+
+    tok = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    messages = prompt_messages or [None] * len(prompts)
+    texts = [_text(tok, p, m, c) if tok is not None else p + c
+             for p, m, c in zip(prompts, messages, completions, strict=True)]
+    headers = {"Authorization": f"Bearer {os.environ[token_env]}"} if os.environ.get(token_env) else {}
+    out: list[float] = []
+    with httpx.Client(timeout=timeout_s, headers=headers) as client:
+        for start in range(0, len(texts), batch_size):
+            chunk = texts[start:start + batch_size]
+            for attempt in range(retries + 1):
+                try:
+                    resp = client.post(f"{url.rstrip('/')}/classify", json={"text": chunk})
+                    if resp.status_code < 500:
+                        resp.raise_for_status()
+                        break
+                except httpx.TransportError:
+                    if attempt == retries:
+                        raise
+                if attempt == retries:
+                    resp.raise_for_status()
+                time.sleep(0.5 * 2**attempt)
+            body = resp.json()
+            if not isinstance(body, list) or len(body) != len(chunk):
+                raise ValueError(f"{url}/classify answered {len(body) if isinstance(body, list) else body!r} "
+                                 f"results for {len(chunk)} texts")
+            out += [float(item["embedding"][0]) for item in body]
     return out

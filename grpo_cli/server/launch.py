@@ -64,6 +64,19 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
+def run_reward_server(opts: ServeOptions) -> None:
+    """`--task reward`: serve `opts.model` (a sequence-classification checkpoint) on /classify until stopped."""
+    import uvicorn
+
+    from grpo_cli.server.reward_app import create_reward_app
+
+    sock = bind(opts.host, opts.port)
+    url = url_of(sock)
+    app = create_reward_app(opts.model, token=opts.token, max_request_bytes=int(opts.max_request_mb * 2**20),
+                            on_startup=lambda: _say(f"{READY_PREFIX}{url} (reward model {opts.model})"))
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, lifespan="on")).run(sockets=[sock])
+
+
 def run_server(opts: ServeOptions) -> None:
     """Serve until SIGINT/SIGTERM. Raises ServeError for user errors (bad model, port in use, missing package)."""
     if opts.engine == "sglang":

@@ -4,6 +4,7 @@ syntax + `--dry-run` level, the CI gate for real (a passing and a failing bound)
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -190,3 +191,12 @@ def test_code_reward(tmp_path):
     run, rows = _train_example("09-code-reward", 2, tmp_path)
     assert len(rows) == 2 and all(r["reward/code_tests/mean"] == 0.0 for r in rows), rows  # the tiny model's "code"
     assert all("reward/length/mean" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_reward_model(tmp_path):
+    out = _run(["bash", str(EXAMPLES / "08-reward-model" / "run.sh"), "--output-dir", str(tmp_path / "run"),
+                "--set", "train.steps=2", "--set", "logging.progress=plain"], tmp_path, _env(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = _metrics(tmp_path / "run")
+    assert len(rows) == 2 and all(math.isfinite(r["reward/rm/mean"]) for r in rows), rows

@@ -62,3 +62,77 @@ def test_model_and_function_rewards_are_weighted_and_summed(reward_ckpt):
     expected = [0.5 * rm + 2.0 * length for rm, length in table]
     assert total.tolist() == pytest.approx(expected) and [row[1] for row in table] == [0.0, -1.0]
     assert fns[0].label == "rm"
+
+
+class _Stub:
+    """A reward-model server on 127.0.0.1 that fails its first call with 503, then scores len(text) per text."""
+
+    def __init__(self):
+        import http.server
+        import json
+        import threading
+
+        stub = self
+        self.calls = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                stub.calls += 1
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if stub.calls == 1:
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                out = json.dumps([{"embedding": [float(len(t))]} for t in body["text"]]).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *_):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_served_reward_model_is_retried_after_a_5xx_and_keeps_the_order():
+    stub = _Stub()
+    try:
+        fns = build_reward_fns([RewardFunctionConfig.model_validate({"url": stub.url, "batch_size": 2})])
+        table, _ = score(fns, ["p:"] * 3, ["a", "bbb", "cc"], {}, on_error="raise")
+    finally:
+        stub.server.shutdown()
+    assert [row[0] for row in table] == [3.0, 5.0, 4.0]  # len("p:" + completion), in order, over two batches
+    assert stub.calls == 3  # 503, then the two batches
+
+
+def test_serve_rollout_task_reward_scores_like_the_local_model(reward_ckpt, tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    path, _ = reward_ckpt
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", "serve-rollout", "--task", "reward", "--model", path,
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline, url = time.monotonic() + 120, None
+        while url is None and time.monotonic() < deadline:
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", proc.stdout.readline())
+            url = m.group(1) if m else None
+            assert proc.poll() is None, "server exited early"
+        served = build_reward_fns([RewardFunctionConfig.model_validate({"url": url, "tokenizer": path})])
+        local = build_reward_fns([RewardFunctionConfig.model_validate({"model": path})])
+        messages = [[{"role": "user", "content": "say hi"}], [{"role": "user", "content": "a longer one ?"}]]
+        args = (["<policy text>"] * 2, ["hi", "an answer"], {})
+        remote, _ = score(served, *args, on_error="raise", extras={"prompt_messages": messages})
+        here, _ = score(local, *args, on_error="raise", extras={"prompt_messages": messages})
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert [r[0] for r in remote] == pytest.approx([h[0] for h in here], abs=1e-5)
