@@ -86,9 +86,9 @@ class RewardFunctionConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _model_shorthand(cls, data: Any) -> Any:
-        """`{model: PATH, batch_size: N}` is `{name: reward_model, kwargs: {model: PATH, batch_size: N}}`;
+        """`{model: PATH, batch_size: N, device: D}` is `{name: reward_model, kwargs: {model: PATH, ...}}`;
         `{url: URL, ...}` is `{name: served_reward_model, kwargs: {url: URL, ...}}` (also `tokenizer`, `retries`)."""
-        for key, name, extra in (("model", "reward_model", ("batch_size",)),
+        for key, name, extra in (("model", "reward_model", ("batch_size", "device")),
                                  ("url", "served_reward_model", ("batch_size", "tokenizer", "retries"))):
             if isinstance(data, dict) and key in data and "name" not in data:
                 data = dict(data)

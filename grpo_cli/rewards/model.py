@@ -1,18 +1,29 @@
-"""The `reward_model` reward: a sequence-classification checkpoint (its own tokenizer and chat template, which may
-differ from the policy's) scores prompt + completion at its last non-pad token, in batches, on the CPU."""
+"""Reward models: a local sequence-classification checkpoint (its own tokenizer and chat template, which may differ
+from the policy's) scores prompt + completion at its last non-pad token, in batches, on the CPU or the training
+device (`reward_model`); a served one answers SGLang's /classify route (`served_reward_model`)."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
 
+def resolve_rm_device(device: str):
+    """`cpu`, or `auto`: this process's training device (its CUDA device under torchrun when there is one)."""
+    import torch
+
+    from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
+
+    return resolve_device("auto", local_rank_from_env()) if device == "auto" else torch.device(device)
+
+
 @lru_cache(maxsize=4)
-def _load(path: str):
+def _load(path: str, device: str = "cpu"):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model.to(resolve_rm_device(device))
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     tokenizer.padding_side = "right"
@@ -28,30 +39,34 @@ def _text(tokenizer, prompt: str, messages, completion: str) -> str:  # noqa: D1
     return prompt + completion
 
 
-def score_texts(model: str, texts: list[str], *, batch_size: int) -> list[float]:
-    """The checkpoint's single logit at each text's last non-pad token, right-padded batches of `batch_size`."""
+def score_texts(model: str, texts: list[str], *, batch_size: int, device: str = "cpu") -> list[float]:
+    """The checkpoint's single logit at each text's last non-pad token, right-padded batches of `batch_size`, on
+    `device` (`cpu` or `auto`, `resolve_rm_device`)."""
     import torch
 
-    net, tokenizer = _load(model)
+    net, tokenizer = _load(model, device)
+    where = next(net.parameters()).device
     out: list[float] = []
     with torch.no_grad():
         for start in range(0, len(texts), batch_size):
             batch = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
                               add_special_tokens=False)
-            logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = net(input_ids=batch["input_ids"].to(where), attention_mask=batch["attention_mask"].to(where)
+                         ).logits
             out += [float(x) for x in logits[:, 0]]
     return out
 
 
-def reward_model(prompts, completions, *, model: str, batch_size: int = 16, prompt_messages: list | None = None,
-                 **_columns) -> list[float]:
+def reward_model(prompts, completions, *, model: str, batch_size: int = 16, device: str = "cpu",
+                 prompt_messages: list | None = None, **_columns) -> list[float]:
     """Score r_j = head(h_j[last non-pad token]) of prompt j + completion j (the checkpoint's single logit), batches
-    of `batch_size`, right-padded so a sequence's score does not depend on what it is batched with. Written as a
+    of `batch_size`, right-padded so a sequence's score does not depend on what it is batched with, on `device`
+    (`cpu`, or `auto`: the training device). Written as a
     `rewards.functions` entry `{model: PATH}` (or `{name: reward_model, kwargs: {model: PATH}}`)."""
-    _, tokenizer = _load(model)
+    _, tokenizer = _load(model, device)
     messages = prompt_messages or [None] * len(prompts)
     texts = [_text(tokenizer, p, m, c) for p, m, c in zip(prompts, messages, completions, strict=True)]
-    return score_texts(model, texts, batch_size=batch_size)
+    return score_texts(model, texts, batch_size=batch_size, device=device)
 
 
 def served_reward_model(prompts, completions, *, url: str, tokenizer: str | None = None, batch_size: int = 64,

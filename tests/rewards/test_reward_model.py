@@ -136,3 +136,16 @@ def test_serve_rollout_task_reward_scores_like_the_local_model(reward_ckpt, tmp_
         proc.kill()
         proc.wait(10)
     assert [r[0] for r in remote] == pytest.approx([h[0] for h in here], abs=1e-5)
+
+
+def test_auto_device_is_the_training_device(monkeypatch):
+    """`device: auto` places the reward model where this rank trains (CUDA faked: the branch runs on CPU)."""
+    import torch
+
+    from grpo_cli.rewards.model import resolve_rm_device
+
+    assert resolve_rm_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_rm_device("auto") == torch.device("cuda", 1)
