@@ -9,6 +9,8 @@ import sys
 
 
 def main() -> None:
+    from grpo_cli.runtime.workers import end_strays
+
     from grpo_cli.agent.execute import format_result
     from grpo_cli.agent.tools import load_tools
 
@@ -20,6 +22,7 @@ def main() -> None:
             reply = {"status": "ok", "text": format_result(tools[req["name"]].fn(**req["arguments"]))}
         except BaseException as exc:  # noqa: BLE001  (any failure is the model's next message)
             reply = {"status": "error", "text": f"{type(exc).__name__}: {exc}"}
+        end_strays()
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 

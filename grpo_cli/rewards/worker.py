@@ -13,6 +13,8 @@ import tempfile
 
 
 def main() -> None:
+    from grpo_cli.runtime.workers import end_strays
+
     from grpo_cli.rewards.resolve import resolve
 
     fns: dict = {}
@@ -32,6 +34,7 @@ def main() -> None:
         finally:
             os.chdir(home)
             shutil.rmtree(work, ignore_errors=True)
+        end_strays()
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 

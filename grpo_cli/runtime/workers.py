@@ -1,8 +1,9 @@
 """Pools of separate Python interpreters that serve JSON-line requests (`python -m MODULE`: one request per line on
 stdin, one reply per line on stdout): tool calls (`agent`) and isolated reward functions (`rewards`). Each worker is
 the leader of its own process group, so a call past its timeout is ended by killing the whole group (the worker
-and anything it started); the next call starts a fresh worker. Optional address-space limit and scrubbed
-environment. Not a security boundary: a worker runs as the trainer's user."""
+and anything it started; the next call starts a fresh worker), and a call that returns ends what it left running
+(`end_strays`). Optional address-space limit and scrubbed environment. Not a security boundary: a worker runs as
+the trainer's user."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ import time
 
 KEEP_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "SYSTEMROOT")
 """What a scrubbed worker environment keeps (imports must still work); HOME and TMPDIR point at a temp folder."""
+
+
+def end_strays() -> None:
+    """In a worker, after each call: SIGTERM to every other process of its group (what the call started and left
+    running), the worker itself ignoring it for that moment; so each call ends with the processes it started."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class WorkerPool:

@@ -32,3 +32,10 @@ def always_hang(prompts, completions, **_):
     """Never returns."""
     while True:
         pass
+
+
+def start_and_return(prompts, completions, **_):
+    """Starts a sleeping process and returns its pid as the score (the call ends; the process must not stay)."""
+    import subprocess
+
+    return [float(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid)]

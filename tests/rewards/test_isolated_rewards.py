@@ -94,3 +94,17 @@ def test_a_two_step_run_with_a_hanging_reward_ends_in_bounded_time(tmp_path):
     assert len(rows) == 2 and all(r["reward/always_hang/mean"] is None or math.isnan(r["reward/always_hang/mean"])
                                   for r in rows), rows
     _close_pools()
+
+
+def test_what_a_returning_call_started_ends_with_the_call():
+    fns = build_reward_fns([RewardFunctionConfig(name=f"{HERE}:start_and_return", isolation="process")])
+    table, _ = score(fns, ["p"], ["a"], {}, on_error="raise")
+    pid = int(table[0][0])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"process {pid} started by a finished call is still running")
+    _close_pools()
