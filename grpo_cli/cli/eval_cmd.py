@@ -21,8 +21,8 @@ def eval_command(
     overrides: SetOpt = None,
 ) -> None:
     """Run the run's own evaluation (eval.* settings, reward functions, engine, seed) once on a checkpoint and write
-    a JSON report: eval/reward/mean, eval/<fn>/mean, eval/pass@k, eval/completions/mean_length. At the same seed it
-    gives the same numbers as the in-training evaluation of those weights."""
+    a JSON report: eval/reward/mean, eval/reward/<fn>/mean, eval/pass@k, eval/completions/mean_length. At the same
+    seed it gives the same numbers as the in-training evaluation of those weights."""
     with user_errors():
         from grpo_cli.eval.command import run_eval
 

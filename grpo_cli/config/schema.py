@@ -315,7 +315,7 @@ class EvalConfig(Section):
     """A completion counts as correct for pass@k when its (weighted, summed) reward is at least this."""
     metrics: list[Literal["reward", "per_function", "pass_at_k", "length"]] = Field(
         default_factory=lambda: ["reward", "per_function", "pass_at_k", "length"])
-    """What to log: `reward` (eval/reward/mean), `per_function` (eval/<fn>/mean), `pass_at_k` (eval/pass@k),
+    """What to log: `reward` (eval/reward/mean), `per_function` (eval/reward/<fn>/mean), `pass_at_k` (eval/pass@k),
     `length` (eval/completions/mean_length)."""
 
 

@@ -1,5 +1,5 @@
 """Evaluation metrics of scored completions, summed on each rank and reduced over ranks: eval/reward/mean,
-eval/<fn>/mean, eval/pass@k (unbiased estimator) and eval/completions/mean_length."""
+eval/reward/<fn>/mean, eval/pass@k (unbiased estimator) and eval/completions/mean_length: `eval/` + training's name."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ def local_sums(cfg: EvalConfig, *, per_func: torch.Tensor, reward_fns: list[Rewa
                completion_ids: list[list[int]], group_size: int) -> dict[str, tuple[float, float]]:
     """(sum, count) of every metric over this rank's completions (B = prompts × group_size, group-contiguous);
     a missing score (None → NaN) is left out of its mean and counts as not correct for pass@k. A function's metric
-    is `eval/<label>/mean` with training's label (`RewardFn.label`: the alias or the function's name, no path)."""
+    is `eval/` + training's (`RewardFn.metric`: `reward/<alias or function name>/mean`, never a path)."""
     out: dict[str, tuple[float, float]] = {}
     rewards = weighted_rewards(per_func, [f.weight for f in reward_fns])
     if "reward" in cfg.metrics:
         out["eval/reward/mean"] = _sum_count(rewards)
     if "per_function" in cfg.metrics:
         for fn, col in zip(reward_fns, per_func.T, strict=True):
-            out[f"eval/{fn.label}/mean"] = _sum_count(col)
+            out[f"eval/{fn.metric}"] = _sum_count(col)
     if "pass_at_k" in cfg.metrics:
         correct = (rewards >= cfg.pass_threshold).reshape(-1, group_size).sum(dim=1)
         for k in k_values(group_size):

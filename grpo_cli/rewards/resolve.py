@@ -38,6 +38,13 @@ class RewardFn:
         if not self.label:
             object.__setattr__(self, "label", self.name.rpartition(":")[2])
 
+    @property
+    def metric(self) -> str:
+        """This function's metric, `reward/<label>/mean`: training logs it, evaluation logs it under `eval/`
+        (`eval/reward/<label>/mean`), so the two never differ and a function named `reward` cannot take the name
+        of the weighted total (`eval/reward/mean`)."""
+        return f"reward/{self.label}/mean"
+
 
 def resolve(name: str) -> Callable:
     """`length` → built-in; `pkg.mod:fn` → imported; `path/to/file.py:fn` → loaded from the file."""

@@ -21,7 +21,7 @@ import torch
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.runtime.accel import rng_states, set_rng_states
-from grpo_cli.runtime.dist import DistInfo, barrier
+from grpo_cli.runtime.dist import DistInfo, all_gather_object, barrier
 from grpo_cli.train.manifest import MANIFEST, CheckpointError, verify_manifest, write_manifest
 
 PREFIX = "checkpoint-"
@@ -59,18 +59,27 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def load_rng_file(path: Path) -> dict:
-    """An RNG file read with `weights_only=True`. Files of grpo-cli before 0.2 pickled NumPy arrays, which only an
-    unrestricted unpickler (one that runs whatever a crafted file says) reads: they are refused, with the way out."""
+    """An RNG file read with `torch.load(weights_only=True)`, which builds tensors and plain values only. Anything
+    else is refused with the way out, never unpickled without that restriction: the RNG files of older grpo-cli
+    checkpoints (pickled NumPy arrays), a crafted file (the unrestricted unpickler runs whatever code it names), a
+    damaged one, or one without this version's layout."""
     import pickle
 
     try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError:
+        state = torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError):
+        state = None
+    if not (isinstance(state, dict) and isinstance(state.get("python"), dict) and isinstance(state.get("numpy"), dict)
+            and isinstance(state.get("torch"), torch.Tensor)):
         raise CheckpointError(
-            f"{path} holds random-generator states in the old pickled format, which would have to be loaded with "
-            "an unrestricted unpickler (it runs any code a crafted file contains). Resume from a checkpoint this "
-            "version wrote, or start a new run from these weights with --set model.name_or_path=<checkpoint>."
-        ) from None
+            f"{path} is not a random-generator file this version can read safely (tensors and plain values, read "
+            "with torch.load(weights_only=True)). Older grpo-cli checkpoints pickled NumPy arrays there, and a "
+            "crafted file can carry code: reading either takes an unrestricted unpickler, which runs whatever the "
+            "file says, so grpo-cli does not use one. Resume from a checkpoint this version wrote, or start a new "
+            "run from these weights with --set model.name_or_path=<checkpoint folder> (a ddp checkpoint is a "
+            "Hugging Face folder; sharded ones: their run's final-model/)."
+        )
+    return state
 
 
 def _rng_file(path: Path, rank: int) -> Path:
@@ -79,6 +88,21 @@ def _rng_file(path: Path, rank: int) -> Path:
     if own.exists() or not (path / "rng.pt").exists():
         return own
     return path / "rng.pt"
+
+
+def _check_rng_files(path: Path, info: DistInfo) -> None:
+    """Every rank reads its RNG file as `load_rng_file` does, so an old or crafted one fails before any model loads;
+    collective: every rank raises the first refusal (none is left waiting for the others in a collective). A rank
+    without a file of its own (a run resumed on more processes) is left to the fingerprint check of the load."""
+    own, refusal = _rng_file(path, info.rank), ""
+    try:
+        if own.exists():
+            load_rng_file(own)
+    except CheckpointError as exc:
+        refusal = str(exc)
+    found = [r for r in all_gather_object(refusal, info) if r]
+    if found:
+        raise CheckpointError(found[0])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -159,8 +183,11 @@ def resolve_resume(resume: str, output_dir: Path) -> Path | None:
 def verify_checkpoint(path: Path, info: DistInfo | None = None) -> dict:
     """Check the manifest and every file's size and checksum; return trainer_state. Collective when `info` spans
     several ranks: each file is hashed once, by one rank (shares balanced by size), and every rank raises the same
-    CheckpointError naming the first bad file. Manifests of older checkpoints (SHA-256) verify too."""
-    verify_manifest(path, info or DistInfo())
+    CheckpointError naming the first bad file. Manifests of older checkpoints (SHA-256) verify too; RNG files of the
+    old pickled format do not (`load_rng_file`)."""
+    info = info or DistInfo()
+    verify_manifest(path, info)
+    _check_rng_files(path, info)
     return json.loads((path / "trainer_state.json").read_text())
 
 

@@ -12,15 +12,15 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from grpo_cli.ui.live_parts import fmt, phase_bar, progress_line, sample_panel, trend_line
+from grpo_cli.ui.live_parts import duration, fmt, phase_bar, progress_line, sample_panel, trend_line
 from grpo_cli.ui.terminal import TerminalStream, stdout_stream
 
 EVAL_KEY = "eval/reward/mean"
 
 
 def _phase_text(metrics: dict[str, float]) -> str:
-    return " ".join(f"{p}={metrics.get(f'time/{p}', 0.0):.2f}s" for p in ("generate", "reward", "logprobs", "train",
-                                                                          "sync"))
+    return " ".join(f"{p}={duration(metrics.get(f'time/{p}', 0.0))}"
+                    for p in ("generate", "reward", "logprobs", "train", "sync"))
 
 
 def _async_text(metrics: dict[str, float]) -> str:

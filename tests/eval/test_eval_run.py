@@ -26,7 +26,8 @@ def test_in_training_eval_and_grpo_eval_agree(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     logged = [r["step"] for r in rows if "eval/reward/mean" in r]
     assert logged == [2, 4]
-    assert {"eval/length/mean", "eval/pass@1", "eval/pass@4", "eval/completions/mean_length"} <= set(rows[-1])
+    assert {"eval/reward/length/mean", "eval/reward/overlong/mean", "eval/pass@1", "eval/pass@4",
+            "eval/completions/mean_length"} <= set(rows[-1])
     for target in (run, run / "checkpoint-4"):
         out = subprocess.run([sys.executable, "-m", "grpo_cli", "eval", str(target), "--data", str(data),
                               "--out", str(tmp_path / "eval.json")],

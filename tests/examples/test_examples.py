@@ -62,7 +62,7 @@ def test_gsm8k_math(tmp_path):
     run, rows = _train_example("01-gsm8k-math", 2, tmp_path)
     assert len(rows) == 2 and all(0.0 <= r["reward/math/mean"] <= 1.0 for r in rows), rows
     ev = rows[-1]  # eval.jsonl after the last step; pass@1 is the share of completions scored 1 by `math`
-    assert ev["eval/pass@1"] == pytest.approx(ev["eval/math/mean"]) and "eval/pass@4" in ev, ev
+    assert ev["eval/pass@1"] == pytest.approx(ev["eval/reward/math/mean"]) and "eval/pass@4" in ev, ev
     sample = json.loads((run / "completions.jsonl").read_text().splitlines()[0])
     assert sample["prompt"].startswith("<system> Solve the problem.") and "<user>" in sample["prompt"]  # chat template
 

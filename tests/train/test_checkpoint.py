@@ -237,6 +237,55 @@ def test_rng_files_load_without_unpickling_code(tmp_path, setup):
     crafted = tmp_path / "rng-crafted.pt"
     with open(crafted, "wb") as f:
         pickle.dump({"python": Payload()}, f)
-    with pytest.raises(ckpt.CheckpointError, match="rng-crafted.pt holds random-generator states in the old"):
+    with pytest.raises(ckpt.CheckpointError, match="rng-crafted.pt is not a random-generator file this version"):
         ckpt.load_rng_file(crafted)
+    assert not (tmp_path / "pwned").exists()
+
+
+def _old_format_rng(path: Path) -> None:
+    """An RNG file as grpo-cli wrote it before: the generators' own state objects, pickled (NumPy's holds an array)."""
+    import random
+
+    import numpy as np
+
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}, path)
+
+
+@pytest.mark.parametrize("kind", ["crafted", "old format", "damaged", "other layout"])
+def test_resume_from_an_unsafe_rng_file_is_exit_2_before_any_model_loads(tmp_path, setup, tiny_checkpoint,
+                                                                        monkeypatch, kind):
+    """`grpo train --set checkpoint.resume=FOLDER` on a checkpoint whose RNG file needs the unrestricted unpickler
+    (a crafted one, torch.save's zip format with a manifest rehashed to match: the checksums prove nothing) or is
+    not one this version wrote: exit 2 with one paragraph and the way out, checked before any model is built, and
+    the file's code never runs."""
+    from typer.testing import CliRunner
+
+    from grpo_cli.cli.main import app
+    from grpo_cli.runtime.dist import DistInfo
+    from grpo_cli.train import manifest, run
+
+    cfg, policy = setup
+    path = ckpt.save_checkpoint(tmp_path / "run", step=1, cfg=cfg, policy=policy, trainer_state=_state(1), keep_last=2)
+    rng = path / "rng-0.pt"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    if kind == "crafted":
+        torch.save({"python": Payload(), "numpy": {}, "torch": torch.zeros(1)}, rng)
+    elif kind == "old format":
+        _old_format_rng(rng)
+    elif kind == "damaged":
+        rng.write_bytes(b"")
+    else:
+        torch.save({"python": [1, 2]}, rng)
+    (path / manifest.MANIFEST).unlink()
+    manifest.write_manifest(path, step=1, info=DistInfo())
+    monkeypatch.setattr(run, "build_trainer", lambda *a, **k: pytest.fail("a model was built"))
+    result = CliRunner().invoke(app, ["train", "--set", f"model.name_or_path={tiny_checkpoint}", "--set",
+                                      f"checkpoint.resume={path}", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert "rng-0.pt is not a random-generator file this version can read safely" in result.output
+    assert "Resume from a checkpoint this version wrote" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "pwned").exists()

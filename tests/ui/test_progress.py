@@ -83,3 +83,20 @@ def test_fast_steps_show_milliseconds_and_the_done_line_follows_the_last_frame(t
     out = console.file.getvalue()
     assert out.rstrip().endswith("done: 2 steps")  # no frame drawn again after it
     assert out.count("done: 2 steps") == 1
+
+
+def test_fast_phases_show_milliseconds_not_zero(tmp_path):
+    """At 20 steps/s the phases take a few ms each: the bar and the plain line said `reward 0.00s` (was: two
+    decimals of seconds); now milliseconds, and `0s` only for a phase that took no time."""
+    from grpo_cli.ui.live_parts import duration
+
+    assert [duration(t) for t in (0.0, 0.0003, 0.0042, 0.0304, 0.6, 2.555)] == ["0s", "0.3ms", "4.2ms", "30ms",
+                                                                                "0.60s", "2.56s"]
+    fast = {**_metrics(1), "time/generate": 0.012, "time/reward": 0.0004, "time/train": 0.031, "time/sync": 0.0}
+    console = Console(file=io.StringIO(), width=300, color_system=None)
+    with ProgressView(3, mode="plain", console=console) as view:
+        view.update(1, fast)
+        text = _text(view)
+    line = console.file.getvalue()
+    assert "generate=12ms reward=0.4ms" in line and "train=31ms sync=0s" in line and "0.00s" not in line
+    assert "generate 12ms  reward 0.4ms" in text and "train 31ms" in text and "0.00s" not in text

@@ -84,7 +84,7 @@ def reward_metrics(cfg: GRPOConfig, fns: list[RewardFn], scored: ScoredRollout) 
     }
     for fn, col in zip(fns, scored.per_func.T, strict=True):
         ok = col[~col.isnan()]
-        metrics[f"reward/{fn.label}/mean"] = float(ok.mean()) if len(ok) else float("nan")
+        metrics[fn.metric] = float(ok.mean()) if len(ok) else float("nan")
     return metrics
 
 
