@@ -45,7 +45,10 @@ class AgentEngine:
 
     def bind_prompts(self, prompts) -> None:
         """The dataset rows of the prompts the next `generate` gets (an environment's `reset(**row)`)."""
-        self.rows = [dict(p.columns) for p in prompts]
+        self.bind_rows([dict(p.columns) for p in prompts])
+
+    def bind_rows(self, rows: list[dict]) -> None:
+        self.rows = rows
 
     def _start(self, count: int, n: int) -> list[Trajectory]:
         """One trajectory per completion; with an environment, a fresh instance reset with its prompt's row."""

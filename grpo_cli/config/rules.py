@@ -201,14 +201,8 @@ def _check_agent(cfg: GRPOConfig) -> None:
     if cfg.rollout.custom and (cfg.agent is not None or cfg.rollout.mode == "async"):
         raise ValueError(
             "rollout.custom produces the completions itself, so it takes neither agent: (multi-turn tool calls; "
-            "call tools inside your function instead) nor rollout.mode async (its Ray actors generate single turns); "
-            "drop one."
-        )
-    if cfg.agent is not None and cfg.rollout.mode == "async":
-        raise ValueError(
-            "agent (multi-turn tool calling) does not run in rollout.mode async yet: the Ray actors generate single "
-            "turns. Use rollout.mode colocate or server (hf, vllm, grpo serve-rollout and SGLang all work), or set "
-            "agent: null."
+            "call tools inside your function instead) nor rollout.mode async (its Ray actors run the built-in "
+            "single- and multi-turn loops only); drop one."
         )
 
 

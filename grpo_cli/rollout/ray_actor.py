@@ -17,14 +17,33 @@ from grpo_cli.rollout.base import RolloutBatch, SamplingParams
 
 def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
     """The engine of one actor, from the config (JSON dump) and the `EngineContext` fields. It owns its weights:
-    `hf` loads a copy of the checkpoint in the rollout dtype, `vllm` runs a single-process `vllm.LLM`."""
-    import torch
-
+    `hf` loads a copy of the checkpoint in the rollout dtype, `vllm` runs a single-process `vllm.LLM`. With
+    `agent:` it runs the whole multi-turn loop (`agent.rollout.AgentEngine`, tools executed in the actor), so a
+    batch's every turn samples with the one weight version stamped on it: Ray runs the actor's calls in order and a
+    weight push waits behind the generation."""
     from grpo_cli.config.schema import GRPOConfig
-    from grpo_cli.rollout.base import EngineContext, engine_dtype
+    from grpo_cli.rollout.base import EngineContext
 
     cfg = GRPOConfig.model_validate(cfg_dump)
     ctx = EngineContext(**ctx_fields)
+    engine = _single_turn_engine(cfg, ctx)
+    if cfg.agent is None:
+        return engine
+    from transformers import AutoTokenizer
+
+    from grpo_cli.agent.rollout import wrap_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
+    if cfg.agent.chat_template:
+        tokenizer.chat_template = cfg.agent.chat_template
+    return wrap_engine(engine, cfg.agent, tokenizer)
+
+
+def _single_turn_engine(cfg, ctx):
+    import torch
+
+    from grpo_cli.rollout.base import engine_dtype
+
     if cfg.rollout.engine == "vllm":
         if cfg.rollout.vllm.max_num_seqs is None:  # the engine's default would size for the whole step
             cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
@@ -80,7 +99,11 @@ class RolloutActor:
         waits on it with a timeout)."""
         return {"pid": os.getpid(), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 rows: list[dict] | None = None) -> RolloutBatch:
+        """`rows`: the prompts' dataset rows, for an `agent.environment`'s `reset(**row)`."""
+        if rows is not None:
+            self.engine.bind_rows(rows)
         return self.engine.generate(prompt_ids, sampling)
 
     def update_weights(self, parts: list, version: int) -> int:

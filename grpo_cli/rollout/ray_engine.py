@@ -55,22 +55,35 @@ def split_evenly(items: list, parts: int) -> list[list]:
 
 
 def merge_batches(parts: list[RolloutBatch]) -> RolloutBatch:
-    """Concatenate actor batches in actor order (prompt order is kept: chunks were consecutive)."""
+    """Concatenate actor batches in actor order (prompt order is kept: chunks were consecutive), with their
+    multi-turn fields (`merge_metrics` for `tools/*`)."""
     versions = {p.weight_version for p in parts}
     if len(versions) != 1:
         raise RolloutError(f"rollout actors sampled one step with different weight versions {sorted(versions)}; "
                            "a weight push was lost. Restart the run from its last checkpoint.")
-    logprobs = None if any(p.sampler_logprobs is None for p in parts) else [
-        row for p in parts for row in p.sampler_logprobs
-    ]
+
+    def rows(name: str) -> list | None:
+        return None if any(getattr(p, name) is None for p in parts) else [x for p in parts for x in getattr(p, name)]
+
     return RolloutBatch(
-        prompt_ids=[row for p in parts for row in p.prompt_ids],
-        completion_ids=[row for p in parts for row in p.completion_ids],
-        finish_reasons=[r for p in parts for r in p.finish_reasons],
-        sampler_logprobs=logprobs,
+        prompt_ids=rows("prompt_ids"), completion_ids=rows("completion_ids"), finish_reasons=rows("finish_reasons"),
+        sampler_logprobs=rows("sampler_logprobs"),
         weight_version=versions.pop(),
-        timings={"generate": max(p.timings.get("generate", 0.0) for p in parts)},
+        timings={name: max(p.timings.get(name, 0.0) for p in parts)
+                 for name in {"generate", *(k for p in parts for k in p.timings)}},
+        loss_masks=rows("loss_masks"), trajectories=rows("trajectories"),
+        environment_rewards=rows("environment_rewards"),
+        metrics=merge_metrics([p.metrics for p in parts], [len(p.completion_ids) for p in parts]),
     )
+
+
+def merge_metrics(metrics: list[dict[str, float]], rows: list[int]) -> dict[str, float]:
+    """One batch's `tools/*` from its parts': counts (`tools/errors`, `tools/timeouts`) add up, per-rollout means
+    (`tools/calls_per_rollout`, `tools/turns`) are averaged weighted by each part's rollouts."""
+    total = sum(rows) or 1
+    names = {k for m in metrics for k in m}
+    return {k: sum(m.get(k, 0.0) for m in metrics) if k in ("tools/errors", "tools/timeouts")
+            else sum(m.get(k, 0.0) * n for m, n in zip(metrics, rows, strict=True)) / total for k in names}
 
 
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -198,6 +211,8 @@ class AsyncRolloutEngine:
         self.dtype = engine_dtype(cfg)  # the actors' dtype bounds the sync probe's tolerance (trainer masters are fp32)
         self.follow_timeout_s = cfg.distributed.timeout_minutes * 60.0
         self._tickets: dict[object, list] = {}
+        self.sends_rows = cfg.agent is not None and cfg.agent.environment is not None
+        self._rows: list[dict] | None = None
         self._pushes: list = []
         self._syncs = 0  # weight syncs so far: rank 0's n-th post is every other rank's n-th take
         self.actors, self.pg, self.board = [], None, None
@@ -270,14 +285,18 @@ class AsyncRolloutEngine:
 
     # ---- generation ------------------------------------------------------------------------------------
 
-    def submit(self, key, prompt_ids: list[list[int]], sampling: SamplingParams) -> None:
-        """Queue the generation of `prompt_ids` under `key` (returns at once)."""
+    def submit(self, key, prompt_ids: list[list[int]], sampling: SamplingParams,
+               rows: list[dict] | None = None) -> None:
+        """Queue the generation of `prompt_ids` under `key` (returns at once). `rows`: the prompts' dataset rows,
+        sent along when the actors reset an `agent.environment` with them."""
         refs = []
-        for i, (actor, chunk) in enumerate(zip(self.actors, split_evenly(prompt_ids, len(self.actors)),
-                                               strict=True)):
+        count = len(self.actors)
+        row_chunks = split_evenly(rows, count) if rows is not None and self.sends_rows else [None] * count
+        for i, (actor, chunk, chunk_rows) in enumerate(zip(self.actors, split_evenly(prompt_ids, count), row_chunks,
+                                                           strict=True)):
             if chunk:
                 seed = None if sampling.seed is None else sampling.seed + (self.first_index + i) * ACTOR_SEED_STRIDE
-                refs.append(actor.generate.remote(chunk, dataclasses.replace(sampling, seed=seed)))
+                refs.append(actor.generate.remote(chunk, dataclasses.replace(sampling, seed=seed), chunk_rows))
         self._tickets[key] = refs
 
     def collect(self, key, timeout: float | None = None) -> RolloutBatch:
@@ -299,8 +318,14 @@ class AsyncRolloutEngine:
         del self._tickets[key]
         return merge_batches(parts)
 
+    def bind_prompts(self, prompts) -> None:
+        """The prompts of the next `generate` (an extra dynamic-sampling round, an evaluation): their rows go to
+        the actors with it (multi-turn rollouts with an `agent.environment`)."""
+        self._rows = [dict(p.columns) for p in prompts]
+
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        self.submit("_now", prompt_ids, sampling)
+        rows, self._rows = self._rows, None
+        self.submit("_now", prompt_ids, sampling, rows)
         return self.collect("_now")
 
     # ---- weights ---------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ class RolloutPipeline:
             j = self.next_step
             before = self.cursor.state_dict()
             prompts = take_step_prompts(self.cursor, **self._take)
-            self.engine.submit(j, [p.ids for p in prompts], self.sampling_for(j))
+            self.engine.submit(j, [p.ids for p in prompts], self.sampling_for(j), [dict(p.columns) for p in prompts])
             self.flight[j] = InFlight(j, prompts, before)
             self.next_step += 1
 

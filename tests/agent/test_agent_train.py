@@ -1,5 +1,5 @@
 """`grpo train` with tools, 2 steps, on the rollout paths that run here: hf and vLLM colocated in this process, a
-real `grpo serve-rollout` process in server mode. Async mode is refused by name (its actors generate single turns)."""
+real `grpo serve-rollout` process in server mode, and Ray rollout actors (a local cluster) in async mode."""
 
 from __future__ import annotations
 
@@ -75,9 +75,43 @@ def test_two_steps_with_tools_against_a_rollout_server(tmp_path, kind, engine):
     _check(tmp_path / "run")
 
 
-def test_async_mode_is_refused_by_name():
-    with pytest.raises(ConfigError, match="does not run in rollout.mode async"):
-        build_config("tiny-cpu-tools", overrides=["rollout.mode=async"])
+@pytest.mark.slow
+def test_two_steps_with_tools_in_async_mode(tmp_path):
+    """Two Ray actors each run the multi-turn loop on their half of the batch, one step ahead of training; an
+    environment is reset in the actor with each prompt's own row (sent with the submission): its `guess` answers
+    against that row's `answer_number`, and its `reward()` comes back as the `environment` reward."""
+    ray = pytest.importorskip("ray")
+    try:
+        cfg = build_config("tiny-cpu-tools", overrides=[
+            *SMALL, "rollout.mode=async", "rollout.max_staleness=1", "rollout.ray.num_actors=2",
+            "rollout.ray.cpus_per_actor=1", "rollout.ray.start_timeout_s=120",
+            f"agent.environment={TOOLS}:Counter", f"agent.tool_parser={TOOLS}:always_guess",
+            "rewards.functions=[{name: grpo_cli.agent.rewards:environment}]"])
+        run_training(cfg, output_dir=str(tmp_path / "run"))
+    finally:
+        ray.shutdown()
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["tools/calls_per_rollout"] > 0 and r["tools/errors"] == 0 for r in rows), rows
+    samples = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    checked = 0
+    for s in samples:
+        target = _answer(s["prompt"])
+        said = [m["content"] for m in s["messages"] if m["role"] == "tool"]
+        expected = "right" if target == 5 else "higher" if target > 5 else "lower"
+        assert set(said) <= {expected}, (target, said)  # empty when the first turn ran out of tokens (no call run)
+        assert s["reward"] == len(said)  # the actor's own instance counted its guesses (environment reward)
+        checked += bool(said)
+    assert checked >= 4, samples
+
+
+def _answer(prompt: str) -> int:
+    """The sum asked by a builtin:arith prompt ("... two plus three ...")."""
+    from grpo_cli.data.tasks import NUMBER_WORDS
+
+    words = prompt.split()
+    i = words.index("plus")
+    return NUMBER_WORDS.index(words[i - 1]) + NUMBER_WORDS.index(words[i + 1])
 
 
 def test_a_custom_rollout_function_trains_on_its_masks(tmp_path):

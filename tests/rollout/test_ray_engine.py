@@ -72,6 +72,22 @@ def test_merge_refuses_mixed_weight_versions():
         merge_batches([part, dataclasses.replace(part, weight_version=1)])
 
 
+def test_merge_keeps_multi_turn_fields_and_weighs_tool_metrics():
+    """Masks, trajectories and environment rewards are concatenated in actor order; tool counts add up and
+    per-rollout means are weighted by each actor's rollouts (3 + 1 here)."""
+    a = RolloutBatch([[1]] * 3, [[2, 3]] * 3, ["stop"] * 3, loss_masks=[[1, 0]] * 3, trajectories=[[{"a": 1}]] * 3,
+                     environment_rewards=[1.0, None, 2.0], metrics={"tools/turns": 2.0, "tools/errors": 1.0},
+                     timings={"generate": 1.0, "tools": 0.5})
+    b = RolloutBatch([[4]], [[5]], ["length"], loss_masks=[[1]], trajectories=[[{"b": 2}]], environment_rewards=[3.0],
+                     metrics={"tools/turns": 4.0, "tools/errors": 2.0}, timings={"generate": 2.0})
+    m = merge_batches([a, b])
+    assert m.loss_masks == [[1, 0]] * 3 + [[1]] and m.trajectories == [[{"a": 1}]] * 3 + [[{"b": 2}]]
+    assert m.environment_rewards == [1.0, None, 2.0, 3.0] and m.finish_reasons == ["stop"] * 3 + ["length"]
+    assert m.metrics == {"tools/turns": (3 * 2.0 + 4.0) / 4, "tools/errors": 3.0}
+    assert m.timings == {"generate": 2.0, "tools": 0.5}
+    assert merge_batches([dataclasses.replace(a, loss_masks=None), b]).loss_masks is None
+
+
 def test_actors_are_placed_on_the_placement_group(manager):
     from ray.util.placement_group import placement_group_table
 
