@@ -19,6 +19,7 @@ class Mode(str, Enum):
     sglang = "sglang"
     async_ = "async"
     deepspeed = "deepspeed"
+    megatron = "megatron"
 
 
 def doctor(
@@ -26,9 +27,11 @@ def doctor(
     modes: Annotated[Optional[list[Mode]], typer.Option(
         "--mode", "-m", help="Only judge these modes; exit 1 when one of them cannot run here.")] = None,
     quick: Annotated[bool, typer.Option(
-        "--quick", help="Skip importing vLLM, Ray and DeepSpeed (faster; vllm-colocate and async are not judged).")] = False,
+        "--quick", help="Skip importing vLLM, Ray, DeepSpeed and Megatron-core (faster; vllm-colocate and async "
+                     "are not judged).")] = False,
 ) -> None:
-    """Check this machine: torch/CUDA/NCCL, transformers, accelerate, vLLM, SGLang, DeepSpeed and Ray versions;
+    """Check this machine: torch/CUDA/NCCL, transformers, accelerate, vLLM, SGLang, DeepSpeed, Ray, Megatron-core
+    and mbridge versions (the last two against the `megatron` extra's pins);
     what the installed vLLM can do (sleep mode, in-place weight loading, processed logprobs, external launcher);
     free ports; then a verdict per mode (ok / limited / no) with the exact install command for what is missing.
     Starts no engine and takes no GPU memory."""

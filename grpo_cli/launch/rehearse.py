@@ -111,6 +111,8 @@ def _backend(src: GRPOConfig, deepspeed_ready: bool, notes: list[str]) -> tuple[
     d = src.distributed
     off = [k for k, v in d.offload.model_dump().items() if v]
     offload = f"; offload while generating: {', '.join(off)}" if off else ""
+    if d.backend == "megatron":
+        return {"megatron": _megatron(src, notes)}, False
     if d.backend != "deepspeed":
         notes.append(f"backend {d.backend} kept{offload}")
         return {}, False
@@ -125,6 +127,23 @@ def _backend(src: GRPOConfig, deepspeed_ready: bool, notes: list[str]) -> tuple[
     notes.append(f"backend deepspeed ZeRO-{ds.zero_stage} → {stand_in}: the deepspeed backend is not available in "
                  f"this install (ZeRO flags {flags or 'none'} NOT rehearsed){offload}")
     return {"backend": stand_in}, True
+
+
+def _megatron(src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
+    """Megatron's grid shrunk to the rehearsal's processes and the tiny model (2 layers, 2 heads, dense): tensor
+    parallel kept up to the process count, pipeline parallel only where it still fits beside it, no expert
+    parallel (the tiny model has no experts: a MoE preset rehearses its dense path only), no sequence parallel
+    (CUDA only). Each change is a note."""
+    m, procs = src.distributed.megatron, min(src.distributed.num_processes, MAX_PROCESSES)
+    tp = min(m.tensor_parallel, procs)
+    pp = min(m.pipeline_parallel, procs // tp)
+    out = {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": 1,
+           "virtual_pipeline": None, "sequence_parallel": False}
+    changes = [f"{k} {getattr(m, k)} → {v}" for k, v in out.items() if getattr(m, k) != v]
+    notes.append(f"backend megatron kept (distributed_optimizer {m.distributed_optimizer}, recompute {m.recompute})"
+                 + (f"; {', '.join(changes)} (the tiny model is dense, 2 layers, on {procs} CPU process(es); "
+                    "sequence parallel is CUDA only)" if changes else ""))
+    return out
 
 
 def _rollout(src: GRPOConfig, procs: int, server_url: str, notes: list[str]) -> dict[str, Any]:
@@ -182,6 +201,15 @@ def gpu_only(cfg: GRPOConfig) -> list[tuple[str, str]]:
                     f"{min(d.num_processes, MAX_PROCESSES)})"))
     if r.engine == "sglang":
         out.append(("live SGLang", "a real SGLang server (CUDA only); rehearsed against the SGLang contract server"))
+    if d.backend == "megatron":
+        m = d.megatron
+        parts = [f"expert_parallel {m.expert_parallel}"] if m.expert_parallel > 1 else []
+        parts += [f"virtual_pipeline {m.virtual_pipeline}"] if m.virtual_pipeline else []
+        parts += ["sequence_parallel"] if m.sequence_parallel else []
+        if m.expert_parallel > 1 or m.sequence_parallel or m.virtual_pipeline or m.tensor_parallel > MAX_PROCESSES:
+            out.append(("megatron grid", f"tensor_parallel {m.tensor_parallel} x pipeline_parallel "
+                        f"{m.pipeline_parallel}{', ' + ', '.join(parts) if parts else ''} and the MoE layers of "
+                        f"{cfg.model.name_or_path} (the CPU run trains the dense tiny model on a smaller grid)"))
     if _pins_host_memory(cfg):
         out.append(("pinned host memory", "page-locked host buffers (offload, DeepSpeed's CPU optimizer, vLLM sleep "
                     "level 1) exist only beside CUDA; on CPU the state already is in host memory"))

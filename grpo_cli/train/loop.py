@@ -22,7 +22,7 @@ from grpo_cli.train.loss import trained_mask
 from grpo_cli.train.pipeline import RolloutPipeline, take_step_prompts
 from grpo_cli.train.policy import Policy
 from grpo_cli.train.scoring.rewards_phase import ScoredRollout, reward_step, score_rollout
-from grpo_cli.train.step import NonFiniteStep, batch_logprobs, optimizer_step
+from grpo_cli.train.step import NonFiniteStep, optimizer_step
 from grpo_cli.train.weights.sync_ranks import generate_with_resync
 from grpo_cli.train.supervise.timing import PhaseTimer, peak_rss_mb
 
@@ -134,12 +134,13 @@ def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:
     """Old-policy logprobs only when μ > 1 (at μ = 1 they equal the first forward, detached); reference only
     when β > 0."""
     cfg, micro, temp = tr.cfg, tr.cfg.train.micro_batch_size, tr.cfg.rollout.temperature
-    with tr.timer.phase("logprobs"), tr.policy.backend.compute_context():
+    backend = tr.policy.backend
+    with tr.timer.phase("logprobs"):
         if cfg.algorithm.num_iterations > 1:
-            batch.old_logprobs = batch_logprobs(tr.policy.model, batch, micro_batch_size=micro, temperature=temp)
+            batch.old_logprobs = backend.batch_logprobs(batch, micro_batch_size=micro, temperature=temp)
         if cfg.algorithm.kl.beta > 0:
-            with tr.policy.backend.reference() as ref:
-                batch.ref_logprobs = batch_logprobs(ref, batch, micro_batch_size=micro, temperature=temp)
+            batch.ref_logprobs = backend.batch_logprobs(batch, micro_batch_size=micro, temperature=temp,
+                                                        reference=True)
 
 
 def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, float]:

@@ -32,6 +32,15 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     model_path = resolve_model_path(cfg.model.name_or_path)
     reward_fns = build_reward_fns(cfg.rewards.functions)
     policy = load_policy(cfg, model_path, device=device, info=info)
+    if not policy.backend.runs_end_to_end:
+        from grpo_cli.config.errors import UserError
+
+        raise UserError(
+            f"distributed.backend={cfg.distributed.backend} builds, trains and checkpoints (its tests: "
+            "tests/train/test_megatron.py), but grpo train cannot yet push its weights to a rollout engine, so a run "
+            "would stop at its first weight sync. Use distributed.backend=fsdp2 or deepspeed for now "
+            "(docs/megatron.md, Status)."
+        )
     rows = load_rows(cfg.data.source, seed=cfg.train.seed)
     schemas = None
     if cfg.agent is not None:

@@ -7,7 +7,7 @@ from collections import defaultdict
 import torch
 
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.rollout.scoring import completion_logprobs, completion_logprobs_entropy
+from grpo_cli.rollout.scoring import completion_logprobs
 from grpo_cli.train.backends.base import NonFiniteStep
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.loss import compute_loss
@@ -38,35 +38,28 @@ def optimizer_step(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, *, num_it
     """Accumulate gradients over micro-batches of `batch` (already on device), clip, step, schedule.
 
     Each micro-batch loss is scaled by `compute_loss` so that the sum over micro-batches and ranks is the whole
-    step's loss; the backend's `backward` turns its rank-averaged gradients into the gradient of that sum.
+    step's loss; the backend's `forward_backward` turns its rank-averaged gradients into the gradient of that sum.
     Raises `NonFiniteStep` (gradients zeroed, no step) on NaN/inf.
     """
     backend = policy.backend
-    micro = cfg.train.micro_batch_size
-    starts = list(range(0, len(batch), micro))
-    sums: dict[str, float] = defaultdict(float)
+
+    def loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None):
+        return compute_loss(
+            logprobs=logprobs, old_logprobs=mb.old_logprobs, ref_logprobs=mb.ref_logprobs,
+            sampler_logprobs=mb.sampler_logprobs, advantages=mb.advantages, completion_mask=mb.completion_mask,
+            algorithm=cfg.algorithm, num_items_in_batch=num_items, num_sequences_in_batch=num_sequences,
+            max_completion_length=cfg.rollout.max_completion_length, entropy=entropy, truncated=mb.truncated,
+        )
+
     backend.zero_grad()
-    for k, start in enumerate(starts):
-        mb = batch.rows(start, start + micro)
-        with backend.accumulation_context(last=k == len(starts) - 1):
-            with backend.compute_context():
-                logprobs, entropy = completion_logprobs_entropy(
-                    policy.model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
-                    temperature=cfg.rollout.temperature, entropy_grad=cfg.algorithm.entropy_coef > 0,
-                )
-            loss, metrics = compute_loss(
-                logprobs=logprobs, old_logprobs=mb.old_logprobs, ref_logprobs=mb.ref_logprobs,
-                sampler_logprobs=mb.sampler_logprobs, advantages=mb.advantages, completion_mask=mb.completion_mask,
-                algorithm=cfg.algorithm, num_items_in_batch=num_items, num_sequences_in_batch=num_sequences,
-                max_completion_length=cfg.rollout.max_completion_length, entropy=entropy, truncated=mb.truncated,
-            )
-            if not torch.isfinite(loss):
-                backend.zero_grad()
-                raise NonFiniteStep(f"non-finite loss {loss.item()}")
-            backend.backward(loss)
+    per_micro = backend.forward_backward(batch, micro_batch_size=cfg.train.micro_batch_size,
+                                         temperature=cfg.rollout.temperature,
+                                         entropy_grad=cfg.algorithm.entropy_coef > 0, loss_fn=loss_fn)
+    sums: dict[str, float] = defaultdict(float)
+    for metrics in per_micro:
         for name, value in metrics.items():
             sums[name] += float(value)
-    out = {name: (v if name == "loss" else v / len(starts)) for name, v in sums.items()}
+    out = {name: (v if name == "loss" else v / len(per_micro)) for name, v in sums.items()}
     out["grad_norm"] = backend.clip_and_step()
     out["learning_rate"] = backend.learning_rate()
     return out

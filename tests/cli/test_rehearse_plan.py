@@ -23,7 +23,8 @@ def _plan(name: str, *, deepspeed_ready: bool = True):
 
 def test_every_gpu_preset_is_covered():
     assert set(GPU_PRESETS) == {"qwen-72b-colocate", "qwen-7b-colocate-tp2", "qwen-7b-async", "qwen-1.5b-server",
-                                "qwen-1.5b-colocate", "qwen-7b-sglang-server", "qwen2-0.5b-tldr-length"}
+                                "qwen-1.5b-colocate", "qwen-7b-sglang-server", "qwen2-0.5b-tldr-length",
+                                "qwen3-30b-a3b-megatron"}
 
 
 @pytest.mark.parametrize("name", GPU_PRESETS)
@@ -82,6 +83,19 @@ def test_servers_and_async():
     asy = _plan("qwen-7b-async")
     assert asy.server is None and asy.config.rollout.ray.num_actors == 2 and asy.config.distributed.rollout_gpus == 0
     assert "async: 4 Ray rollout actor(s) → 2 on a local Ray cluster (1 CPU each), max_staleness 1 kept" in asy.notes
+
+
+def test_megatron_grid_shrunk_to_the_rehearsal():
+    """The MoE preset's tp 2 × ep 4 + sequence parallel becomes tp 2 (kept: 2 processes), no expert parallel (the tiny
+    model is dense), no sequence parallel (CUDA only); what is lost is a GPU-only item."""
+    reh = _plan("qwen3-30b-a3b-megatron")
+    m = reh.config.distributed.megatron
+    assert reh.config.distributed.backend == "megatron" and not reh.deepspeed_substituted
+    assert (m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.sequence_parallel) == (2, 1, 1, False)
+    assert m.recompute == "selective" and m.distributed_optimizer
+    assert any(n.startswith("backend megatron kept") and "expert_parallel 4 → 1" in n
+               and "sequence_parallel True → False" in n for n in reh.notes)
+    assert any(w == "megatron grid" and "expert_parallel 4, sequence_parallel" in why for w, why in reh.gpu_only)
 
 
 def test_deepspeed_stand_in_is_said():

@@ -1,4 +1,5 @@
-"""Training backends (`distributed.backend`): ddp, fsdp2, deepspeed behind one seam (`base.TrainingBackend`)."""
+"""Training backends (`distributed.backend`): ddp, fsdp2, deepspeed, megatron behind one seam
+(`base.TrainingBackend`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def make_backend(cfg: GRPOConfig, info: DistInfo, device: torch.device) -> Train
         from grpo_cli.train.backends.deepspeed import DeepSpeedBackend
 
         return DeepSpeedBackend(cfg, info, device)
+    if name == "megatron":
+        from grpo_cli.train.backends.megatron.backend import MegatronBackend
+
+        return MegatronBackend(cfg, info, device)
     from grpo_cli.train.backends.ddp import DDPBackend
 
     return DDPBackend(cfg, info, device)

@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.runtime.dist import DistInfo
+
+if TYPE_CHECKING:
+    from grpo_cli.train.batch import TrainBatch
+
+LossFn = Callable[["TrainBatch", torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(micro-batch, its completion logprobs (b, T), its entropy (b, T)) → (micro-batch loss, detached metrics)."""
 
 
 class NonFiniteStep(Exception):
@@ -96,6 +103,9 @@ class TrainingBackend:
     name: ClassVar[str] = "base"
     shards_parameters: ClassVar[bool] = False
     """True when no rank holds the full model (fsdp2, ZeRO-3): the hf engine cannot share its weights."""
+    runs_end_to_end: ClassVar[bool] = True
+    """False while `grpo train` cannot push this backend's weights to a rollout engine (megatron, for now): the
+    run refuses it before generating instead of failing at the first weight sync."""
 
     def __init__(self, cfg: GRPOConfig, info: DistInfo, device: torch.device) -> None:
         self.cfg, self.info, self.device = cfg, info, device
@@ -117,6 +127,45 @@ class TrainingBackend:
         return _adapter_disabled(self.module)
 
     # ---- one optimizer step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def batch_logprobs(self, batch: TrainBatch, *, micro_batch_size: int, temperature: float,
+                       reference: bool = False) -> torch.Tensor:
+        """No-grad completion logprobs (B, T), fp32, of the whole batch under the policy or (`reference`) the KL
+        reference, micro-batch by micro-batch. Collective for backends that split the model across ranks."""
+        from grpo_cli.rollout.scoring import completion_logprobs
+
+        parts = []
+        with self.compute_context(), (self.reference() if reference else contextlib.nullcontext(self.model)) as m:
+            for i in range(0, len(batch), micro_batch_size):
+                mb = batch.rows(i, i + micro_batch_size)
+                parts.append(completion_logprobs(m, mb.input_ids, mb.attention_mask, temperature=temperature,
+                                                 logits_to_keep=mb.num_completion_tokens).float())
+        return torch.cat(parts)
+
+    def forward_backward(self, batch: TrainBatch, *, micro_batch_size: int, temperature: float, entropy_grad: bool,
+                         loss_fn: LossFn) -> list[dict[str, torch.Tensor]]:
+        """Forward, `loss_fn` and backward of every micro-batch of `batch` (gradient reduction on the last); returns
+        each micro-batch's metrics. Raises `NonFiniteStep` (gradients zeroed) on a non-finite loss. Backends that
+        cannot run a micro-batch at a time (pipeline parallel) override the whole of it."""
+        from grpo_cli.rollout.scoring import completion_logprobs_entropy
+
+        starts = list(range(0, len(batch), micro_batch_size))
+        out = []
+        for k, start in enumerate(starts):
+            mb = batch.rows(start, start + micro_batch_size)
+            with self.accumulation_context(last=k == len(starts) - 1):
+                with self.compute_context():
+                    logprobs, entropy = completion_logprobs_entropy(
+                        self.model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
+                        temperature=temperature, entropy_grad=entropy_grad)
+                loss, metrics = loss_fn(mb, logprobs, entropy)
+                if not torch.isfinite(loss):
+                    self.zero_grad()
+                    raise NonFiniteStep(f"non-finite loss {loss.item()}")
+                self.backward(loss)
+            out.append(metrics)
+        return out
+
     def compute_context(self):
         """Around every forward of the policy or reference (autocast where the backend does not cast itself)."""
         return contextlib.nullcontext()

@@ -1,0 +1,164 @@
+"""CPU stand-ins for the CUDA assumptions inside megatron-core (and mbridge), so the megatron backend runs on gloo
+CPU processes (CI, `--rehearse`). Imported only when the training device is CPU; nothing here changes numerics: it
+only moves tensors Megatron would put on "cuda" to the CPU, keeps its RNG tracker on the CPU generator, and lets its
+`tensor.type() == 'torch.cuda.FloatTensor'` checks accept the same dtypes on the CPU."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import types
+
+import torch
+
+ENTRY_MODULES = (
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "mbridge",
+)
+"""Imported before patching; every megatron.core / mbridge module then loaded gets `_CpuTorch` as its `torch`
+global (their "cuda" literals and `torch.cuda.*` calls)."""
+PATCHED_PREFIXES = ("megatron.core", "mbridge")
+
+_CPU = torch.device("cpu")
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like", "rand",
+              "randn")
+_installed = False
+
+
+def _cpu_device(device):
+    """Where Megatron asks for a CUDA device (the string, an index from `current_device()`, a cuda device): CPU."""
+    if device is None or isinstance(device, int) or str(device).startswith("cuda"):
+        return _CPU
+    return device
+
+
+class _NullStream:
+    def wait_stream(self, *_a, **_k) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """`torch.cuda` as Megatron's CPU-run modules see it: the current device is the CPU, synchronisation is a
+    no-op (CPU ops are synchronous), RNG calls use the CPU generator; everything else is the real `torch.cuda`."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return _CPU
+
+    @staticmethod
+    def synchronize(*_a, **_k) -> None:
+        pass
+
+    @staticmethod
+    def default_stream(*_a, **_k):
+        return _NullStream()
+
+    @staticmethod
+    def get_rng_state(*_a, **_k):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+
+class _CpuTorch(types.ModuleType):
+    """A stand-in for the `torch` module inside one Megatron module: tensor factories asked for "cuda" make CPU
+    tensors, `torch.cuda` is `_CpuCuda`; every other attribute is torch's own."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, self._factory(getattr(torch, name)))
+
+    @staticmethod
+    def _factory(fn):
+        def make(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        return make
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _cuda_named_type(original):
+    """`Tensor.type()` with no argument names a CPU tensor as its CUDA twin ('torch.cuda.FloatTensor'): Megatron's
+    optimizers assert those names before accepting a parameter; with an argument it is the real cast."""
+
+    def type_(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    return type_
+
+
+def _rng_tracker_on_cpu(random_module) -> None:
+    """Megatron's model-parallel RNG tracker keeps CUDA generator states; on the CPU it keeps the CPU generator's."""
+    random_module._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    random_module._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def _cuda_method_is_identity(fn):
+    """`fn` with `Tensor.cuda()` returning the tensor itself while it runs (Megatron moves the last pipeline stage's
+    copy of tied embeddings with `.cuda()` before all-reducing it from the first stage)."""
+
+    def wrapped(*args, **kwargs):
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *_a, **_k: t
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    return wrapped
+
+
+def install() -> None:
+    """Apply every shim once per process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    stand_in = _CpuTorch()
+    for name in ENTRY_MODULES:
+        importlib.import_module(name)
+    for name, module in list(sys.modules.items()):
+        if name.startswith(PATCHED_PREFIXES) and getattr(module, "torch", None) is torch:
+            module.torch = stand_in
+    # The tracker's fork warns when the CPU generator moved inside it; on the CPU it is the tracked generator.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    _rng_tracker_on_cpu(importlib.import_module("megatron.core.tensor_parallel.random"))
+    torch.Tensor.type = _cuda_named_type(torch.Tensor.type)
+    from megatron.core.models.common.language_module.language_module import (
+        LanguageModule,
+    )
+
+    LanguageModule.setup_embeddings_and_output_layer = _cuda_method_is_identity(
+        LanguageModule.setup_embeddings_and_output_layer)
+    _installed = True
