@@ -63,3 +63,19 @@ def build_batch(rollout: RolloutBatch, *, group_size: int, pad_token_id: int) ->
             sampler[j, : len(c)] = torch.tensor(rollout.sampler_logprobs[j], dtype=torch.float32)
     truncated = torch.tensor([r == "length" for r in rollout.finish_reasons], dtype=torch.bool)
     return TrainBatch(ids, attn, cmask, sampler_logprobs=sampler, truncated=truncated)
+
+
+def forward_logprobs(model, mb: TrainBatch, *, temperature: float) -> torch.Tensor:
+    """Completion-token logprobs (b, T) of a micro-batch, in fp32."""
+    from grpo_cli.rollout.scoring import completion_logprobs
+
+    return completion_logprobs(
+        model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens, temperature=temperature
+    ).float()
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch: TrainBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
+    """No-grad logprobs (B, T) of the whole batch, micro-batch by micro-batch (old-policy or reference pass)."""
+    return torch.cat([forward_logprobs(model, batch.rows(i, i + micro_batch_size), temperature=temperature)
+                      for i in range(0, len(batch), micro_batch_size)])

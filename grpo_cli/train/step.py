@@ -7,30 +7,12 @@ from collections import defaultdict
 import torch
 
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.rollout.scoring import completion_logprobs
 from grpo_cli.train.backends.base import NonFiniteStep
-from grpo_cli.train.batch import TrainBatch
+from grpo_cli.train.batch import TrainBatch, batch_logprobs, forward_logprobs
 from grpo_cli.train.loss import compute_loss
 from grpo_cli.train.policy import Policy
 
 __all__ = ["NonFiniteStep", "batch_logprobs", "forward_logprobs", "optimizer_step"]
-
-
-def forward_logprobs(model, mb: TrainBatch, *, temperature: float) -> torch.Tensor:
-    """Completion-token logprobs (b, T) of a micro-batch, in fp32."""
-    return completion_logprobs(
-        model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens, temperature=temperature
-    ).float()
-
-
-@torch.no_grad()
-def batch_logprobs(model, batch: TrainBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
-    """No-grad logprobs (B, T) of the whole batch (old-policy or reference pass)."""
-    parts = [
-        forward_logprobs(model, batch.rows(i, i + micro_batch_size), temperature=temperature)
-        for i in range(0, len(batch), micro_batch_size)
-    ]
-    return torch.cat(parts)
 
 
 def optimizer_step(policy: Policy, batch: TrainBatch, cfg: GRPOConfig, *, num_items: float,

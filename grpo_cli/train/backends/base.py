@@ -132,15 +132,10 @@ class TrainingBackend:
                        reference: bool = False) -> torch.Tensor:
         """No-grad completion logprobs (B, T), fp32, of the whole batch under the policy or (`reference`) the KL
         reference, micro-batch by micro-batch. Collective for backends that split the model across ranks."""
-        from grpo_cli.rollout.scoring import completion_logprobs
+        from grpo_cli.train.batch import batch_logprobs
 
-        parts = []
         with self.compute_context(), (self.reference() if reference else contextlib.nullcontext(self.model)) as m:
-            for i in range(0, len(batch), micro_batch_size):
-                mb = batch.rows(i, i + micro_batch_size)
-                parts.append(completion_logprobs(m, mb.input_ids, mb.attention_mask, temperature=temperature,
-                                                 logits_to_keep=mb.num_completion_tokens).float())
-        return torch.cat(parts)
+            return batch_logprobs(m, batch, micro_batch_size=micro_batch_size, temperature=temperature)
 
     def forward_backward(self, batch: TrainBatch, *, micro_batch_size: int, temperature: float, entropy_grad: bool,
                          loss_fn: LossFn) -> list[dict[str, torch.Tensor]]:
