@@ -15,7 +15,7 @@ import torch
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.base import EngineContext
-from grpo_cli.rollout.ray_engine import merge_batches, split_evenly
+from grpo_cli.rollout.actor_batches import merge_batches, split_evenly
 
 ray = pytest.importorskip("ray")
 
