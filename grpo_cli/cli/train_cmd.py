@@ -59,6 +59,9 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
                 f"done: {summary['steps']} steps; mean reward first 10% = {summary['reward_first_10pct']:.3f}, "
                 f"last 10% = {summary['reward_last_10pct']:.3f}; run dir {summary['output_dir']}"
             )
+    from grpo_cli.runtime.dist import leave_worker
+
+    leave_worker()  # a worker of a multi-process job ends here, past torch's C++ teardown
     return 0
 
 

@@ -91,6 +91,23 @@ def shutdown(info: DistInfo) -> None:
         dist.destroy_process_group()
 
 
+def leave_worker() -> None:
+    """End a finished worker of a multi-process job without interpreter teardown: run the atexit handlers, flush
+    stdout/stderr, then `os._exit(0)`. After `shutdown`, the C++ teardown of torch's distributed state still
+    aborted now and then on a loaded machine ("terminate called without an active exception", SIGABRT, seen in
+    CI on rank 1 after a run that had saved and exported everything), and the launcher reported the finished job
+    as failed. A single process (WORLD_SIZE unset or 1) returns normally."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
+
+
 def broadcast_object(obj, info: DistInfo):
     """Rank 0's `obj` on every rank (a picklable object; collective, every rank calls it)."""
     if info.world_size == 1:

@@ -4,6 +4,9 @@ are what a CPU test must drive, since CI has no GPU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -118,3 +121,28 @@ def test_accel_cuda_branches_call_cuda(monkeypatch):
     assert calls == [("sync", cuda), ("empty",), ("rng", 7, cuda)]
     assert "cuda" not in accel.rng_states(cpu)
     assert accel.wants_pinned(cuda, cpu) and not accel.wants_pinned(cpu, cpu) and not accel.wants_pinned(cpu, cuda)
+
+
+def _leave_script(marker) -> str:
+    return (
+        "import atexit, sys\n"
+        "from grpo_cli.runtime.dist import leave_worker\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('closed'))\n"
+        "sys.stdout.write('finished')\n"
+        "leave_worker()\n"
+        "print('returned')\n"
+    )
+
+
+@pytest.mark.parametrize("world_size, returns", [("2", False), ("1", True)])
+def test_leave_worker_runs_exit_handlers_and_skips_teardown(tmp_path, world_size, returns):
+    """A worker of a multi-process job ends in leave_worker: atexit handlers ran, buffered output is flushed,
+    exit code 0, and nothing after the call runs; a single process returns from it."""
+    marker = tmp_path / "closed"
+    env = {**os.environ, "WORLD_SIZE": world_size}
+    out = subprocess.run([sys.executable, "-c", _leave_script(marker)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("finished")
+    assert ("returned" in out.stdout) is returns
+    assert marker.read_text() == "closed"
