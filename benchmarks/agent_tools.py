@@ -34,8 +34,6 @@ from collections import defaultdict
 from benchmarks.compare import RESULTS_DIR, fmt_table, machine_info
 
 CALLS = "benchmarks.agent_tools:always_calculate"
-BATCHED_TOKENS = 32768
-"""vLLM's `max_num_batched_tokens` here (the engine sets max(4096, max_model_len)): see `main`."""
 
 
 def always_calculate(text: str) -> list[tuple[str, dict]]:
@@ -166,6 +164,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64, help="tiny tool model width (64 = builtin:tiny-tools)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vllm", action="store_true", help="also the in-process vLLM colocate engine")
+    ap.add_argument("--no-hf", action="store_true", help="leave the hf engine out (with --vllm)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="vLLM KV block size (default: vLLM's, 128 on CPU; prefix caching reuses whole blocks only)")
     ap.add_argument("--no-train", action="store_true", help="skip the train-phase proxy")
     ap.add_argument("--out", default=str(RESULTS_DIR / "agent_tools.json"))
     args = ap.parse_args()
@@ -199,24 +200,16 @@ def main() -> None:
     tool_sampling = SamplingParams(n=args.gens, max_tokens=budget, seed=0)
     plain_sampling = SamplingParams(n=args.gens, max_tokens=sampled, seed=0)
 
-    engines = {"hf": HFEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, shares_policy_weights=True)}
+    engines = {} if args.no_hf else {
+        "hf": HFEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, shares_policy_weights=True)}
     if args.vllm:
-        import vllm
-
         from grpo_cli.rollout.vllm_engine import VLLMEngine
 
-        # A turn re-reads 128 rows of up to ~75 tokens (> the engine's 4096 batched tokens): vLLM would chunk that
-        # prefill, and on CPU a chunked seeded request fails ("CPU Generator does not use offset", vLLM's
-        # `_bookkeeping_sync`); one prefill step takes it whole.
-        original = vllm.LLM
-        vllm.LLM = lambda **kw: original(**{**kw, "max_num_batched_tokens": BATCHED_TOKENS})
         start = time.perf_counter()
-        try:
-            engines["vllm"] = IgnoreEos(VLLMEngine(
-                path, dtype="float32", max_model_len=max(map(len, prompts)) + budget + 8,
-                max_num_seqs=args.prompts * args.gens, kv_cache_space_gib=1.0))
-        finally:
-            vllm.LLM = original
+        engines["vllm"] = IgnoreEos(VLLMEngine(
+            path, dtype="float32", max_model_len=max(map(len, prompts)) + budget + 8,
+            max_num_seqs=args.prompts * args.gens, kv_cache_space_gib=1.0, block_size=args.block_size,
+            multi_turn=True))
         print(f"vLLM engine started in {time.perf_counter() - start:.1f} s")
 
     clock = Clock()
@@ -258,7 +251,8 @@ def main() -> None:
         assert row["sampled_per_rollout"] == [sampled], (key, row)
         assert key[1] == "no tools" or row["turns"] == args.turns, (key, row, expect, got)
 
-    layouts = {"no tools": batches[("hf", "no tools")], "tools": batches[("hf", "tools, inline")]}
+    first = next(iter(engines))
+    layouts = {"no tools": batches[(first, "no tools")], "tools": batches[(first, "tools, inline")]}
     results: dict[str, list[dict]] = {f"{e} | {v}": [] for e, v in keys}
     train: dict[str, list[float]] = {k: [] for k in layouts}
     for r in range(args.rounds):

@@ -5,9 +5,9 @@ model reads next."""
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from grpo_cli.agent.inline import InlinePool
 from grpo_cli.agent.tools import Tool, ToolCall
 from grpo_cli.runtime.workers import WorkerPool
 
@@ -34,6 +34,9 @@ def _check(call: ToolCall, tools: dict[str, Tool]) -> str | None:
 _POOL: WorkerPool | None = None
 POOL_SIZE = 8
 """Tool interpreters at most per trainer process."""
+_INLINE = InlinePool()
+_DISPATCH = ThreadPoolExecutor(max_workers=POOL_SIZE, thread_name_prefix="tool-dispatch")
+"""Threads that wait on the tool interpreters' replies (process isolation), started once."""
 
 
 def _in_process(tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:
@@ -42,45 +45,45 @@ def _in_process(tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:
         _POOL = WorkerPool("grpo_cli.agent.tool_worker", POOL_SIZE)
     reply, outcome = _POOL.call({"spec": tool.spec, "name": call.name, "arguments": call.arguments}, timeout)
     if outcome == "timeout":
-        return f"error: {call.name} timed out after {timeout:g} s", True
+        return _timed_out(call.name, timeout), True
     if reply is None:
         return f"error: {call.name} died without a result", False
     return (reply["text"] if reply["status"] == "ok" else f"error: {reply['text']}"), False
 
 
-def _in_thread(tool: Tool, call: ToolCall, timeout: float) -> tuple[str, bool]:
-    box: dict = {}
+def _outcome(text: str, timed_out: bool) -> tuple[str, str]:
+    return text, "timeout" if timed_out else "error" if text.startswith("error:") else "ok"
 
-    def run() -> None:
-        try:
-            box["out"] = format_result(tool.fn(**call.arguments))
-        except Exception as exc:  # noqa: BLE001
-            box["out"] = f"error: {type(exc).__name__}: {exc}"
 
-    worker = threading.Thread(target=run, daemon=True, name=f"tool-{call.name}")
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        return f"error: {call.name} timed out after {timeout:g} s", True
-    return box["out"], False
+def _timed_out(name: str, timeout: float) -> str:
+    return f"error: {name} timed out after {timeout:g} s"
 
 
 def run_calls(calls: list[ToolCall], tools: dict[str, Tool] | list[dict[str, Tool]], *, timeout: float,
               isolation: str) -> list[tuple[str, str]]:
-    """(result text, outcome) per call, outcome ∈ ok | error | timeout; the calls run concurrently. `tools` is one
-    set for every call, or one per call (an environment's bound methods: each trajectory has its own instance)."""
+    """(result text, outcome) per call, outcome ∈ ok | error | timeout; the calls run concurrently (inline: on
+    `InlinePool`'s threads; process: on the interpreters of `WorkerPool`, at most `POOL_SIZE` at once). `tools` is
+    one set for every call, or one per call (an environment's bound methods: each trajectory has its own
+    instance)."""
     per_call = tools if isinstance(tools, list) else [tools] * len(calls)
-
-    def one(item: tuple[ToolCall, dict[str, Tool]]) -> tuple[str, str]:
-        call, available = item
+    out: list[tuple[str, str] | None] = [None] * len(calls)
+    runnable = []
+    for i, (call, available) in enumerate(zip(calls, per_call, strict=True)):
         problem = _check(call, available)
         if problem is not None:
-            return problem, "error"
-        runner = _in_process if isolation == "process" else _in_thread
-        text, timed_out = runner(available[call.name], call, timeout)
-        return text, "timeout" if timed_out else "error" if text.startswith("error:") else "ok"
+            out[i] = (problem, "error")
+        else:
+            runnable.append(i)
+    if isolation == "process":
+        futures = [_DISPATCH.submit(_in_process, per_call[i][calls[i].name], calls[i], timeout) for i in runnable]
+        for i, future in zip(runnable, futures, strict=True):
+            out[i] = _outcome(*future.result())
+        return out
 
-    if not calls:
-        return []
-    with ThreadPoolExecutor(max_workers=min(32, len(calls))) as pool:
-        return list(pool.map(one, zip(calls, per_call, strict=True)))
+    def job(call: ToolCall, tool: Tool):
+        return lambda: format_result(tool.fn(**call.arguments))
+
+    results = _INLINE.run([job(calls[i], per_call[i][calls[i].name]) for i in runnable], timeout)
+    for i, (text, late) in zip(runnable, results, strict=True):
+        out[i] = _outcome(_timed_out(calls[i].name, timeout) if late else text, late)
+    return out

@@ -113,8 +113,10 @@ class AgentEngine:
             results = run_calls([c for _, c in flat], [trajs[j].tools for j, _ in flat],
                                 timeout=self.cfg.tool_timeout_s, isolation=self.cfg.tool_isolation)
             tool_seconds += time.perf_counter() - tick
-            for j in active:
-                mine = [r for (k, _), r in zip(flat, results, strict=True) if k == j]
+            per_rollout: dict[int, list[tuple[str, str]]] = {j: [] for j in active}
+            for (k, _), r in zip(flat, results, strict=True):
+                per_rollout[k].append(r)
+            for j, mine in per_rollout.items():
                 stats["calls"] += len(mine)
                 stats["errors"] += sum(outcome == "error" for _, outcome in mine)
                 stats["timeouts"] += sum(outcome == "timeout" for _, outcome in mine)

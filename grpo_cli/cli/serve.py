@@ -31,6 +31,9 @@ def serve_rollout(
     max_request_mb: Annotated[float, typer.Option(min=0.001, help="Largest JSON request body.")] = 16.0,
     max_frame_mb: Annotated[float, typer.Option(min=1.0, help="Largest weight frame of /update_weights.")] = 4096.0,
     seed: Annotated[int, typer.Option(help="Engine seed.")] = 0,
+    block_size: Annotated[int | None, typer.Option(
+        min=1, help="vllm KV-cache block size (default vLLM's: 16 on CUDA, 128 on CPU). Prefix caching reuses "
+                    "whole blocks: serving multi-turn (agent) runs on CPU, set 32.")] = None,
     compile: Annotated[bool, typer.Option(help="hf engine: run the decode step under torch.compile (the "
                                                "trainer's rollout.compile; needs a C++ compiler on CPU).")] = False,
     task: Annotated[Literal["rollout", "reward"], typer.Option(
@@ -47,7 +50,7 @@ def serve_rollout(
                         tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                         dtype=dtype, max_model_len=max_model_len, sleep_level=sleep_level, seed=seed,
                         token=os.environ.get(token_env) or None, max_request_mb=max_request_mb,
-                        max_frame_mb=max_frame_mb, compile=compile)
+                        max_frame_mb=max_frame_mb, compile=compile, block_size=block_size)
     with user_errors(), contextlib.suppress(KeyboardInterrupt):
         if task == "reward":
             from grpo_cli.server.launch import run_reward_server

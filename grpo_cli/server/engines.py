@@ -31,6 +31,7 @@ class ServeOptions:
     max_request_mb: float = 16.0
     max_frame_mb: float = 4096.0
     compile: bool = False
+    block_size: int | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -140,7 +141,8 @@ def _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id, engine) -> Serve
     max_len = opts.max_model_len or min(int(cfg.get("max_position_embeddings", 2048)), 4096)
     engine = engine or VLLMEngine(opts.model, dtype=dtype, tensor_parallel_size=opts.tensor_parallel_size,
                                   gpu_memory_utilization=opts.gpu_memory_utilization, max_model_len=max_len,
-                                  seed=opts.seed, sleep_level=opts.sleep_level, eos_token_ids=eos_ids)
+                                  seed=opts.seed, sleep_level=opts.sleep_level, eos_token_ids=eos_ids,
+                                  block_size=opts.block_size)
     caps = ["generate", "score", "update_weights", "update_weights_from_disk", "reset_prefix_cache"]
     if opts.sleep_level:
         caps.append("sleep")

@@ -174,6 +174,26 @@ def test_a_hanging_tool_times_out_and_leaves_no_process():
     assert [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.pid not in before] == []
 
 
+def test_inline_calls_run_together_on_threads_started_once():
+    """A late inline call times out on its own clock and leaves the pool serving; a turn's calls run at once; the
+    threads are kept for the next turn (the pool does not grow when the same number of calls comes again)."""
+    from grpo_cli.agent.inline import InlinePool
+
+    pool = InlinePool()
+    tools = load_tools([f"{TOOLS}:nap", f"{TOOLS}:add"])
+    start = time.perf_counter()
+    late = run_calls([ToolCall("nap", {"seconds": 30}), ToolCall("add", {"a": 2, "b": 3})], tools, timeout=0.5,
+                     isolation="inline")
+    assert late == [("error: nap timed out after 0.5 s", "timeout"), ("5", "ok")]
+    assert time.perf_counter() - start < 2.0
+    naps = [lambda: tools["nap"].fn(seconds=0.3)] * 16
+    start = time.perf_counter()
+    assert pool.run(naps, timeout=10) == [("awake", False)] * 16
+    assert time.perf_counter() - start < 3.0  # one after another: 4.8 s
+    started = pool.threads
+    assert pool.run(naps, timeout=10) == [("awake", False)] * 16 and pool.threads == started == 16
+
+
 def test_tool_schemas_come_from_hints_and_docstrings():
     [add] = load_tools([f"{TOOLS}:add"]).values()
     fn = add.schema()["function"]

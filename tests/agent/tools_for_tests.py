@@ -23,6 +23,14 @@ def spin(x: int) -> int:
         x += 1
 
 
+def nap(seconds: float) -> str:
+    """Sleep, then answer."""
+    import time
+
+    time.sleep(seconds)
+    return "awake"
+
+
 def shout(text: str) -> str:
     """A long answer."""
     return " ".join([text] * 200)
