@@ -10,9 +10,9 @@ Without tools: the same engine (EOS suppressed) samples `turns × turn_tokens` t
 prompts in a single `generate`: the same sampled-token count per rollout, checked.
 
 Reported (medians of alternated rounds, the order rotating each round): rollout wall time with and without tools
-and the overhead; its split into the engine's extra time (turn k re-reads the prompt, the earlier turns and the
-tool results: a prefill of 128 distinct, growing rows per extra turn, and 4 engine calls instead of 1), tool calls
-(`run_calls`), parsing (`parse`), the rest of `_add_turn` (decoding a turn's text twice) and framing
+and the overhead; its split into the engine's extra time (turn k reads the tool results on top of the earlier
+turns: the hf engine keeps each row's KV between turns and reads only the new tokens, vLLM re-reads the
+conversation through its prefix cache; 4 engine calls instead of 1), tool calls (`run_calls`), parsing (`parse`), the rest of `_add_turn` (decoding a turn's text twice) and framing
 (`_add_results`: encoding the result, template tokens); and, for the whole-step figure, a train-phase proxy (one
 forward + backward over the batch as the trainer lays it out: left-padded prompt, right-padded completion, the
 tool run's completions 3 × 4 environment tokens longer). Engines: `hf` (our decode loop on the policy) and, with
@@ -66,26 +66,37 @@ class Clock:
 
 class TurnCapped:
     """An engine whose every answer is exactly `turn_tokens` sampled tokens ending in `eos` (finish reason `stop`):
-    the inner engine samples with EOS suppressed, the last sampled token is replaced by `eos`. Its `generate` time
-    is `clock.s["engine"]`."""
+    the inner engine samples with EOS suppressed, the last sampled token is replaced by `eos` (also in the hf
+    engine's kept KV rows, whose last token the next turn feeds first). Its `generate`/`continue_rows` time is
+    `clock.s["engine"]`."""
 
     def __init__(self, engine, turn_tokens: int, eos: int, clock: Clock) -> None:
         self.engine, self.turn_tokens, self.eos = engine, turn_tokens, eos
         self.generate_inner = clock.wrap("engine", engine.generate)
+        if hasattr(engine, "continue_rows"):  # only then: the agent loop looks for it
+            inner = clock.wrap("engine", engine.continue_rows)
+            self.continue_rows = lambda rows, new_ids, sampling: self._cap(inner(rows, new_ids, self._max(sampling)))
 
     def __getattr__(self, name):
         if name == "engine":
             raise AttributeError(name)
         return getattr(self.engine, name)
 
-    def generate(self, prompt_ids, sampling):
+    def _max(self, sampling):
         from dataclasses import replace
 
-        out = self.generate_inner(prompt_ids, replace(sampling, max_tokens=min(self.turn_tokens, sampling.max_tokens)))
+        return replace(sampling, max_tokens=min(self.turn_tokens, sampling.max_tokens))
+
+    def _cap(self, out):
         assert all(len(c) == self.turn_tokens for c in out.completion_ids), "EOS was not suppressed"
         out.completion_ids = [c[:-1] + [self.eos] for c in out.completion_ids]
         out.finish_reasons = ["stop"] * len(out.completion_ids)
+        for row in getattr(self.engine, "_kept", None) or []:
+            row.last_token = self.eos
         return out
+
+    def generate(self, prompt_ids, sampling, **kwargs):
+        return self._cap(self.generate_inner(prompt_ids, self._max(sampling), **kwargs))
 
 
 class IgnoreEos:

@@ -28,6 +28,7 @@ class Trajectory:
     pending: list[ToolCall] = field(default_factory=list)
     tools: dict[str, Tool] = field(default_factory=dict)
     env: object = None
+    fresh: list[int] = field(default_factory=list)  # environment tokens added since the last turn
 
 
 class AgentEngine:
@@ -90,12 +91,12 @@ class AgentEngine:
         if len(env) >= room:  # no room left to answer after the result: cut it, and the trajectory ends here
             env, t.finish = env[:room], "length"
         t.ids += env
+        t.fresh = env
         t.mask += [0] * len(env)
         t.logprobs += [0.0] * len(env)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        start = time.perf_counter()
-        first = self.engine.generate(prompt_ids, sampling)
+    def _turns(self, first: RolloutBatch, prompt_ids: list[list[int]], sampling: SamplingParams, resume):
+        """Run the turns after `first`; returns (trajectories, tool-call counts, seconds in tool calls)."""
         n, budget = sampling.n, sampling.max_tokens
         trajs = self._start(len(first.completion_ids), n)
         for j, t in enumerate(trajs):
@@ -104,6 +105,7 @@ class AgentEngine:
                            first.finish_reasons[j])
         stats = {"calls": 0, "errors": 0, "timeouts": 0}
         tool_seconds = 0.0
+        row = {j: j for j in range(len(trajs))}  # trajectory → row of the engine's last output
         for turn in range(1, self.cfg.max_turns):
             active = [j for j, t in enumerate(trajs) if t.pending and t.finish == "stop"]
             if not active:
@@ -126,15 +128,34 @@ class AgentEngine:
                 break
             room = [budget - len(trajs[j].ids) for j in go]
             seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
-            out = self.engine.generate([prompt_ids[j // n] + trajs[j].ids for j in go],
-                                       SamplingParams(n=1, max_tokens=max(room), temperature=sampling.temperature,
-                                                      top_p=sampling.top_p, top_k=sampling.top_k, seed=seed))
+            params = SamplingParams(n=1, max_tokens=max(room), temperature=sampling.temperature,
+                                    top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
+            if resume is not None and self.engine.can_continue():
+                out = resume([row[j] for j in go], [trajs[j].fresh for j in go], params)
+            else:
+                out = self.engine.generate([prompt_ids[j // n] + trajs[j].ids for j in go], params)
+            row = {j: i for i, j in enumerate(go)}  # trajectory → row of the engine's last output
             for i, j in enumerate(go):
                 ids, finish = out.completion_ids[i][: room[i]], out.finish_reasons[i]
                 if len(out.completion_ids[i]) > room[i]:
                     finish = "length"
                 lps = out.sampler_logprobs[i][: room[i]] if out.sampler_logprobs is not None else None
                 self._add_turn(trajs[j], ids, lps, finish)
+        return trajs, stats, tool_seconds
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        """Turn 0 samples every completion; later turns sample the rollouts that called a tool, from the whole
+        conversation so far. An engine with `continue_rows` (hf) keeps each row's KV between turns and reads only
+        the new tokens; others get the conversation's ids as a prompt."""
+        start = time.perf_counter()
+        resume = getattr(self.engine, "continue_rows", None)
+        try:
+            first = (self.engine.generate(prompt_ids, sampling, keep_cache=True) if resume is not None
+                     else self.engine.generate(prompt_ids, sampling))
+            trajs, stats, tool_seconds = self._turns(first, prompt_ids, sampling, resume)
+        finally:
+            if resume is not None:
+                self.engine.drop_cache()
         b = len(trajs)
         metrics = {"tools/calls_per_rollout": stats["calls"] / b, "tools/errors": float(stats["errors"]),
                    "tools/timeouts": float(stats["timeouts"]), "tools/turns": sum(t.turns for t in trajs) / b}

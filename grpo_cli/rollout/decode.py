@@ -1,5 +1,7 @@
 """The hf engine's decode loop: prefill each prompt once, share its KV cache among its n samples, then decode one
-token per step on a preallocated KV cache, dropping finished rows from the batch as they stop."""
+token per step on a preallocated KV cache, dropping finished rows from the batch as they stop. With `keep`, each
+row's KV is kept when it leaves the batch (`continuation.RowKV`), and `decode_continue` takes rows up again after
+new tokens (a multi-turn rollout's next turn) without re-reading what they hold."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
+from grpo_cli.rollout.continuation import RowKV, chunk_inputs, continuable, seed_cache, stash_rows
 from grpo_cli.rollout.decode_step import compiled_decode_sample, decode_sample, decoder_parts, plan_decode, preallocated
 from grpo_cli.rollout.sampling import draw_noise, process_logits, sample_tokens
 
@@ -25,6 +28,7 @@ class Decoded:
     logprobs: torch.Tensor
     lengths: torch.Tensor
     stopped: torch.Tensor
+    kept: list[RowKV | None] | None = None  # with `keep`: each output row's KV (None: the cache cannot be kept)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +102,31 @@ def _prefill(model, prompt_ids: list[list[int]], n: int, steps: int, pad_token_i
     return cache, logits.index_select(0, expand), rows, ids.shape[1]
 
 
+def _continue_prefill(model, kept: list[RowKV], new_ids: list[list[int]], steps: int, pad_token_id: int):
+    """A new cache seeded with the rows' kept KV, then one forward over their continuation chunks
+    (`continuation.chunk_inputs`); the same (cache, logits, rows, width) as `_prefill`."""
+    device = next(model.parameters()).device
+    ids, pos, mask, s0 = chunk_inputs(kept, new_ids, steps, pad_token_id, device)
+    width = s0 + ids.shape[1]
+    cache = new_cache(model, max_len=width + steps)
+    seed_cache(cache, kept, s0)
+    logits = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=pos, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    return cache, logits, _Rows(torch.arange(len(kept), device=device), mask, pos[:, -1] + 1), width
+
+
+def _stash(kept: list | None, cache, rows: _Rows, which: torch.Tensor, out: Decoded, width: int) -> None:
+    """Keep the KV of active rows `which` (their output rows' lengths say how many generated slots are theirs)."""
+    if kept is None or len(which) == 0:
+        return
+    origin = rows.origin.index_select(0, which)
+    lengths = out.lengths.index_select(0, origin)
+    last = out.tokens[origin, lengths - 1]
+    for o, row in zip(origin.tolist(), stash_rows(cache, which.tolist(), rows.mask, width, lengths.tolist(),
+                                                    last.tolist()), strict=True):
+        kept[o] = row
+
+
 def step_bias(mask: torch.Tensor, width: int) -> torch.Tensor:
     """(B, 1, 1, S) float32 additive attention mask for the lean decode step from the rows' (B, S) mask: 0 on
     prompt tokens, −inf on prompt padding and on the generated slots [width, S), which step t opens (slot
@@ -124,7 +153,7 @@ def _mark_dynamic(plan, keys, values, tokens, positions, slot, bias, noise) -> N
 
 @torch.no_grad()
 def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_token_ids: list[int],
-           pad_token_id: int, compile_step: bool = False) -> Decoded:
+           pad_token_id: int, compile_step: bool = False, keep: bool = False) -> Decoded:
     """Sample `sampling.n` completions of each prompt (group-contiguous rows) with `model` in its current mode.
 
     Positions follow transformers' `generate` for left padding: position = (cumsum(mask) − 1), 0 on padding, and
@@ -133,9 +162,27 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
     under `torch.compile` with `compile_step`), others the model's forward. Each step's token is drawn from
     `process_logits` of the fp32 logits and its logprob recorded (`sample_tokens`); a row stops after a stop token.
     Without a seed, the generator's seed is drawn from torch's global RNG.
+    With `keep`, `Decoded.kept` holds each row's KV for `decode_continue`.
     """
+    prefilled = _prefill(model, prompt_ids, sampling.n, sampling.max_tokens, pad_token_id)
+    return _sample(model, *prefilled, sampling, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                   compile_step=compile_step, keep=keep)
+
+
+@torch.no_grad()
+def decode_continue(model, kept: list[RowKV], new_ids: list[list[int]], sampling: SamplingParams, *,
+                    eos_token_ids: list[int], pad_token_id: int, compile_step: bool = False) -> Decoded:
+    """Continue rows whose KV was kept (`decode(keep=True)`), after `new_ids[j]` more tokens for row j: one
+    completion per row (`sampling.n` is ignored), drawn as `decode` draws; the rows' KV is kept again."""
+    prefilled = _continue_prefill(model, kept, new_ids, sampling.max_tokens, pad_token_id)
+    return _sample(model, *prefilled, sampling, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                   compile_step=compile_step, keep=True)
+
+
+def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingParams, *, eos_token_ids: list[int],
+            pad_token_id: int, compile_step: bool, keep: bool) -> Decoded:
+    """The decode loop from the prefilled state: one token per step for every active row until each stops."""
     steps = sampling.max_tokens
-    cache, logits, rows, width = _prefill(model, prompt_ids, sampling.n, steps, pad_token_id)
     device, batch = logits.device, len(rows.origin)
     generator = torch.Generator(device=device)
     generator.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ())))
@@ -144,6 +191,7 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
                   torch.full((batch,), steps, dtype=torch.long, device=device),
                   torch.zeros(batch, dtype=torch.bool, device=device))
     stop_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
+    kept: list | None = [None] * batch if keep and continuable(cache) else None
     parts = decoder_parts(model) if preallocated(cache, width + steps) else None
     plan = None if parts is None else plan_decode(parts, max_positions=width + steps)
     if plan is not None:
@@ -160,12 +208,14 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
         rows.done |= stop
         finished = int(rows.done.sum())
         if t == steps - 1 or finished == len(rows.origin):
+            _stash(kept, cache, rows, torch.arange(len(rows.origin), device=device), out, width)
             break
         if finished >= max(1.0, COMPACT_FRACTION * len(rows.origin)):
-            keep = (~rows.done).nonzero().squeeze(1)
-            select_rows(cache, keep)
-            rows.keep(keep)
-            tokens = tokens.index_select(0, keep)
+            _stash(kept, cache, rows, rows.done.nonzero().squeeze(1), out, width)
+            active = (~rows.done).nonzero().squeeze(1)
+            select_rows(cache, active)
+            rows.keep(active)
+            tokens = tokens.index_select(0, active)
         tokens = tokens.masked_fill(rows.done, pad_token_id)
         if plan is not None:  # Llama-family model on a preallocated cache: the lean one-token forward and draw
             slot = torch.tensor([width + t], device=device) if compile_step else width + t
@@ -180,4 +230,5 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
                            position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
             tokens, logprobs = sample_tokens(process_logits(logits, **knobs), generator)
         rows.next_pos += 1
+    out.kept = kept
     return out

@@ -10,7 +10,7 @@ import torch
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.rollout.base import RolloutBatch, SamplingParams
-from grpo_cli.rollout.decode import Decoded, decode
+from grpo_cli.rollout.decode import Decoded, decode, decode_continue
 from grpo_cli.rollout.decode_step import decoder_parts
 from grpo_cli.rollout.scoring import score_sequences
 from grpo_cli.rollout.weight_names import parameters_by_name
@@ -29,31 +29,53 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.shares_policy_weights = shares_policy_weights
         self.weight_version = 0
+        self._kept = None  # the last call's rows' KV (`keep_cache`), for `continue_rows`
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        start = time.perf_counter()
+    def _run(self, fn, *args, **kwargs) -> Decoded:
         was_training = self.model.training
         self.model.eval()
         try:
-            out = decode(self.model, prompt_ids, sampling, eos_token_ids=self.eos_token_ids,
-                         pad_token_id=self.pad_token_id, compile_step=self.compile_step)
+            return fn(self.model, *args, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                      compile_step=self.compile_step, **kwargs)
         finally:
             self.model.train(was_training)
+
+    def _batch(self, out: Decoded, prompt_ids: list[list[int]], start: float) -> RolloutBatch:
         completions, reasons, sampler = _trim(out)
-        return RolloutBatch(
-            prompt_ids=[list(p) for p in prompt_ids],
-            completion_ids=completions,
-            finish_reasons=reasons,
-            sampler_logprobs=sampler,
-            weight_version=self.weight_version,
-            timings={"generate": time.perf_counter() - start},
-        )
+        self._kept = out.kept
+        return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
+                            finish_reasons=reasons, sampler_logprobs=sampler, weight_version=self.weight_version,
+                            timings={"generate": time.perf_counter() - start})
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, *,
+                 keep_cache: bool = False) -> RolloutBatch:
+        """Sample; with `keep_cache`, each completion row's KV stays here for `continue_rows` (multi-turn)."""
+        start = time.perf_counter()
+        self._kept = None
+        return self._batch(self._run(decode, prompt_ids, sampling, keep=keep_cache), prompt_ids, start)
+
+    def can_continue(self) -> bool:
+        """Whether the last call kept its rows' KV (a model whose cache layers are all plain full attention)."""
+        return bool(self._kept) and all(row is not None for row in self._kept)
+
+    def continue_rows(self, rows: list[int], new_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        """One more completion for rows `rows` of the last call, after `new_ids[i]` more tokens each, reading only
+        those (and each row's last sampled token) on top of the kept KV; equal, up to float rounding, to
+        generating from the whole sequence. The new rows' KV is kept in turn (`drop_cache` ends it)."""
+        start = time.perf_counter()
+        kept = [self._kept[r] for r in rows]
+        self._kept = None
+        return self._batch(self._run(decode_continue, kept, new_ids, sampling), [[] for _ in rows], start)
+
+    def drop_cache(self) -> None:
+        self._kept = None
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         return score_sequences(self.model, sequences, pad_token_id=self.pad_token_id)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self._kept = None  # KV of the old weights
         if not self.shares_policy_weights:
             params = parameters_by_name(self.model)  # a tied weight arrives under each of its names
             for name, tensor in named_tensors:
@@ -68,6 +90,7 @@ class HFEngine:
 
     def close(self) -> None:
         self.model = None
+        self._kept = None
 
 
 def require_compilable(model, *, setting: str = "rollout.compile") -> None:
