@@ -3,20 +3,20 @@ config alone."""
 
 from __future__ import annotations
 
-import json
-import re
 import dataclasses
-from dataclasses import dataclass
-from pathlib import Path
+import re
 
 from grpo_cli.config.errors import UserError
+from grpo_cli.config.model_shape import (  # noqa: F401  (re-exported: `grpo plan`'s callers import them here)
+    ModelShape, local_model_config, model_shape, num_experts)
+from grpo_cli.config.plan_megatron import (  # noqa: F401
+    BYTES, megatron_activation_bytes, megatron_layout, megatron_state_bytes)
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
 
 GIB = 1024**3
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GPU_HEADROOM = 0.05
 """Share of `--gpu-mem` the verdict leaves free (allocator fragmentation, CUDA context, NCCL buffers)."""
 HOST_HEADROOM = 0.10
@@ -37,116 +37,6 @@ def required_gpus(cfg: GRPOConfig) -> int:
     """CUDA GPUs one machine needs: training processes plus reserved rollout GPUs (0 on `device: cpu/auto`)."""
     d = cfg.distributed
     return d.num_processes + d.rollout_gpus if d.device == "cuda" else 0
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    params: float
-    hidden: int
-    layers: int
-    kv_dim: int
-    root_params: float = 0.0
-    """Parameters outside the decoder layers (embeddings, an untied output head, the final norm): FSDP2's root
-    unit, gathered for the whole forward and backward."""
-    expert_params: float = 0.0
-    """Parameters of the routed MoE experts, all layers together (0 for a dense model): what Megatron's expert
-    parallelism splits instead of tensor × pipeline parallelism alone."""
-    experts: int = 0
-    """Routed experts per MoE layer (0: dense)."""
-    heads: int = 0
-    """Attention (query) heads; 0 when unknown (then `hidden // 128`, Qwen2.5's head size, stands in)."""
-    kv_heads: int = 0
-    """Key/value heads; 0 when unknown."""
-    vocab: int = 0
-    """Vocabulary size; 0 when unknown."""
-
-    @property
-    def layer_params(self) -> float:
-        """Parameters of one decoder layer (the unit FSDP2 gathers and reduce-scatters at a time)."""
-        return (self.params - self.root_params) / self.layers
-
-
-QWEN_VOCAB = 151_936
-KNOWN_SHAPES = {0.5: (896, 24, 128, True), 1.5: (1536, 28, 256, True), 3: (2048, 36, 256, True),
-                7: (3584, 28, 512, False), 14: (5120, 48, 1024, False), 32: (5120, 64, 1024, False),
-                72: (8192, 80, 1024, False)}
-"""Billions → (hidden, layers, kv dim, tied embeddings) of the Qwen2.5 family, for names without a local folder."""
-KNOWN_MOE_CONFIGS = {
-    "30B-A3B": {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
-                "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
-                "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": QWEN_VOCAB, "tie_word_embeddings": False},
-    "235B-A22B": {"model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
-                  "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536,
-                  "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": QWEN_VOCAB,
-                  "tie_word_embeddings": False},
-}
-"""The Qwen3 MoE models' config.json fields `model_shape` reads, by the size in the name ('Qwen/Qwen3-30B-A3B'), for
-names without a local folder."""
-
-
-def local_model_config(name: str) -> dict | None:
-    """The model's config.json when `name` is a local folder that has one (never downloads; None otherwise): what
-    `grpo plan` sizes the model by and the config rules check head, layer and expert counts against."""
-    path = Path(name) / "config.json"
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, ValueError):
-        return None
-
-
-def num_experts(c: dict) -> int:
-    """Routed experts per MoE layer from a config.json (Qwen2/3-MoE `num_experts`, Mixtral `num_local_experts`,
-    DeepSeek `n_routed_experts`); 0 for a dense model."""
-    return int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0)
-
-
-def _sparse_layers(c: dict, n_layers: int) -> int:
-    """Decoder layers with a routed-expert MLP (Qwen2/3-MoE: `decoder_sparse_step`, `mlp_only_layers`;
-    DeepSeek: the first `first_k_dense_replace` are dense)."""
-    step, dense_only = c.get("decoder_sparse_step") or 1, set(c.get("mlp_only_layers") or [])
-    first = c.get("first_k_dense_replace") or 0
-    return sum(1 for i in range(n_layers) if i >= first and i not in dense_only and (i + 1) % step == 0)
-
-
-def _shape_from_config(c: dict) -> ModelShape:
-    h, n_layers, v, inter = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
-    heads = c["num_attention_heads"]
-    kv_heads = c.get("num_key_value_heads", heads)
-    head = c.get("head_dim") or h // heads
-    q, kv = head * heads, head * kv_heads
-    attn = 2 * h * q + 2 * h * kv + 2 * h
-    if c.get("attention_bias") or c.get("model_type") == "qwen2":  # q/k/v biases
-        attn += q + 2 * kv
-    if c.get("model_type") in ("qwen3", "qwen3_moe", "gemma3"):  # q/k RMSNorm weights
-        attn += 2 * head
-    experts = num_experts(c)
-    sparse = _sparse_layers(c, n_layers) if experts else 0
-    moe_inter = c.get("moe_intermediate_size") or inter
-    expert_params = sparse * experts * 3 * h * moe_inter
-    shared = c.get("shared_expert_intermediate_size") or 0
-    moe_rest = sparse * (h * experts + (3 * h * shared + h if shared else 0))  # router (+ shared expert and gate)
-    emb = v * h * (1 if c.get("tie_word_embeddings") else 2)
-    params = n_layers * attn + (n_layers - sparse) * 3 * h * inter + expert_params + moe_rest + emb + h
-    return ModelShape(params, h, n_layers, kv, emb + h, expert_params=float(expert_params), experts=experts,
-                      heads=heads, kv_heads=kv_heads, vocab=v)
-
-
-def model_shape(name: str) -> ModelShape:
-    """From a local config.json when there is one; otherwise from the size in the name ('7B') with typical
-    Qwen2.5 shapes, or the Qwen3 MoE shape for names like 'Qwen3-30B-A3B'; the built-in tiny model is known."""
-    c = local_model_config(name)
-    if c is not None:
-        return _shape_from_config(c)
-    if name in ("builtin:tiny", "builtin:tiny-tools"):
-        return ModelShape(90_944, 64, 2, 64, 8_768)
-    moe = re.search(r"(\d+B-A\d+B)", name, re.IGNORECASE)
-    if moe and moe.group(1).upper() in KNOWN_MOE_CONFIGS:
-        return _shape_from_config(KNOWN_MOE_CONFIGS[moe.group(1).upper()])
-    m = re.search(r"(\d+(?:\.\d+)?)B", name, re.IGNORECASE)
-    billions = float(m.group(1)) if m else 1.0
-    h, n_layers, kv, tied = KNOWN_SHAPES.get(
-        billions, min(KNOWN_SHAPES.items(), key=lambda kv_: abs(kv_[0] - billions))[1])
-    return ModelShape(billions * 1e9, h, n_layers, kv, QWEN_VOCAB * h * (1 if tied else 2) + h)
 
 
 def batch_plan(cfg: GRPOConfig) -> dict[str, int]:
@@ -199,77 +89,6 @@ def _reduce_bucket(cfg: GRPOConfig) -> float:
     """Elements of DeepSpeed's gradient reduce bucket, as `config.deepspeed.deepspeed_config` sizes it."""
     d = cfg.distributed
     return bucket_sizes(model_shape(cfg.model.name_or_path).hidden, stage=d.deepspeed.zero_stage)["reduce_bucket_size"]
-
-
-def megatron_layout(cfg: GRPOConfig) -> dict[str, int]:
-    """Megatron-core's process grid for `distributed.megatron` (what `initialize_model_parallel` builds): tp, pp,
-    ep; dp = world / (tp·pp) (the dense parameters' data-parallel ranks); etp = the expert tensor parallel size,
-    tensor_parallel (Megatron's default when `expert_tensor_parallel_size` is not given, as the backend does);
-    edp = world / (ep·etp·pp) (the expert parameters' data-parallel ranks). dp/edp are 0 where the grid does not
-    divide the world (the config rules refuse that)."""
-    d, m = cfg.distributed, cfg.distributed.megatron
-    world = d.num_processes * d.num_machines
-    tp, pp, ep = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel
-    etp = tp
-    return {"world": world, "tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": world // (tp * pp),
-            "edp": world // (ep * etp * pp)}
-
-
-def megatron_state_bytes(cfg: GRPOConfig, shape: ModelShape) -> dict[str, float]:
-    """Per-GPU bytes of the megatron backend's training state. P = parameters, X = routed-expert parameters
-    (`shape.expert_params`, 0 when dense), D = P − X; c = bytes of `model.dtype`; grid from `megatron_layout`:
-
-        weights    = c · (D / (tp·pp) + X / (ep·etp·pp))
-        gradients  = 4 · (D / (tp·pp) + X / (ep·etp·pp))           Megatron DDP's float32 grad buffers
-        optimizer  = o · (D / (tp·pp·dp') + X / (ep·etp·pp·edp'))   o = 12 (fp32 master + 2 Adam moments), 8 when
-                                                                    model.dtype is float32 (no separate master)
-        dp' = dp and edp' = edp with `distributed_optimizer` (ZeRO-1 over the data-parallel ranks), else 1.
-
-    The same count as Megatron-LM's `compute_weight_and_optimizer_memory` (6 + 12/dp bytes per parameter on the
-    most loaded shard, 6 + 12/edp for expert parameters) with bf16 weights. Approximated: the embedding and the
-    output head sit on the first and last pipeline stages only, but are spread evenly over the pp stages here (the
-    most loaded stage holds more by up to vocab·hidden·c/tp); the vocabulary padding to a multiple of tp, the
-    replicated norms and router (split by tp·pp here) and Megatron's bucket padding are ignored."""
-    lay, compute = megatron_layout(cfg), BYTES[cfg.model.dtype]
-    dense, experts = shape.params - shape.expert_params, shape.expert_params
-    held = dense / (lay["tp"] * lay["pp"]) + experts / (lay["ep"] * lay["etp"] * lay["pp"])
-    shard = cfg.distributed.megatron.distributed_optimizer
-    dp, edp = (max(1, lay["dp"]), max(1, lay["edp"])) if shard else (1, 1)
-    opt = (8 + (4 if compute != 4 else 0)) * (dense / (lay["tp"] * lay["pp"] * dp)
-                                              + experts / (lay["ep"] * lay["etp"] * lay["pp"] * edp))
-    return {"weights": held * compute, "gradients": held * 4, "optimizer": opt}
-
-
-def megatron_activation_bytes(cfg: GRPOConfig, shape: ModelShape) -> float:
-    """Per-GPU activation bytes of one training step on the megatron backend, after Korthikanti et al. 2022
-    ("Reducing Activation Recomputation in Large Transformer Models"), for 16-bit activations (×2 in float32).
-    s = max sequence length, b = micro batch, h = hidden, a = heads, L = layers, t = tp, p = pp:
-
-        one layer, one micro-batch:  s·b·h · (10 + 24/t + 5·a·s/(h·t))   no sequence parallel
-                                     s·b·h · (34/t + 5·a·s/(h·t))         sequence_parallel
-        recompute selective:         the 5·a·s/(h·t) term (the s² attention scores of the pure-torch attention the
-                                     backend builds, no Transformer Engine) is recomputed, not stored
-        recompute full:              2·s·b·h per layer (÷t with sequence_parallel) + one layer's activations
-        in flight:                   L/p layers × min(p, micro-batches per step) micro-batches (1F1B: the first stage
-                                     holds p micro-batches before its first backward)
-        + logits:                    s·b·vocab·4/t (float32 log-softmax over the vocabulary shard)
-
-    Approximated: a MoE layer's expert MLPs (top-k tokens through k small experts) are counted like a dense MLP;
-    the interleaved schedule's extra (1 + (p−1)/(p·virtual_pipeline)) on the first stage is left out."""
-    m, plan = cfg.distributed.megatron, batch_plan(cfg)
-    s, b, h, t, p = plan["max_sequence_length"], cfg.train.micro_batch_size, shape.hidden, m.tensor_parallel, \
-        m.pipeline_parallel
-    a = shape.heads or max(1, h // 128)
-    sbh, scores = s * b * h, 5 * a * s / (h * t)
-    base = 34 / t if m.sequence_parallel else 10 + 24 / t
-    per_layer = sbh * (base + (0.0 if m.recompute != "none" else scores))
-    layers, in_flight = shape.layers / p, min(p, max(1, plan["gradient_accumulation"]))
-    if m.recompute == "full":
-        stored = layers * in_flight * 2 * sbh / (t if m.sequence_parallel else 1) + sbh * (base + scores)
-    else:
-        stored = layers * in_flight * per_layer
-    scale = BYTES[cfg.model.dtype] / 2
-    return stored * scale + s * b * (shape.vocab or QWEN_VOCAB) * 4 / t
 
 
 def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
@@ -353,7 +172,7 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
         out["reference"] = out["weights"] if megatron else p * wbytes / (world if sharding(cfg)["weights"] else 1)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
     factor = {True: 2, "selective": 10}.get(cfg.model.gradient_checkpointing, 16)
-    out["activations"] = megatron_activation_bytes(cfg, shape) if megatron else \
+    out["activations"] = megatron_activation_bytes(cfg, shape, batch_plan(cfg)) if megatron else \
         cfg.train.micro_batch_size * seq * shape.hidden * shape.layers * wbytes * factor
     if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate":
         tp = cfg.rollout.vllm.tensor_parallel_size
