@@ -13,7 +13,7 @@ from grpo_cli.runtime import compiler
 from grpo_cli.rollout import decode as decode_mod
 from grpo_cli.rollout.attention import attention_implementation
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.decode import decode
+from grpo_cli.rollout.decode import decode, decode_continue
 
 pytestmark = pytest.mark.skipif(compiler.compiler_problem(torch.device("cpu")) is not None,
                                 reason="inductor cannot build CPU kernels here")
@@ -33,7 +33,7 @@ def load(tmp_path_factory, arch: str, hidden_size: int = 128, num_layers: int = 
 def test_compiled_decode_step_samples_what_the_eager_step_samples(tmp_path_factory, monkeypatch):
     """The decode step under torch.compile (attention as fused reductions instead of batched matmuls, the draw
     fused in): the same tokens and logprobs to 1e-5, with rows dropped mid-decode; prompts of another width (another
-    cache length) and other batch sizes run on the same compiled graph."""
+    cache length), other batch sizes and a next turn on the kept KV run on the same compiled graph."""
     from torch._dynamo.utils import counters
 
     model = load(tmp_path_factory, "qwen3").eval()
@@ -41,11 +41,17 @@ def test_compiled_decode_step_samples_what_the_eager_step_samples(tmp_path_facto
     sampling = SamplingParams(n=4, max_tokens=12, temperature=0.9, seed=7)
     graphs, dropped = counters["stats"]["unique_graphs"], []
     for prompts in ([[3, 5, 7, 9, 11], [4, 6], [8, 9, 10, 11, 12, 13, 14], [20]], [[3, 4, 5, 6, 7, 8, 9, 10, 11], [9]]):
-        eager = decode(model, prompts, sampling, eos_token_ids=[1], pad_token_id=0)
-        compiled = decode(model, prompts, sampling, eos_token_ids=[1], pad_token_id=0, compile_step=True)
+        eager = decode(model, prompts, sampling, eos_token_ids=[1], pad_token_id=0, keep=True)
+        compiled = decode(model, prompts, sampling, eos_token_ids=[1], pad_token_id=0, compile_step=True, keep=True)
         assert torch.equal(compiled.lengths, eager.lengths) and torch.equal(compiled.tokens, eager.tokens)
         assert torch.allclose(compiled.logprobs, eager.logprobs, atol=1e-5)
         dropped.append(0 < int(eager.stopped.sum()) < len(eager.stopped))
+        # a next turn on the kept KV (multi-turn rollouts): rows of other history lengths, the same graph
+        new_ids = [[5 + j % 3] * (1 + j % 4) for j in range(len(eager.kept))]
+        turn = [decode_continue(model, d.kept, new_ids, sampling, eos_token_ids=[1], pad_token_id=0, compile_step=c)
+                for d, c in ((eager, False), (compiled, True))]
+        assert torch.equal(turn[0].tokens, turn[1].tokens)
+        assert torch.allclose(turn[0].logprobs, turn[1].logprobs, atol=1e-5)
     assert any(dropped)  # some rows stopped (and were dropped) while others ran on
     assert counters["stats"]["unique_graphs"] == graphs + 1  # compiled once, for every batch size and width
 
