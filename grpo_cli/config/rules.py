@@ -75,6 +75,12 @@ def _check_rollout(cfg: GRPOConfig) -> None:
             "rollout.mode 'server' runs the engine in `grpo serve-rollout` (give it --compile there)"
         raise ValueError(f"rollout.compile compiles the hf engine's decode step where the trainer builds the engine, "
                          f"but {where}; set rollout.compile=false.")
+    if r.vllm.block_size is not None and not (r.engine == "vllm" and r.mode in ("colocate", "async")):
+        where = ("rollout.mode is 'server': the server builds its engine, so give `grpo serve-rollout --block-size` "
+                 "instead" if r.mode == "server" else f"rollout.engine is '{r.engine}'")
+        raise ValueError(f"rollout.vllm.block_size sets the KV block size of the vLLM engine the trainer builds "
+                         f"(colocate or async), but {where}; remove rollout.vllm.block_size.")
+
 
 
 def _check_async(cfg: GRPOConfig) -> None:

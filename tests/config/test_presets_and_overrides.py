@@ -94,6 +94,9 @@ def test_unknown_preset_lists_presets():
     (["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=3", "rollout.engine=vllm",
       "distributed.offload.optimizer=true"], r"offload\.optimizer with ZeRO-3.*offload_optimizer=true"),
     (["rollout.mode=async", "distributed.num_processes=2"], r"rollout\.ray\.num_actors=1 must be a multiple of the 2"),
+    (["rollout.vllm.block_size=32"], r"block_size sets .* but rollout\.engine is 'hf'"),
+    (["rollout.engine=vllm", "rollout.mode=server", 'rollout.server.urls=["http://x:1"]', "rollout.vllm.block_size=32"],
+     r"serve-rollout --block-size"),
     (["rollout.mode=async", "distributed.device=cuda", "distributed.rollout_gpus=1", "rollout.ray.num_actors=2"],
      r"2 GPU\(s\), but distributed\.rollout_gpus x num_machines = 1"),
 ])
