@@ -82,7 +82,6 @@ def _check_rollout(cfg: GRPOConfig) -> None:
                          f"(colocate or async), but {where}; remove rollout.vllm.block_size.")
 
 
-
 def _check_async(cfg: GRPOConfig) -> None:
     r, d = cfg.rollout, cfg.distributed
     world = d.num_processes * d.num_machines
@@ -132,13 +131,6 @@ def _check_distributed(cfg: GRPOConfig) -> None:
         raise ValueError(
             "distributed.offload moves training state off the device while a colocated engine generates; "
             f"with rollout.mode '{cfg.rollout.mode}' nothing shares the device, so turn the offload flags off."
-        )
-    if d.backend == "megatron" and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
-        raise ValueError(
-            "rollout.engine 'hf' in colocate mode generates with the policy's own Hugging Face module, but "
-            "distributed.backend 'megatron' trains Megatron-core model chunks (split tensor × pipeline parallel), "
-            "not a Hugging Face model; use rollout.engine=vllm (colocated, synced through mbridge's HF export), "
-            "rollout.mode=server or async, or another distributed.backend."
         )
     sharded = d.backend == "fsdp2" or (d.backend == "deepspeed" and d.deepspeed.zero_stage == 3)
     if sharded and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":

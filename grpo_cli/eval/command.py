@@ -84,9 +84,12 @@ def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
 
     quiet_hf_stack()
     info, path = DistInfo(), cfg.model.name_or_path
-    policy = load_policy(cfg, path, device=resolve_device(cfg.distributed.device, 0), info=info)
-    ctx = EngineContext(path, eos_token_ids(policy.tokenizer, policy.module), policy.tokenizer.pad_token_id)
-    engine = make_engine(cfg, ctx, policy=policy.module)
+    device = resolve_device(cfg.distributed.device, 0)
+    policy = load_policy(cfg, path, device=device, info=info)
+    hf_module = policy.backend.hf_module()
+    ctx = EngineContext(path, eos_token_ids(policy.tokenizer, path if hf_module is None else hf_module),
+                        policy.tokenizer.pad_token_id)
+    engine = make_engine(cfg, ctx, policy=hf_module, device=device)
     try:
         evaluator = Evaluator.build(cfg, reward_fns=build_reward_fns(cfg.rewards.functions),
                                     tokenizer=policy.tokenizer, dist=info)

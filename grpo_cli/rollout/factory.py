@@ -23,9 +23,10 @@ def sampling_params(cfg: GRPOConfig, *, seed: int | None) -> SamplingParams:
     )
 
 
-def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, broadcast=None) -> RolloutEngine:
-    """Build the engine for `cfg.rollout` (engine × mode). `policy` is the trainer's model (hf engine);
-    `broadcast(obj)` shares rank 0's Ray address with the other ranks (async mode)."""
+def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, device=None, broadcast=None) -> RolloutEngine:
+    """Build the engine for `cfg.rollout` (engine × mode). `policy` is the trainer's Hugging Face model (hf engine;
+    None: the engine loads its own copy of `ctx.model_path` onto `device`); `broadcast(obj)` shares rank 0's Ray
+    address with the other ranks (async mode)."""
     r = cfg.rollout
     if r.mode == "async":
         from grpo_cli.rollout.ray_engine import AsyncRolloutEngine
@@ -43,30 +44,40 @@ def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, broadcast=N
         from grpo_cli.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine.from_config(cfg, ctx)
-    return make_hf_engine(cfg, ctx, policy=policy)
+    return make_hf_engine(cfg, ctx, policy=policy, device=device)
 
 
-def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy) -> RolloutEngine:
-    """The hf engine shares the policy's weights unless `rollout.dtype` asks for a copy in another dtype."""
+def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy, device=None) -> RolloutEngine:
+    """The hf engine shares the policy's weights unless `rollout.dtype` asks for a copy in another dtype, or there
+    is no Hugging Face policy to share (`policy` None: megatron trains Megatron-core chunks), in which case it loads
+    its own copy of the checkpoint; weight sync keeps a copy up to date."""
     import torch
 
     from grpo_cli.rollout.hf import HFEngine
 
+    if policy is None:
+        from grpo_cli.rollout.hf_copy import hf_copy_engine
+
+        return hf_copy_engine(cfg, ctx, device=device)
     if cfg.rollout.compile:
         from grpo_cli.rollout.hf import require_compilable
 
         require_compilable(policy)
     dtype = cfg.rollout.dtype
-    if dtype == "auto" or getattr(torch, dtype) == next(policy.parameters()).dtype:
-        return HFEngine(policy, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                        shares_policy_weights=True, compile_step=cfg.rollout.compile)
+    shares = dtype == "auto" or getattr(torch, dtype) == next(policy.parameters()).dtype
+    model = policy if shares else _frozen_copy(policy, getattr(torch, dtype))
+    return HFEngine(model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
+                    shares_policy_weights=shares, compile_step=cfg.rollout.compile)
+
+
+def _frozen_copy(policy, dtype):
+    """The policy copied into `dtype`, frozen; LoRA merged, so the engine holds its weights under checkpoint names."""
     import copy
 
-    copy_model = copy.deepcopy(policy)
-    if hasattr(copy_model, "merge_and_unload"):  # LoRA: the engine holds merged weights under checkpoint names
-        copy_model = copy_model.merge_and_unload()
-    copy_model = copy_model.to(getattr(torch, dtype)).eval()
-    for p in copy_model.parameters():
+    model = copy.deepcopy(policy)
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model = model.to(dtype).eval()
+    for p in model.parameters():
         p.requires_grad_(False)
-    return HFEngine(copy_model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                    shares_policy_weights=False, compile_step=cfg.rollout.compile)
+    return model

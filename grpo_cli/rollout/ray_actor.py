@@ -42,8 +42,6 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
 def _single_turn_engine(cfg, ctx):
     import torch
 
-    from grpo_cli.rollout.base import engine_dtype
-
     if cfg.rollout.engine == "vllm":
         if cfg.rollout.vllm.max_num_seqs is None:  # the engine's default would size for the whole step
             cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
@@ -51,24 +49,10 @@ def _single_turn_engine(cfg, ctx):
         from grpo_cli.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine.from_config(cfg, ctx)
-    from transformers import AutoModelForCausalLM
+    from grpo_cli.rollout.hf_copy import hf_copy_engine
 
-    from grpo_cli.rollout.attention import attention_implementation
-    from grpo_cli.rollout.hf import HFEngine
-
-    dtype = engine_dtype(cfg)
-    model = AutoModelForCausalLM.from_pretrained(
-        ctx.model_path, dtype=getattr(torch, dtype),
-        attn_implementation=attention_implementation(cfg.model.attn_implementation))
-    if cfg.distributed.device != "cpu" and torch.cuda.is_available():
-        model = model.to("cuda")
-    model.eval().requires_grad_(False)
-    if cfg.rollout.compile:
-        from grpo_cli.rollout.hf import require_compilable
-
-        require_compilable(model)
-    return HFEngine(model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                    shares_policy_weights=False, compile_step=cfg.rollout.compile)
+    device = "cuda" if cfg.distributed.device != "cpu" and torch.cuda.is_available() else "cpu"
+    return hf_copy_engine(cfg, ctx, device=device)
 
 
 def sequences_per_actor(cfg) -> int:

@@ -134,15 +134,22 @@ def completion_logprobs_entropy(
     return logprobs * valid, entropy * valid
 
 
-@torch.no_grad()
-def score_sequences(model, sequences: list[list[int]], *, pad_token_id: int) -> list[list[float]]:
-    """Raw (temperature 1) logprob of every token after the first of each sequence (right-padded batch)."""
-    device = next(model.parameters()).device
+def right_padded(sequences: list[list[int]], *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), both (N, longest): each sequence from column 0, `pad_token_id` after it."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def score_sequences(model, sequences: list[list[int]], *, pad_token_id: int) -> list[list[float]]:
+    """Raw (temperature 1) logprob of every token after the first of each sequence (right-padded batch)."""
+    device = next(model.parameters()).device
+    ids, mask = right_padded(sequences, pad_token_id=pad_token_id)
+    width = ids.shape[1]
     lp = completion_logprobs(model, ids.to(device), mask.to(device), logits_to_keep=width - 1, temperature=1.0)
     return [lp[i, : len(s) - 1].tolist() for i, s in enumerate(sequences)]

@@ -15,7 +15,8 @@ from grpo_cli.train.backends.base import TrainingBackend
 @dataclass
 class Policy:
     """Everything the trainer updates or reads. `model` is what forward runs on (DDP/DeepSpeed wrapper or the
-    FSDP2 root), `module` the Hugging Face model under it (possibly sharded), `ref_model` None when β = 0."""
+    FSDP2 root), `module` the Hugging Face model under it (possibly sharded; megatron: its chunks, so code that needs a
+    Hugging Face model asks `backend.hf_module()`), `ref_model` None when β = 0."""
 
     backend: TrainingBackend
     tokenizer: object
@@ -43,12 +44,24 @@ class Policy:
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
-    """EOS ids from the generation config (which may list several) plus the tokenizer's."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    """EOS ids from the generation config (which may list several) of `model`, or of the checkpoint folder it names
+    (a str), plus the tokenizer's."""
+    ids = getattr(_generation_config(model) if isinstance(model, str) else getattr(model, "generation_config", None),
+                  "eos_token_id", None)
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+def _generation_config(model_path: str):
+    """The checkpoint's `generation_config.json` (None without one)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        return None
 
 
 def load_tokenizer(model_path: str):

@@ -32,15 +32,6 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     model_path = resolve_model_path(cfg.model.name_or_path)
     reward_fns = build_reward_fns(cfg.rewards.functions)
     policy = load_policy(cfg, model_path, device=device, info=info)
-    if not policy.backend.runs_end_to_end:
-        from grpo_cli.config.errors import UserError
-
-        raise UserError(
-            f"distributed.backend={cfg.distributed.backend} builds, trains and checkpoints (its tests: "
-            "tests/train/test_megatron.py), but grpo train cannot yet push its weights to a rollout engine, so a run "
-            "would stop at its first weight sync. Use distributed.backend=fsdp2 or deepspeed for now "
-            "(docs/megatron.md, Status)."
-        )
     rows = load_rows(cfg.data.source, seed=cfg.train.seed)
     schemas = None
     if cfg.agent is not None:
@@ -56,11 +47,12 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     if dropped:
         log(f"data: dropped {dropped} of {len(rows)} prompts longer than {cfg.data.max_prompt_length} tokens")
     cursor = PromptCursor(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-    ctx = EngineContext(model_path, eos_token_ids(policy.tokenizer, policy.module), policy.tokenizer.pad_token_id,
-                        info.rank, info.world_size)
+    hf_module = policy.backend.hf_module()  # None (megatron): an hf engine loads its own copy
+    ctx = EngineContext(model_path, eos_token_ids(policy.tokenizer, model_path if hf_module is None else hf_module),
+                        policy.tokenizer.pad_token_id, info.rank, info.world_size)
     if cfg.rollout.mode == "async":
         share_cores(cfg, device)
-    engine = make_engine(cfg, ctx, policy=policy.module, broadcast=lambda obj: broadcast_object(obj, info))
+    engine = make_engine(cfg, ctx, policy=hf_module, device=device, broadcast=lambda obj: broadcast_object(obj, info))
     if cfg.agent is not None:
         from grpo_cli.agent.rollout import wrap_engine
 
@@ -72,13 +64,14 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload)
     if not engine.shares_policy_weights:
-        from grpo_cli.train.weights.weight_sync import describe_ties, sync_weights
+        from grpo_cli.train.weights.weight_sync import sync_weights
 
-        if info.is_main and (ties := describe_ties(policy.module)):
+        source = policy.backend.weight_source()
+        if info.is_main and (ties := source.describe_ties()):
             log(ties)
 
         def sync(version: int, verify: bool = cfg.rollout.vllm.verify_sync and cfg.rollout.mode != "async"):
-            return sync_weights(engine, policy.module, version=version, bucket_mb=cfg.distributed.weight_sync_bucket_mb,
+            return sync_weights(engine, source, version=version, bucket_mb=cfg.distributed.weight_sync_bucket_mb,
                                 verify=verify, probe=[prompts[0].ids], info=info)
 
         trainer.sync = sync

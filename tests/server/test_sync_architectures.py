@@ -66,7 +66,7 @@ def _two_verified_steps(engine, policy) -> list[float]:
 
 
 def test_colocate_sync_matches_the_trainer(arch_engine):
-    from grpo_cli.train.weights.weight_sync import checkpoint_names
+    from grpo_cli.train.weights.hf_module import checkpoint_names
 
     arch, path, engine = arch_engine
     policy = _policy(path)

@@ -30,7 +30,7 @@ from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.weights.offload import TrainingStateOffload
 from grpo_cli.train.policy import load_policy
 from grpo_cli.train.step import forward_logprobs, optimizer_step
-from grpo_cli.train.weights.weight_sync import buckets, stream_named_tensors
+from grpo_cli.train.weights.hf_module import buckets, stream_named_tensors
 
 ROWS, MICRO, P, T = 16, 4, 5, 7  # per rank: 4 micro-batches of 4
 

@@ -17,7 +17,7 @@ import torch
 from grpo_cli.config.load import build_config
 from grpo_cli.runtime.dist import init_from_env
 from grpo_cli.train.policy import load_policy
-from grpo_cli.train.weights.weight_sync import stream_named_tensors
+from grpo_cli.train.weights.hf_module import stream_named_tensors
 
 
 def rss_mb() -> float:

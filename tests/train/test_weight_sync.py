@@ -9,7 +9,8 @@ import torch
 
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.hf import HFEngine
-from grpo_cli.train.weights.weight_sync import buckets, checkpoint_names, checksum_names, describe_ties, hf_name, sync_weights
+from grpo_cli.train.weights.hf_module import buckets, checkpoint_names, checksum_names, describe_ties, hf_name
+from grpo_cli.train.weights.weight_sync import sync_weights
 
 PROBE = [[3, 4, 6, 7, 8, 5, 20, 21]]
 

@@ -94,7 +94,9 @@ def grad_norm_value(norm) -> float:
 
 class TrainingBackend:
     """What every backend provides. Subclasses set `model` (what forward runs on), `module` (the Hugging Face
-    model, possibly sharded), `ref_model`, `optimizer` and `scheduler` in `build`.
+    model, possibly sharded; megatron: its Megatron-core chunks), `ref_model`, `optimizer` and `scheduler` in
+    `build`. Code outside the backends reaches the Hugging Face model through `hf_module()` and the weights an engine
+    needs through `weight_source()`.
 
     Loss scaling: each micro-batch loss is scaled so that the sum over micro-batches and ranks is the step loss.
     Every backend here averages gradients over ranks, so `backward` runs loss × world_size to make that average
@@ -103,9 +105,6 @@ class TrainingBackend:
     name: ClassVar[str] = "base"
     shards_parameters: ClassVar[bool] = False
     """True when no rank holds the full model (fsdp2, ZeRO-3): the hf engine cannot share its weights."""
-    runs_end_to_end: ClassVar[bool] = True
-    """False while `grpo train` cannot push this backend's weights to a rollout engine (megatron, for now): the
-    run refuses it before generating instead of failing at the first weight sync."""
 
     def __init__(self, cfg: GRPOConfig, info: DistInfo, device: torch.device) -> None:
         self.cfg, self.info, self.device = cfg, info, device
@@ -118,6 +117,18 @@ class TrainingBackend:
     # ---- building ----------------------------------------------------------------------------------
     def build(self, model_path: str) -> None:
         raise NotImplementedError
+
+    def hf_module(self) -> torch.nn.Module | None:
+        """The Hugging Face model that holds the policy's weights (possibly sharded), which an hf engine may generate
+        with; None when the backend trains another kind of model (megatron): the engine then loads its own copy."""
+        return self.module
+
+    def weight_source(self):
+        """What a weight sync streams to the engine (`weights.source.WeightSource`): here the Hugging Face module's
+        parameters (gathered from shards, LoRA merged, under checkpoint names)."""
+        from grpo_cli.train.weights.hf_module import ModuleWeights
+
+        return ModuleWeights(self.module)
 
     def reference(self):
         """Context yielding the model whose logprobs are the KL reference (β > 0): the frozen copy, or with
@@ -234,7 +245,7 @@ class TrainingBackend:
     def export_merged(self, folder: Path, *, dtype: torch.dtype | None = None) -> None:
         """Collective (`model.lora`): base + adapter merged into an ordinary Hugging Face folder (rank 0), the
         trained weights untouched."""
-        from grpo_cli.train.weights.weight_sync import stream_named_tensors
+        from grpo_cli.train.weights.hf_module import stream_named_tensors
 
         stats: dict = {"tensors": 0, "bytes": 0, "copies": {}}
         merged = {n: t.cpu() for n, t in stream_named_tensors(

@@ -247,7 +247,7 @@ class DeepSpeedBackend(TrainingBackend):
             for name, param in self.module.named_parameters():
                 yield name, safe_get_full_fp32_param(param)
             return
-        from grpo_cli.train.weights.weight_sync import stream_named_tensors
+        from grpo_cli.train.weights.hf_module import stream_named_tensors
 
         stats: dict = {"tensors": 0, "bytes": 0, "copies": {}}
         yield from stream_named_tensors(self.module, bucket_mb=self.cfg.distributed.weight_sync_bucket_mb,

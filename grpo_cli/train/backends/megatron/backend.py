@@ -47,7 +47,6 @@ def finalize_summed_grads(chunks, num_tokens=None, **kwargs) -> None:
 class MegatronBackend(TrainingBackend):
     name = "megatron"
     shards_parameters = True
-    runs_end_to_end = False  # weight sync reads `module` as a Hugging Face model: not wired yet (docs/megatron.md)
 
     # ---- building ----------------------------------------------------------------------------------
     def _bridge(self, model_path: str):
@@ -196,6 +195,16 @@ class MegatronBackend(TrainingBackend):
 
         cap = bucket_mb or self.cfg.distributed.weight_sync_bucket_mb
         return hf_tensor_buckets(self.bridge, self.chunks, bucket_mb=cap, stats=stats)
+
+    def hf_module(self) -> None:
+        """None: the policy is Megatron-core chunks, so an hf engine holds its own copy, synced from the buckets."""
+        return None
+
+    def weight_source(self):
+        """`hf_tensor_buckets` as a weight-sync source, with probe logprobs from this backend's schedule."""
+        from grpo_cli.train.backends.megatron.weights import MegatronWeights
+
+        return MegatronWeights(self)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every weight as a full Hugging Face-named tensor on CPU, gathered bucket by bucket."""

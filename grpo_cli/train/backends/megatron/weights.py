@@ -1,0 +1,75 @@
+"""The megatron backend as a weight-sync source (`weights.source.WeightSource`): full Hugging Face-named tensors from
+its bucketed gather (`export.hf_tensor_buckets`), probe logprobs from its own pipeline schedule, and the names worth
+reading back taken from the checkpoint the run started from (the export writes the same names)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from grpo_cli.train.batch import TrainBatch
+from grpo_cli.train.weights.source import record_sent, spread
+
+
+def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a Hugging Face checkpoint folder, read from the safetensors headers only."""
+    from safetensors import safe_open
+
+    from grpo_cli.train.backends.hf_io import weight_files
+
+    by_file: dict[Path, list[str]] = {}
+    for name, path in weight_files(Path(folder)).items():
+        by_file.setdefault(path, []).append(name)
+    shapes = {}
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as handle:
+            shapes.update({n: tuple(handle.get_slice(n).get_shape()) for n in names})
+    return shapes
+
+
+def probe_batch(sequences: list[list[int]], *, pad_token_id: int) -> TrainBatch:
+    """Probe sequences as a batch whose prompt is each one's first token and whose completion is the rest
+    (right-padded), so completion logprobs are the logprobs of every token after the first."""
+    from grpo_cli.rollout.scoring import right_padded
+
+    ids, mask = right_padded(sequences, pad_token_id=pad_token_id)
+    return TrainBatch(ids, mask, mask[:, 1:].float())
+
+
+class MegatronWeights:
+    """`WeightSource` of a `MegatronBackend` (every method that gathers or runs the model is collective)."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.dtype = next(backend.model.parameters()).dtype
+
+    @cached_property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return checkpoint_shapes(self.backend.model_path)
+
+    def named_tensors(self, *, bucket_mb: int, stats: dict, keep_copies: set[str],
+                      keep_rows: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.backend.hf_tensor_buckets(bucket_mb=bucket_mb):
+            for name, tensor in bucket:
+                record_sent(stats, name, tensor, keep_copies=keep_copies, keep_rows=keep_rows)
+                yield name, tensor
+
+    def checksum_names(self) -> list[str]:
+        return spread([n for n, shape in self._shapes.items() if len(shape) == 1])
+
+    def projection_names(self) -> list[str]:
+        """The (vocabulary × hidden) matrices: the input embedding and an untied output projection."""
+        vocab = self.backend.vocab_size
+        return [n for n, shape in self._shapes.items() if len(shape) == 2 and shape[0] == vocab]
+
+    def probe_logprobs(self, probe: list[list[int]]) -> list[list[float]]:
+        lp = self.backend.batch_logprobs(probe_batch(probe, pad_token_id=0).to(self.backend.device),
+                                         micro_batch_size=len(probe), temperature=1.0)
+        return [lp[i, :len(s) - 1].tolist() for i, s in enumerate(probe)]
+
+    def describe_ties(self) -> str | None:
+        """None: the gather sends a tied embedding once, under its own name."""
+        return None

@@ -1,0 +1,120 @@
+"""`grpo train` with `distributed.backend: megatron` end to end on two gloo CPU processes (relaunched through
+`accelerate launch`): the built-in tiny model, 3 steps, the engine synced from the backend's bucketed HF-named gather
+after every step and verified against the backend's own logprobs. hf engine: its own Hugging Face copy (tensor
+parallel 2); vLLM colocated (pipeline parallel 2), which also reads 4 small tensors back for exact equality. A run
+stopped after step 2 and resumed ends where the uninterrupted one does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_env import clean_env, free_port
+
+PROBE_BOUND = 1e-5
+"""Largest engine-vs-trainer probe logprob difference accepted here (float32 on both sides; measured ≤ 4.8e-7)."""
+SEQUENCE = [3, 4, 6, 7, 8, 5, 20, 21, 9, 11]
+
+
+HF = ["rollout.engine=hf", "distributed.megatron.tensor_parallel=2"]
+VLLM = ["rollout.engine=vllm", "distributed.megatron.pipeline_parallel=2"]
+
+
+def _train(run, *overrides: str) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, "-m", "grpo_cli", "train", "--preset", "tiny-cpu", "--output-dir", str(run),
+         "--set", "distributed.backend=megatron", "--set", "distributed.num_processes=2",
+         "--set", f"distributed.main_process_port={free_port()}", "--set", "train.prompts_per_step=2",
+         "--set", "train.micro_batch_size=8", "--set", "eval.every_steps=0", "--set", "logging.progress=plain",
+         *(a for o in overrides for a in ("--set", o))],
+        capture_output=True, text=True, timeout=300, env=clean_env(OMP_NUM_THREADS="1"), cwd=run.parent, check=False)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    """The run directory of an uninterrupted 3-step run per engine setting, run on first use."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("mbridge")
+    runs = {}
+
+    def get(engine: list[str]):
+        key = ",".join(engine)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("megatron-run") / "run"
+            _train(runs[key], *engine, "train.steps=3")
+        return runs[key]
+
+    return get
+
+
+def _logprobs(folder) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.rollout.scoring import score_sequences
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.tensor(score_sequences(model, [SEQUENCE], pad_token_id=0)[0])
+
+
+@pytest.mark.parametrize("engine", [
+    pytest.param(HF, id="hf-tp2"),
+    pytest.param(VLLM, id="vllm-pp2", marks=[pytest.mark.vllm, pytest.mark.slow]),  # 17-31 s: the engine starts
+])
+def test_grpo_train_syncs_megatron_weights_into_the_engine(three_steps, engine):
+    """Exit 0; every step's sync sends every HF tensor and the engine's probe logprobs equal the trainer's (Megatron
+    schedule) within `PROBE_BOUND`, the last sync being of the weights `final-model/` holds; those moved away from
+    the checkpoint by far more than the bound, so an engine left on older weights would have failed the check."""
+    if engine is VLLM:
+        pytest.importorskip("vllm")
+    run = three_steps(engine)
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps"], summary["world_size"], summary["backend"]) == (3, 2, "megatron")
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["sync/max_probe_diff"] <= PROBE_BOUND and r["sync/tensors"] > 0, r
+        assert r["sync/checked_tensors"] == (4.0 if engine is VLLM else 0.0), r
+    from grpo_cli.models.tiny import resolve_model_path
+
+    moved = (_logprobs(run / "final-model") - _logprobs(resolve_model_path("builtin:tiny"))).abs().mean()
+    assert moved > 100 * PROBE_BOUND, float(moved)
+
+
+@pytest.mark.slow  # two runs, ~35 s
+def test_resumed_run_equals_the_uninterrupted_one(three_steps, tmp_path):
+    """2 steps, then `checkpoint.resume=auto` to step 3 (Megatron's dist_checkpointing state, the engine re-synced
+    from it before generating): the same step losses and the same final weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    _train(run, *HF, "train.steps=2")
+    out = _train(run, *HF, "train.steps=3", "checkpoint.resume=auto")
+    assert "engine re-synced to weight version 2" in out.stdout
+    whole = three_steps(HF)
+    losses = [[json.loads(r)["loss"] for r in (d / "metrics.jsonl").read_text().splitlines()] for d in (run, whole)]
+    assert losses[0] == losses[1]
+    a, b = (load_file(d / "final-model" / "model.safetensors") for d in (run, whole))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_probe_batch_scores_like_the_engine_probe(tiny_checkpoint):
+    """The probe as a training batch (first token the prompt, the rest the completion): its completion logprobs are
+    what `score_sequences` (the engines' and the HF backends' probe) returns, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.rollout.scoring import score_sequences
+    from grpo_cli.train.backends.megatron.weights import probe_batch
+    from grpo_cli.train.batch import batch_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    probe = [SEQUENCE, SEQUENCE[:4]]
+    lp = batch_logprobs(model, probe_batch(probe, pad_token_id=0), micro_batch_size=2, temperature=1.0)
+    expected = score_sequences(model, probe, pad_token_id=0)
+    for row, want in zip(lp, expected, strict=True):
+        assert row[:len(want)].tolist() == pytest.approx(want, abs=1e-6)
