@@ -6,8 +6,10 @@ With tools: the agent loop (`agent.rollout.AgentEngine`) on the built-in tiny to
 `--turn-tokens` sampled tokens ending in the end-of-turn token (`TurnCapped`: the engine samples with EOS
 suppressed and the turn's last token becomes `<eos>`, so the turn ends by `stop` and its call is run; a turn that
 ended by length would end the rollout). Tool isolation `inline` and `process`.
-Without tools: the same engine (EOS suppressed) samples `turns × turn_tokens` tokens per rollout for the same
-prompts in a single `generate`: the same sampled-token count per rollout, checked.
+Without tools, two baselines, each one `generate` of the same engine (EOS suppressed) for the same prompts:
+"no tools" samples `turns × turn_tokens` tokens per rollout (the same sampled-token count, checked); "no tools,
+same length" samples as many tokens as the tool run's sequences hold (the tool results' positions too), so that
+its train phase runs over sequences of the same length: the same tokens without the tool machinery.
 
 Reported (medians of alternated rounds, the order rotating each round): rollout wall time with and without tools
 and the overhead; its split into the engine's extra time (turn k reads the tool results on top of the earlier
@@ -34,6 +36,9 @@ from collections import defaultdict
 from benchmarks.compare import RESULTS_DIR, fmt_table, machine_info
 
 CALLS = "benchmarks.agent_tools:always_calculate"
+SAME = "no tools, same length"
+"""The second baseline: every token of the tool run's sequences sampled (the tool results' positions too)."""
+BASES = ("no tools", SAME)
 
 
 def always_calculate(text: str) -> list[tuple[str, dict]]:
@@ -210,6 +215,7 @@ def main() -> None:
     budget = sampled + (args.turns - 1) * env_tokens  # max_completion_length: exactly what 4 turns + 3 results use
     tool_sampling = SamplingParams(n=args.gens, max_tokens=budget, seed=0)
     plain_sampling = SamplingParams(n=args.gens, max_tokens=sampled, seed=0)
+    same_sampling = SamplingParams(n=args.gens, max_tokens=budget, seed=0)
 
     engines = {} if args.no_hf else {
         "hf": HFEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, shares_policy_weights=True)}
@@ -228,6 +234,7 @@ def main() -> None:
     for name, inner in engines.items():
         plain = clock.wrap("engine", inner.generate)
         runs[(name, "no tools")] = functools.partial(plain, prompts, plain_sampling)
+        runs[(name, SAME)] = functools.partial(plain, prompts, same_sampling)
         for iso in ("inline", "process"):
             agent = wrap_engine(TurnCapped(inner, args.turn_tokens, tok.eos_token_id, clock), cfg[iso], tok)
             agent._add_turn = clock.wrap("add_turn", agent._add_turn)  # decode ×2 + parse
@@ -255,15 +262,13 @@ def main() -> None:
     batches = {}
     for key in keys:  # warm-up (the tool process pool starts here); the batches feed the train proxy
         row, batches[key] = run(key)
-        expect = [args.turns] if key[1] != "no tools" else [sampled]
-        got = row["turns"] if key[1] != "no tools" else row["sampled_per_rollout"]
         print(f"warm-up {key}: {row['total_s']:.3f} s, turns {row['turns']}, sampled/rollout "
               f"{row['sampled_per_rollout']}, completion length {row['completion_len']}")
-        assert row["sampled_per_rollout"] == [sampled], (key, row)
-        assert key[1] == "no tools" or row["turns"] == args.turns, (key, row, expect, got)
+        assert row["sampled_per_rollout"] == [budget if key[1] == SAME else sampled], (key, row)
+        assert key[1] in BASES or row["turns"] == args.turns, (key, row)
 
     first = next(iter(engines))
-    layouts = {"no tools": batches[(first, "no tools")], "tools": batches[(first, "tools, inline")]}
+    layouts = {v: batches[(first, v)] for v in (*BASES, "tools, inline")}
     results: dict[str, list[dict]] = {f"{e} | {v}": [] for e, v in keys}
     train: dict[str, list[float]] = {k: [] for k in layouts}
     for r in range(args.rounds):
@@ -271,7 +276,8 @@ def main() -> None:
         for key in order:
             results[f"{key[0]} | {key[1]}"].append(run(key)[0])
         if not args.no_train:
-            for k in (list(layouts) if r % 2 == 0 else list(layouts)[::-1]):
+            names = list(layouts)
+            for k in names[r % len(names):] + names[: r % len(names)]:
                 b = layouts[k]
                 train[k].append(train_proxy(model, prompts, b.completion_ids, b.loss_masks or
                                             [[1] * len(c) for c in b.completion_ids], args.gens, tok.pad_token_id))
@@ -279,37 +285,42 @@ def main() -> None:
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0] if isinstance(v[0][f], (int, float))}
            for k, v in results.items()}
     train_med = {k: statistics.median(v) for k, v in train.items() if v}
-    table = [["engine", "rollout", "wall s", "over no-tools", "engine s (calls)", "engine extra s",
-              "tool calls s", "parse s", "decode text s", "framing s", "other s"]]
+    table = [["engine", "rollout", "wall s", "over no-tools", "over same length", "engine s (calls)",
+              "engine extra s", "tool calls s", "parse s", "decode text s", "framing s", "other s"]]
     summary = {}
     for key in keys:
         e, v = key
-        m, base = med[f"{e} | {v}"], med[f"{e} | no tools"]
+        m, base, same = med[f"{e} | {v}"], med[f"{e} | no tools"], med[f"{e} | {SAME}"]
         over = (m["total_s"] - base["total_s"]) / base["total_s"]
-        summary[f"{e} | {v}"] = {"overhead": over, "engine_extra_s": m["engine_s"] - base["engine_s"], **m}
-        table.append([e, v, f"{m['total_s']:.3f}", "-" if v == "no tools" else f"{over:+.1%}",
-                      f"{m['engine_s']:.3f} ({m['engine_calls']:.0f})",
-                      "-" if v == "no tools" else f"{m['engine_s'] - base['engine_s']:+.3f}",
-                      *(f"{m[f]:.3f}" if v != "no tools" else "-" for f in
-                        ("tools_s", "parse_s", "decode_s", "framing_s")),
+        over_same = (m["total_s"] - same["total_s"]) / same["total_s"]
+        summary[f"{e} | {v}"] = {"overhead": over, "overhead_same_length": over_same,
+                                 "engine_extra_s": m["engine_s"] - base["engine_s"], **m}
+        tools = v not in BASES
+        table.append([e, v, f"{m['total_s']:.3f}", f"{over:+.1%}" if v != "no tools" else "-",
+                      f"{over_same:+.1%}" if tools else "-", f"{m['engine_s']:.3f} ({m['engine_calls']:.0f})",
+                      f"{m['engine_s'] - base['engine_s']:+.3f}" if tools else "-",
+                      *(f"{m[f]:.3f}" if tools else "-" for f in ("tools_s", "parse_s", "decode_s", "framing_s")),
                       f"{m['other_s']:.3f}"])
     print(f"\n{args.prompts * args.gens} rollouts ({args.prompts} prompts × {args.gens}), {args.turns} turns × "
           f"{args.turn_tokens} sampled tokens (= {sampled} per rollout, {env_tokens} environment tokens per tool "
-          f"result), model hidden {args.hidden} × {args.layers} layers ({n_params / 1e6:.2f}M params), "
-          f"{args.rounds} alternated rounds, medians\n")
+          f"result; the same-length baseline samples all {budget}), model hidden {args.hidden} × {args.layers} "
+          f"layers ({n_params / 1e6:.2f}M params), {args.rounds} alternated rounds, medians\n")
     print(fmt_table(table))
     step_rows = []
     if train_med:
-        step_rows = [["engine", "rollout", "rollout s", "train proxy s", "step s", "over no-tools step"]]
+        step_rows = [["engine", "rollout", "rollout s", "train proxy s", "step s", "over no-tools step",
+                      "over same-length step"]]
         for key in keys:
             e, v = key
-            t = train_med["no tools" if v == "no tools" else "tools"]
-            base = med[f"{e} | no tools"]["total_s"] + train_med["no tools"]
+            t = train_med[v if v in BASES else "tools, inline"]
             step = med[f"{e} | {v}"]["total_s"] + t
-            summary[f"{e} | {v}"]["step_proxy_s"] = step
-            summary[f"{e} | {v}"]["step_overhead"] = (step - base) / base
+            over = {b: (step - (med[f"{e} | {b}"]["total_s"] + train_med[b])) / (med[f"{e} | {b}"]["total_s"]
+                                                                               + train_med[b]) for b in BASES}
+            summary[f"{e} | {v}"].update(step_proxy_s=step, step_overhead=over["no tools"],
+                                         step_overhead_same_length=over[SAME])
             step_rows.append([e, v, f"{med[f'{e} | {v}']['total_s']:.3f}", f"{t:.3f}", f"{step:.3f}",
-                              "-" if v == "no tools" else f"{(step - base) / base:+.1%}"])
+                              f"{over['no tools']:+.1%}" if v != "no tools" else "-",
+                              f"{over[SAME]:+.1%}" if v not in BASES else "-"])
         print("\nWhole step ≈ rollout + train proxy (one forward + backward, no optimizer, reward, old logprobs)\n")
         print(fmt_table(step_rows))
     out = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
