@@ -119,3 +119,6 @@ def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    from grpo_cli.runtime.dist import leave_worker
+
+    leave_worker()  # past torch's C++ teardown, which now and then aborts a finished rank (SIGABRT)

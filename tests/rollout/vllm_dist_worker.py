@@ -61,3 +61,6 @@ def main(checkpoint: str, tp: int, out_dir: str) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    from grpo_cli.runtime.dist import leave_worker
+
+    leave_worker()  # past torch's C++ teardown, which now and then aborts a finished rank (SIGABRT)

@@ -58,3 +58,6 @@ def main(ckpt: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    from grpo_cli.runtime.dist import leave_worker
+
+    leave_worker()  # past torch's C++ teardown, which now and then aborts a finished rank (SIGABRT)

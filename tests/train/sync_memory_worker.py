@@ -56,3 +56,6 @@ def main(ckpt: str, out: str, bucket_mb: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    from grpo_cli.runtime.dist import leave_worker
+
+    leave_worker()  # past torch's C++ teardown, which now and then aborts a finished rank (SIGABRT)

@@ -131,3 +131,6 @@ def resync_case(engine, info: DistInfo) -> dict:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(sys.argv[1], Path(sys.argv[2]))
+    from grpo_cli.runtime.dist import leave_worker
+
+    leave_worker()  # past torch's C++ teardown, which now and then aborts a finished rank (SIGABRT)
