@@ -80,9 +80,10 @@ def build_tokenizer(path: Path, *, chars: bool = False, tools: bool = False):
     return tok
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "qwen3_moe")
 """Tiny architectures `build_tiny_checkpoint` can write: Llama untied (the built-in), Qwen2 tied with q/k/v
-biases, Qwen3 tied with q/k norms, Gemma tied with its embedding scale (√hidden) and (1 + w) norms."""
+biases, Qwen3 tied with q/k norms, Gemma tied with its embedding scale (√hidden) and (1 + w) norms, Qwen3-MoE
+untied with 4 routed experts (top 2) in every layer and no router auxiliary loss."""
 
 
 def _config(arch: str, *, vocab: int, hidden_size: int, num_layers: int, head_dim: int, eos: int, pad: int):
@@ -101,6 +102,10 @@ def _config(arch: str, *, vocab: int, hidden_size: int, num_layers: int, head_di
         return transformers.Qwen2Config(**common, num_key_value_heads=kv, tie_word_embeddings=True)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, num_key_value_heads=kv, tie_word_embeddings=True)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_key_value_heads=kv, tie_word_embeddings=False, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+                                           norm_topk_prob=True, router_aux_loss_coef=0.0)
     if arch == "gemma":
         return transformers.GemmaConfig(**common, num_key_value_heads=kv, tie_word_embeddings=True,
                                         hidden_activation="gelu_pytorch_tanh")
@@ -139,10 +144,18 @@ def build_tiny_checkpoint(
     config.architectures = [type(model).__name__]  # vLLM picks its model class (and runner) from this
     config.save_pretrained(path)
     model.generation_config.save_pretrained(path)
-    save_file({k: v.contiguous() for k, v in model.named_parameters()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(checkpoint_tensors(model), str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "grpo_cli_tiny.json").write_text(json.dumps({"version": TINY_VERSION, "seed": seed, "arch": arch}))
     return path
+
+
+def checkpoint_tensors(model) -> dict:
+    """The model's tensors under checkpoint names (`named_parameters()`, fused MoE experts per expert:
+    `weight_names.expert_parts`), the layout `save_pretrained` writes and vLLM and mbridge read."""
+    from grpo_cli.rollout.weight_names import expert_parts
+
+    return {part: t.contiguous() for name, p in model.named_parameters()
+            for part, t in expert_parts(name, p.detach())}
 
 
 def resolve_model_path(name: str) -> str:

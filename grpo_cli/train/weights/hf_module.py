@@ -11,7 +11,7 @@ import torch
 
 from grpo_cli.rollout.flat_weights import byte_buckets
 from grpo_cli.rollout.scoring import score_sequences
-from grpo_cli.rollout.weight_names import tied_aliases
+from grpo_cli.rollout.weight_names import expert_parts, tied_aliases
 from grpo_cli.train.weights.lora import merged_tensor
 from grpo_cli.train.weights.shard_gather import GatheredBucket, row_sharded
 from grpo_cli.train.weights.source import CHECKSUM_TENSORS, record_sent, spread
@@ -142,9 +142,10 @@ def stream_named_tensors(
                 tensor = _full_tensor(param, gathered)
                 if peft:
                     tensor = merged_tensor(model, name, tensor)  # W + (α/r)·B·A, the trained tensors untouched
-                for out in names[name]:
-                    record_sent(stats, out, tensor, keep_copies=keep_copies, keep_rows=keep_rows)
-                    yield out, tensor
+                for own in names[name]:
+                    for out, part in expert_parts(own, tensor):  # fused MoE experts: per expert, as checkpoints
+                        record_sent(stats, out, part, keep_copies=keep_copies, keep_rows=keep_rows)
+                        yield out, part
 
 
 @contextlib.contextmanager
