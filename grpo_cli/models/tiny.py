@@ -151,8 +151,8 @@ def build_tiny_checkpoint(
 
 def checkpoint_tensors(model) -> dict:
     """The model's tensors under checkpoint names (`named_parameters()`, fused MoE experts per expert:
-    `weight_names.expert_parts`), the layout `save_pretrained` writes and vLLM and mbridge read."""
-    from grpo_cli.rollout.weight_names import expert_parts
+    `models.experts.expert_parts`), the layout `save_pretrained` writes and vLLM and mbridge read."""
+    from grpo_cli.models.experts import expert_parts
 
     return {part: t.contiguous() for name, p in model.named_parameters()
             for part, t in expert_parts(name, p.detach())}

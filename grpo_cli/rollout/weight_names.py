@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from grpo_cli.models.experts import expert_parts
+
 
 def declared_ties(model: torch.nn.Module) -> dict[str, str]:
     """{tied name: source name} the model declares: transformers' `all_tied_weights_keys` (empty unless the
@@ -34,20 +36,6 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
         if source in listed and target not in listed and target not in aliases.get(source, []):
             aliases.setdefault(source, []).append(target)
     return aliases
-
-
-def expert_parts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """A parameter under its checkpoint names: transformers 5 holds a MoE layer's experts fused,
-    `…mlp.experts.gate_up_proj` (E, 2I, H) and `…mlp.experts.down_proj` (E, H, I), while checkpoints, vLLM and
-    mbridge name them per expert: `…mlp.experts.{e}.gate_proj.weight` = rows [0, I) of expert e, `up_proj` =
-    rows [I, 2I), `down_proj` = its (H, I) matrix. Views of `tensor` (writing into one writes the fused
-    parameter); any other parameter is `[(name, tensor)]`."""
-    for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
-        if name.endswith(f"mlp.experts.{fused}") and tensor.dim() == 3:
-            stem, size = name[: -len(fused)], tensor.shape[1] // len(parts)
-            return [(f"{stem}{e}.{part}.weight", tensor[e, k * size:(k + 1) * size])
-                    for e in range(tensor.shape[0]) for k, part in enumerate(parts)]
-    return [(name, tensor)]
 
 
 def parameters_by_name(model: torch.nn.Module) -> dict[str, torch.Tensor]:
