@@ -72,15 +72,10 @@ def _special_ids(model: str, cfg: dict) -> tuple[list[int], int]:
 def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes from the checkpoint's safetensors headers (no weights are read), plus the tied
     names of the tensors stored once (`lm_head.weight` of a tied `model.embed_tokens.weight`)."""
-    from safetensors import safe_open
-
+    from grpo_cli.models.checkpoint_files import stored_shapes
     from grpo_cli.rollout.weight_names import checkpoint_aliases
 
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in sorted(Path(model).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
-                shapes[name] = tuple(st.get_slice(name).get_shape())
+    shapes = stored_shapes(model)
     for source, names in checkpoint_aliases(model).items():
         for name in names:
             if source in shapes:

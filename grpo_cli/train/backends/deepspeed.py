@@ -15,7 +15,8 @@ import torch
 from grpo_cli.train.backends.activations import enable_checkpointing
 from grpo_cli.train.backends.base import NonFiniteStep, TrainingBackend, compute_dtype, make_adamw, make_scheduler
 from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
-from grpo_cli.train.backends.hf_io import check_names, load_hf_model, save_hf_folder, weight_files
+from grpo_cli.models.checkpoint_files import weight_files
+from grpo_cli.train.backends.hf_io import check_names, load_hf_model, save_hf_folder
 from grpo_cli.train.checkpoint import CheckpointError
 
 TAG = "deepspeed"

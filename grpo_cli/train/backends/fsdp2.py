@@ -14,7 +14,8 @@ from grpo_cli.runtime.accel import is_cuda
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
 from grpo_cli.train.backends.activations import enable_checkpointing
 from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
-from grpo_cli.train.backends.hf_io import check_names, save_hf_folder, weight_files
+from grpo_cli.models.checkpoint_files import weight_files
+from grpo_cli.train.backends.hf_io import check_names, save_hf_folder
 from grpo_cli.train.checkpoint import CheckpointError
 from grpo_cli.train.weights.lora import apply_lora, checkpoint_name, init_adapter
 from grpo_cli.train.weights.shard_gather import shard_rows

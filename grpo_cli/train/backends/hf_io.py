@@ -27,21 +27,6 @@ def tied_names(module: torch.nn.Module) -> set[str]:
     return {name for names in tied_aliases(module).values() for name in names}
 
 
-def weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name → safetensors file holding it (single file or an index of shards)."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
-
-    out: dict[str, Path] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as handle:
-            out.update({k: f for k in handle.keys()})
-    return out
-
-
 def check_names(module: torch.nn.Module, names: set[str], folder: Path) -> None:
     params = {n for n, _ in module.named_parameters()}
     missing = sorted(params - names - tied_names(module))

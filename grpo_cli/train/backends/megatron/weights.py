@@ -6,28 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import cached_property
-from pathlib import Path
-
 import torch
 
+from grpo_cli.models.checkpoint_files import stored_shapes
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.weights.source import record_sent, spread
-
-
-def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} of a Hugging Face checkpoint folder, read from the safetensors headers only."""
-    from safetensors import safe_open
-
-    from grpo_cli.train.backends.hf_io import weight_files
-
-    by_file: dict[Path, list[str]] = {}
-    for name, path in weight_files(Path(folder)).items():
-        by_file.setdefault(path, []).append(name)
-    shapes = {}
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as handle:
-            shapes.update({n: tuple(handle.get_slice(n).get_shape()) for n in names})
-    return shapes
 
 
 def probe_batch(sequences: list[list[int]], *, pad_token_id: int) -> TrainBatch:
@@ -48,7 +31,7 @@ class MegatronWeights:
 
     @cached_property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
-        return checkpoint_shapes(self.backend.model_path)
+        return stored_shapes(self.backend.model_path)
 
     def named_tensors(self, *, bucket_mb: int, stats: dict, keep_copies: set[str],
                       keep_rows: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
