@@ -120,7 +120,8 @@ def unlink_mapped_shm(maps: str = "/proc/self/maps") -> list[str]:
     external launcher) make the next tensor-parallel run on the machine fail ("create shm in SHMManager failed.
     errno: 17"). The mappings stay valid; another rank may have unlinked a file first."""
     try:
-        lines = open(maps).read().splitlines()
+        with open(maps) as f:
+            lines = f.read().splitlines()
     except OSError:
         return []
     paths = {line.split(maxsplit=5)[5].removesuffix(" (deleted)") for line in lines

@@ -278,6 +278,26 @@ def test_actor_vllm_engine_defaults_to_its_share(monkeypatch, tiny_checkpoint):
     assert seen["cfg"].rollout.vllm.max_num_seqs == 2 * 4
 
 
+@pytest.mark.parametrize(("device", "available", "expected"), [
+    ("auto", True, "cuda"), ("cuda", True, "cuda"), ("auto", False, "cpu"), ("cpu", True, "cpu")])
+def test_actor_hf_engine_device(monkeypatch, tiny_checkpoint, device, available, expected):
+    """An actor's hf engine loads its model copy on CUDA when the run may use it and a GPU is there (CUDA mocked:
+    the branch a GPU run takes), else on the CPU."""
+    import torch
+
+    from grpo_cli.rollout import hf_copy
+    from grpo_cli.rollout.ray_actor import build_actor_engine
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(hf_copy, "hf_copy_engine", lambda cfg, ctx, device: seen.setdefault("device", device))
+    cfg = GRPOConfig.model_validate({"model": {"name_or_path": tiny_checkpoint},
+                                     "rollout": {"mode": "async"},
+                                     "distributed": {"device": device, "rollout_gpus": int(device == "cuda")}})
+    build_actor_engine(cfg.model_dump(mode="json"), dataclasses.asdict(EngineContext(tiny_checkpoint, [0], 0)))
+    assert seen["device"] == expected
+
+
 @pytest.mark.parametrize("name", ["qwen-7b-async", "tiny-cpu-async"])
 def test_async_presets_size_vllm_per_actor(name):
     """A preset's per-actor max_num_seqs covers the actor's share, and (for a named model on dedicated rollout GPUs)
