@@ -2,7 +2,8 @@
 ends with the same parameters as an uninterrupted run with the same seed, in sync mode (tiny-cpu), in async mode
 (tiny-cpu-async: the batches in flight at the checkpoint are saved and restored, the Ray rollout actor is
 re-synced), and sharded: fsdp2 (DCP shards) and DeepSpeed ZeRO-3 (its own per-rank files) on 2 gloo processes with
-vLLM colocated, the whole process tree killed, as when a node dies; and a LoRA policy, on ddp (tiny-cpu-lora) and
+vLLM colocated, the whole process tree killed, as when a node dies, and Megatron at tensor parallel 2 (its
+dist_checkpointing shards, the hf engine's own copy re-synced from them); and a LoRA policy, on ddp (tiny-cpu-lora) and
 fsdp2 (the checkpoint holds the adapter and its optimizer state, the frozen base is read again; the adapter is
 compared). SIGINT and SIGHUP take the same save path as each other, so the sharded and LoRA variants run SIGKILL
 only and SIGHUP runs in sync mode only (CI time)."""
@@ -30,6 +31,8 @@ VARIANTS = {
     "fsdp2": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set", "distributed.backend=fsdp2"],
     "zero3": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2",
               "--set", "distributed.backend=deepspeed", "--set", "distributed.deepspeed.zero_stage=3"],
+    "megatron": ["--preset", "tiny-cpu", "--set", "distributed.num_processes=2", "--set", "distributed.backend=megatron",
+                 "--set", "distributed.megatron.tensor_parallel=2"],
     "tiny-cpu-lora": ["--preset", "tiny-cpu-lora"],
     "fsdp2-lora": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set",
                    "distributed.backend=fsdp2", "--set", "model.lora={modules_to_save: [lm_head]}"],
@@ -84,8 +87,8 @@ def _signal_tree(pid: int, sig: int) -> None:
 
 CASES = [("tiny-cpu", signal.SIGKILL), ("tiny-cpu", signal.SIGINT), ("tiny-cpu", signal.SIGHUP),
          ("tiny-cpu-async", signal.SIGKILL), ("tiny-cpu-async", signal.SIGINT),
-         ("fsdp2", signal.SIGKILL), ("zero3", signal.SIGKILL), ("tiny-cpu-lora", signal.SIGKILL),
-         ("fsdp2-lora", signal.SIGKILL)]
+         ("fsdp2", signal.SIGKILL), ("zero3", signal.SIGKILL), ("megatron", signal.SIGKILL),
+         ("tiny-cpu-lora", signal.SIGKILL), ("fsdp2-lora", signal.SIGKILL)]
 
 
 @pytest.fixture(scope="module")

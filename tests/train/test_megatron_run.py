@@ -1,12 +1,15 @@
 """`grpo train` with `distributed.backend: megatron` end to end on two gloo CPU processes (relaunched through
 `accelerate launch`): the built-in tiny model, 3 steps, the engine synced from the backend's bucketed HF-named gather
 after every step and verified against the backend's own logprobs. hf engine: its own Hugging Face copy (tensor
-parallel 2); vLLM colocated (pipeline parallel 2), which also reads 4 small tensors back for exact equality. A run
-stopped after step 2 and resumed ends where the uninterrupted one does."""
+parallel 2); vLLM colocated (pipeline parallel 2), which also reads 4 small tensors back for exact equality; a
+`grpo serve-rollout` server (its weights pushed over HTTP and probed after every sync); async mode (a Ray rollout actor
+one step ahead, synced from the same gather). A run stopped after step 2 and resumed ends where the uninterrupted one
+does (the SIGKILL case is in tests/e2e/test_resume.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -101,6 +104,53 @@ def test_resumed_run_equals_the_uninterrupted_one(three_steps, tmp_path):
     assert losses[0] == losses[1]
     a, b = (load_file(d / "final-model" / "model.safetensors") for d in (run, whole))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _serve_rollout(cwd):
+    """A `grpo serve-rollout` child on the built-in tiny model and a free port, and its URL."""
+    from grpo_cli.server.launch import wait_ready_line
+
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", "serve-rollout", "--model", "builtin:tiny", "--port",
+                             "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                            env=clean_env(PYTHONUNBUFFERED="1"))
+    lines: list[str] = []
+    url = wait_ready_line(proc, 120, lines.append)
+    if url is None:
+        proc.kill()
+        raise AssertionError("".join(lines)[-3000:])
+    return proc, url
+
+
+def test_server_mode_probes_every_sync(tmp_path):
+    """Tensor parallel 2 against `grpo serve-rollout`: every step pushes all 21 HF tensors over HTTP and the
+    server's probe logprobs equal the trainer's within `PROBE_BOUND`."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("mbridge")
+    server, url = _serve_rollout(tmp_path)
+    try:
+        _train(tmp_path / "run", *HF, "train.steps=2", "rollout.mode=server", f'rollout.server.urls=["{url}"]')
+    finally:
+        server.kill()
+        server.wait(10)
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["sync/tensors"] == 21 and r["sync/max_probe_diff"] <= PROBE_BOUND, r
+
+
+@pytest.mark.slow  # ~20 s: Ray starts
+def test_async_mode_trains_from_an_actor_one_step_ahead(tmp_path):
+    """Tensor parallel 2 in async mode: the Ray actor starts verified against the Megatron weights, every step after
+    the first trains on rollouts one version old, and every step syncs all 21 tensors to the actor."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("mbridge")
+    pytest.importorskip("ray")
+    out = _train(tmp_path / "run", *HF, "train.steps=3", "rollout.mode=async", "rollout.ray.num_actors=2")
+    m = re.search(r"hold weight version 0 \(verified: probe logprob diff ([0-9.e+-]+)\)", out.stdout)
+    assert m and float(m.group(1)) <= PROBE_BOUND, out.stdout[-3000:]
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["staleness"] for r in rows] == [0, 1, 1]
+    assert all(r["sync/tensors"] == 21 for r in rows), rows
 
 
 def test_probe_batch_scores_like_the_engine_probe(tiny_checkpoint):
