@@ -9,9 +9,9 @@ every step's loss and gradient norm, and the updated weights exported under Hugg
 
 Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python megatron_worker.py CASES CKPTS OUT`, CASES a
 comma-separated list of `arch:layout` (a key of LAYOUTS: tp2, pp2, dp2, dp2_flat = dp2 without the distributed
-optimizer, vpp2, recomputation, bf16 variants), CKPTS the folder holding one checkpoint per arch. Each case also
-checkpoints after step 1 and resumes a fresh policy from it, exports a Hugging Face folder, and compares the bucketed
-weight gather with mbridge's export."""
+optimizer, vpp2, recomputation, bf16 variants, ep2 = expert parallel 2 for a MoE arch), CKPTS the folder holding one
+checkpoint per arch. Each case also checkpoints after step 1 and resumes a fresh policy from it, exports a Hugging
+Face folder, and compares the bucketed weight gather with mbridge's export."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.config.load import build_config
+from grpo_cli.models.tiny import checkpoint_tensors
 from grpo_cli.runtime.dist import DistInfo, init_from_env, shutdown
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.loss import trained_mask
@@ -42,6 +43,7 @@ LAYOUTS = {
     "tp2_bf16": ["distributed.megatron.tensor_parallel=2", "model.dtype=bfloat16"],
     "dp2_bf16": ["model.dtype=bfloat16"],
     "dp2_flat_bf16": ["distributed.megatron.distributed_optimizer=false", "model.dtype=bfloat16"],
+    "ep2": ["distributed.megatron.expert_parallel=2"],
 }
 
 
@@ -100,7 +102,7 @@ def reference(ckpt: str, *overrides: str) -> tuple[dict, dict[str, torch.Tensor]
     policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=DistInfo())
     batch = full_batch(policy.module.config.vocab_size)
     logs = train(policy, cfg, batch, world_items=items(batch, cfg), world_rows=ROWS)
-    return logs, {n: p.detach().clone() for n, p in policy.module.state_dict().items()}
+    return logs, {n: p.detach().clone() for n, p in checkpoint_tensors(policy.module).items()}
 
 
 def megatron(ckpt: str, layout: str, info, out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -163,7 +165,7 @@ def exported_diff(folder: Path, weights: dict[str, torch.Tensor]) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    state = model.state_dict()
+    state = checkpoint_tensors(model)
     return max(diff(state[k], v) for k, v in weights.items())
 
 

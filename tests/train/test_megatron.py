@@ -1,8 +1,9 @@
 """The megatron backend on two real gloo processes (megatron_worker.py, one launch for every case): tensor parallel 2,
 pipeline parallel 2 and data parallel 2 (with and without the distributed optimizer) against single-process ddp on
-tiny Qwen2 (tied and untied embeddings) and Qwen3 checkpoints, over 3 GRPO optimizer steps; plus the CPU shims
-staying out of a CUDA run and the row layout the schedule feeds `GPTModel`. The same launch checks resuming from
-`save_state` and the consolidated `export_hf` folder."""
+tiny Qwen2 (tied and untied embeddings) and Qwen3 checkpoints, and expert parallel 2 (each rank 2 of the 4 experts,
+tokens exchanged by Megatron's all-to-all dispatcher) on a tiny Qwen3-MoE, over 3 GRPO optimizer steps; plus the CPU
+shims staying out of a CUDA run and the row layout the schedule feeds `GPTModel`. The same launch checks resuming
+from `save_state` and the consolidated `export_hf` folder."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from grpo_cli.train.batch import TrainBatch
 WORKER = str(Path(__file__).with_name("megatron_worker.py"))
 CASES = ["qwen2:tp2", "qwen2:pp2", "qwen2:dp2", "qwen2:dp2_flat", "qwen2_untied:tp2", "qwen2_untied:pp2",
          "qwen2_untied:dp2", "qwen3:tp2", "qwen3:pp2", "qwen3:dp2", "qwen2_4l:vpp2", "qwen2:tp2_recompute",
-         "qwen3:pp2_selective"]
+         "qwen3:pp2_selective", "qwen3_moe:ep2"]
 BF16_CASES = ["qwen2:tp2_bf16", "qwen2:dp2_bf16", "qwen2:dp2_flat_bf16"]
 TOLERANCE = 1e-5
 HIDDEN = 128
@@ -56,6 +57,7 @@ def checkpoints(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("megatron-ckpts")
     build_tiny_checkpoint(root / "qwen2", arch="qwen2", hidden_size=HIDDEN)
     build_tiny_checkpoint(root / "qwen3", arch="qwen3", hidden_size=HIDDEN)
+    build_tiny_checkpoint(root / "qwen3_moe", arch="qwen3_moe", hidden_size=HIDDEN)  # 4 experts, top 2
     # 2 stages × 2 virtual chunks
     build_tiny_checkpoint(root / "qwen2_4l", arch="qwen2", hidden_size=HIDDEN, num_layers=4, seed=2)
     untied_qwen2(root / "qwen2_untied")
@@ -109,7 +111,7 @@ def test_export_hf_loads_in_transformers(ranks, case):
     assert ranks[0][case]["export_diff"] == 0.0
 
 
-@pytest.mark.parametrize("case", ["qwen2:tp2", "qwen2_untied:pp2", "qwen2:dp2", "qwen2_4l:vpp2"])
+@pytest.mark.parametrize("case", ["qwen2:tp2", "qwen2_untied:pp2", "qwen2:dp2", "qwen2_4l:vpp2", "qwen3_moe:ep2"])
 def test_weight_gather_follows_the_bucket_cap(ranks, case):
     """`hf_tensor_buckets` gives mbridge's export bit for bit (HF names, tied embeddings once) with one broadcast
     per pipeline stage and one tensor-parallel all-gather per bucket, and no bucket above the cap unless one
@@ -136,7 +138,7 @@ def test_param_numel_counts_the_whole_model_once(ranks, case):
 def test_both_ranks_report_the_same_step(ranks):
     """Within a model-parallel group every rank returns the group's metrics (its loss share included)."""
     for case in CASES:
-        if "dp2" in case:
+        if "dp2" in case or "ep2" in case:  # data parallel: each rank's own rows
             continue
         assert ranks[0][case]["losses"] == pytest.approx(ranks[1][case]["losses"], abs=1e-7), case
 

@@ -29,7 +29,9 @@ from grpo_cli.train.batch import TrainBatch
 
 
 def prepare_device(device: torch.device) -> None:
-    """On the CPU, Megatron's CUDA assumptions need `cpu_shims` (imported only then)."""
+    """On the CPU, Megatron's CUDA assumptions need `cpu_shims` (imported only then); on every device, megatron-core
+    without Transformer Engine needs `build.define_missing_te_names`."""
+    build.define_missing_te_names()
     if device.type == "cpu":
         from grpo_cli.train.backends.megatron import cpu_shims
 
@@ -165,22 +167,30 @@ class MegatronBackend(TrainingBackend):
     # ---- state ---------------------------------------------------------------------------------------
     def param_numel(self) -> tuple[int, int]:
         """(elements this rank holds, elements of the whole model: tensor-parallel shards counted on every rank,
-        replicated tensors once per tensor-parallel group, a tied output layer's copy not at all)."""
+        replicated tensors once per tensor-parallel group, a tied output layer's copy not at all; MoE expert weights
+        (Megatron's `allreduce=False` parameters) summed over the expert tensor × expert × pipeline grid instead)."""
         from megatron.core import parallel_state as mpu
 
-        local = owned = 0
-        tp_rank = mpu.get_tensor_model_parallel_rank()
+        local = 0
+        owned = {"dense": 0, "expert": 0}
+        first = {"dense": mpu.get_tensor_model_parallel_rank() == 0,
+                 "expert": mpu.get_expert_tensor_parallel_rank() == 0}
         tied_copy = bool(getattr(self.bridge.hf_config, "tie_word_embeddings", False)) and not \
             mpu.is_pipeline_first_stage(ignore_virtual=True)
         for name, p in self.model.named_parameters():
             local += p.numel()
             if tied_copy and name.endswith("output_layer.weight"):
                 continue
-            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-                owned += p.numel()
-        total = torch.tensor([owned], dtype=torch.float64)
-        torch.distributed.all_reduce(total, group=self._model_parallel_group())
-        return local, int(total)
+            kind = "dense" if getattr(p, "allreduce", True) else "expert"
+            if getattr(p, "tensor_model_parallel", False) or first[kind]:
+                owned[kind] += p.numel()
+        total = 0
+        for kind, group in (("dense", self._model_parallel_group()),
+                            ("expert", mpu.get_expert_tensor_model_pipeline_parallel_group())):
+            count = torch.tensor([owned[kind]], dtype=torch.float64)
+            torch.distributed.all_reduce(count, group=group)
+            total += int(count)
+        return local, total
 
     def offloader(self):
         d = self.cfg.distributed.offload

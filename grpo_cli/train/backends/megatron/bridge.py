@@ -1,9 +1,12 @@
 """Hugging Face ↔ Megatron-core weights through mbridge: the `GPTModel` config of an HF checkpoint, loading its
 tensors into this rank's shards and exporting full HF-named tensors back. Fixes what mbridge 0.15.1 assumes:
 `rope_theta` on the config (transformers 5 moved it into `rope_parameters`), Transformer Engine layers (we use the
-pure-torch layer spec, whose norms are separate modules) and a class-level name map that a tied model rewrites."""
+pure-torch layer spec, whose norms are separate modules), a class-level name map that a tied model rewrites, and
+MoE experts named only in Transformer Engine's grouped form (see `sequential_expert_names`)."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -37,8 +40,33 @@ def make_bridge(model_path: str, *, dtype: torch.dtype, vocab_multiple: int | No
     bridge._OTHER_MAPPING = {**LOCAL_NORMS_ATTENTION, **bridge_cls._OTHER_MAPPING}
     bridge._MLP_MAPPING = {**LOCAL_NORMS_MLP, **bridge_cls._MLP_MAPPING}
     bridge._get_transformer_layer_spec = _local_spec(bridge)
+    bridge._weight_name_mapping_mcore_local_to_global = sequential_expert_names(
+        bridge, bridge._weight_name_mapping_mcore_local_to_global)
     bridge.set_extra_args(**overrides)
     return bridge
+
+
+SEQUENTIAL_EXPERT = re.compile(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+"""The pure-torch spec's expert weights (`SequentialMLP`: one MLP module per local expert)."""
+
+
+def sequential_expert_names(bridge, mapping):
+    """`mapping` (mbridge's local → global Megatron names of a model chunk) with `SequentialMLP`'s expert weights
+    `…mlp.experts.local_experts.{e}.linear_fc{1,2}.weight` renamed to the grouped form mbridge converts,
+    `…mlp.experts.linear_fc{1,2}.weight{g}`; g = e + ep_rank · experts per rank (with `consider_ep`), else e.
+    mbridge 0.15.1 knows only the grouped names (Transformer Engine's `TEGroupedMLP`) and refuses the others."""
+
+    def renamed(model, consider_ep: bool = True) -> dict[str, str]:
+        out = mapping(model, consider_ep=consider_ep)
+        experts = getattr(bridge.config, "num_moe_experts", None)
+        offset = experts // bridge.mpu.ep_size * bridge.mpu.ep_rank if experts and consider_ep else 0
+        for local, name in out.items():
+            m = SEQUENTIAL_EXPERT.fullmatch(name)
+            if m:
+                out[local] = f"{m[1]}.{m[3]}.weight{int(m[2]) + offset}"
+        return out
+
+    return renamed
 
 
 def _bridge_class(config):

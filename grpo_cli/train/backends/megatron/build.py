@@ -33,16 +33,28 @@ def init_parallel_state(cfg: GRPOConfig, world_size: int, device: torch.device) 
     )
 
 
+def define_missing_te_names() -> None:
+    """megatron-core 0.16.1's MoE router tests `te_general_gemm is not None` (moe/moe_utils.py), but the name is
+    defined only when Transformer Engine imports: without it every MoE forward raises NameError. Define it as None
+    there (the router then takes its own `torch.mm` path); with Transformer Engine installed nothing changes."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def transformer_overrides(cfg: GRPOConfig) -> dict:
     """`TransformerConfig` fields we set over mbridge's: per-token loss (the GRPO loss arrives already scaled, so
-    Megatron's DDP sums gradients over data-parallel ranks instead of averaging), no fused CUDA kernels, the
-    configured sequence parallelism and recomputation."""
+    Megatron's DDP sums gradients over data-parallel ranks instead of averaging), no fused CUDA kernels, MoE experts
+    as one MLP each (`SequentialMLP`: the pure-torch spec's grouped GEMM needs the separate `grouped_gemm` package),
+    the configured sequence parallelism and recomputation."""
     m = cfg.distributed.megatron
     out = {
         "calculate_per_token_loss": True, "sequence_parallel": m.sequence_parallel and m.tensor_parallel > 1,
         "masked_softmax_fusion": False, "bias_activation_fusion": False, "bias_dropout_fusion": False,
         "apply_rope_fusion": False, "gradient_accumulation_fusion": False, "persist_layer_norm": False,
         "attention_dropout": 0.0, "hidden_dropout": 0.0, "variable_seq_lengths": True,
+        "moe_grouped_gemm": False,
     }
     if m.recompute != "none":
         out["recompute_granularity"] = m.recompute

@@ -5,6 +5,7 @@ only moves tensors Megatron would put on "cuda" to the CPU, keeps its RNG tracke
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -44,8 +45,31 @@ def _cpu_device(device):
 
 
 class _NullStream:
+    """A CUDA stream where there is none: CPU ops run in order, so waiting, recording and synchronising are no-ops,
+    and there is one stream (every "new" stream is it, so the MoE token dispatcher's device-to-host side stream is
+    the current stream and its copies are plain ones)."""
+
+    _one: "_NullStream | None" = None
+
+    def __new__(cls, *_a, **_k):
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
+
     def wait_stream(self, *_a, **_k) -> None:
         pass
+
+    def wait_event(self, *_a, **_k) -> None:
+        pass
+
+    def record_event(self, *_a, **_k) -> "_NullStream":
+        return self  # an event: synchronize() and wait() are no-ops too
+
+    def wait(self, *_a, **_k) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
     def synchronize(self) -> None:
         pass
@@ -66,9 +90,19 @@ class _CpuCuda(types.SimpleNamespace):
     def synchronize(*_a, **_k) -> None:
         pass
 
+    Stream = _NullStream
+
     @staticmethod
     def default_stream(*_a, **_k):
         return _NullStream()
+
+    @staticmethod
+    def current_stream(*_a, **_k):
+        return _NullStream()
+
+    @staticmethod
+    def stream(*_a, **_k):
+        return contextlib.nullcontext()
 
     @staticmethod
     def get_rng_state(*_a, **_k):
@@ -140,6 +174,19 @@ def _cuda_method_is_identity(fn):
     return wrapped
 
 
+def _split_sizes_as_numpy(move):
+    """megatron-core's `maybe_move_tensor_to_cpu(t, as_numpy=True)` turns the MoE dispatcher's all-to-all split sizes
+    into numpy arrays, but only for CUDA tensors; on the CPU they stayed tensors, which `all_to_all_single` refuses.
+    The same conversion for a CPU tensor (the values are unchanged)."""
+
+    def moved(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return moved
+
+
 def install() -> None:
     """Apply every shim once per process (idempotent)."""
     global _installed
@@ -154,6 +201,8 @@ def install() -> None:
     # The tracker's fork warns when the CPU generator moved inside it; on the CPU it is the tracked generator.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     _rng_tracker_on_cpu(importlib.import_module("megatron.core.tensor_parallel.random"))
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher.maybe_move_tensor_to_cpu = _split_sizes_as_numpy(dispatcher.maybe_move_tensor_to_cpu)
     torch.Tensor.type = _cuda_named_type(torch.Tensor.type)
     from megatron.core.models.common.language_module.language_module import (
         LanguageModule,
