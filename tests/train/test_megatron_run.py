@@ -153,17 +153,21 @@ def test_async_mode_trains_from_an_actor_one_step_ahead(tmp_path):
     assert all(r["sync/tensors"] == 21 for r in rows), rows
 
 
-def test_moe_expert_parallel_run_syncs_every_expert(tmp_path):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow])])  # ~17 s
+def test_moe_expert_parallel_run_syncs_every_expert(tmp_path, engine):
     """A tiny Qwen3-MoE (4 experts, top 2) at expert parallel 2 through `grpo train`: each rank trains 2 experts,
     every sync sends all 45 HF tensors (each expert's gate/up/down under its global index, gathered from the rank
-    that holds it), the hf engine's probe equals the trainer's, and `final-model/` loads with the trained experts."""
+    that holds it), the engine's probe (hf copy; vLLM colocated, its packed CPU experts re-packed) equals the
+    trainer's, and `final-model/` holds every expert trained."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("mbridge")
     from grpo_cli.models.tiny import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(tmp_path / "moe", arch="qwen3_moe", hidden_size=128)
     run = tmp_path / "run"
-    _train(run, "rollout.engine=hf", "distributed.megatron.expert_parallel=2", f"model.name_or_path={ckpt}",
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    _train(run, f"rollout.engine={engine}", "distributed.megatron.expert_parallel=2", f"model.name_or_path={ckpt}",
            "train.steps=2")
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
