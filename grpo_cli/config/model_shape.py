@@ -54,6 +54,12 @@ KNOWN_MOE_CONFIGS = {
 names without a local folder."""
 
 
+TINY_MOE_CONFIG = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                   "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 128, "moe_intermediate_size": 64,
+                   "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 68, "tie_word_embeddings": False}
+"""The config.json `builtin:tiny-moe` gets (`models/tiny.py`; a test compares), known without building it."""
+
+
 def local_model_config(name: str) -> dict | None:
     """The model's config.json when `name` is a local folder that has one (never downloads; None otherwise): what
     `grpo plan` sizes the model by and the config rules check head, layer and expert counts against."""
@@ -109,6 +115,8 @@ def model_shape(name: str) -> ModelShape:
         return _shape_from_config(c)
     if name in ("builtin:tiny", "builtin:tiny-tools"):
         return ModelShape(90_944, 64, 2, 64, 8_768)
+    if name == "builtin:tiny-moe":
+        return _shape_from_config(TINY_MOE_CONFIG)
     moe = re.search(r"(\d+B-A\d+B)", name, re.IGNORECASE)
     if moe and moe.group(1).upper() in KNOWN_MOE_CONFIGS:
         return _shape_from_config(KNOWN_MOE_CONFIGS[moe.group(1).upper()])

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from grpo_cli.config.load import DEFAULT_PRESET, build_config, deep_merge, validate_tree
 from grpo_cli.config.schema import GRPOConfig
+from grpo_cli.models.tiny import MOE_NAME, TINY_NAME
 
 MAX_PROCESSES = 2
 """Processes a rehearsal runs on this kind of machine (2 CPU cores in CI)."""
@@ -51,10 +52,20 @@ def server_kind(cfg: GRPOConfig) -> Literal["grpo-vllm", "grpo-hf", "sglang-cont
     return "grpo-vllm" if cfg.rollout.engine == "vllm" else "grpo-hf"
 
 
+def stand_in_model(src: GRPOConfig) -> str:
+    """The built-in model a rehearsal trains: the tiny MoE for a mixture-of-experts model (so the router, expert
+    weights and, with megatron, expert parallelism run), else the tiny dense one."""
+    from grpo_cli.config.model_shape import model_shape
+
+    return MOE_NAME if model_shape(src.model.name_or_path).experts else TINY_NAME
+
+
 def _tiny_task(tiny: GRPOConfig, src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
     """Model, data, rewards and learning settings of the tiny task; the preset's algorithm is kept."""
     t = tiny.model_dump(mode="json")
-    notes.append(f"model {src.model.name_or_path} → builtin:tiny (2-layer model built locally); dtype "
+    stand_in = stand_in_model(src)
+    kind = ("2-layer Qwen3-MoE, 4 experts, top 2" if stand_in == MOE_NAME else "2-layer model") + ", built locally"
+    notes.append(f"model {src.model.name_or_path} → {stand_in} ({kind}); dtype "
                  f"{src.model.dtype}, gradient_checkpointing {src.model.gradient_checkpointing} kept")
     notes.append(f"task: data {src.data.source} → {tiny.data.source}, rewards → "
                  f"{', '.join(f.name for f in tiny.rewards.functions)} ({DEFAULT_PRESET}'s); algorithm "
@@ -68,7 +79,7 @@ def _tiny_task(tiny: GRPOConfig, src: GRPOConfig, notes: list[str]) -> dict[str,
                  f"sequences, lr {train['learning_rate']:g} ({DEFAULT_PRESET}'s learning settings); "
                  f"micro_batch_size {src.train.micro_batch_size}"
                  + ("" if micro == src.train.micro_batch_size else f" → {micro}"))
-    return {"model": {**src.model.model_dump(mode="json"), "name_or_path": tiny.model.name_or_path},
+    return {"model": {**src.model.model_dump(mode="json"), "name_or_path": stand_in},
             "data": t["data"], "rewards": t["rewards"], "train": train}
 
 
@@ -130,18 +141,21 @@ def _backend(src: GRPOConfig, deepspeed_ready: bool, notes: list[str]) -> tuple[
 
 
 def _megatron(src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
-    """Megatron's grid shrunk to the rehearsal's processes and the tiny model (2 layers, 2 heads, dense): tensor
-    parallel kept up to the process count, pipeline parallel only where it still fits beside it, no expert
-    parallel (the tiny model has no experts: a MoE preset rehearses its dense path only), no sequence parallel
-    (CUDA only). Each change is a note."""
+    """Megatron's grid shrunk to the rehearsal's processes and the tiny model (2 layers, 2 heads): for a MoE model
+    (the tiny MoE, 4 experts) expert parallel is kept first, up to the process count; then tensor parallel up to
+    the processes left, pipeline parallel only where it still fits; no sequence parallel (CUDA only). Each change is
+    a note."""
     m, procs = src.distributed.megatron, min(src.distributed.num_processes, MAX_PROCESSES)
-    tp = min(m.tensor_parallel, procs)
-    pp = min(m.pipeline_parallel, procs // tp)
-    out = {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": 1,
+    moe = stand_in_model(src) == MOE_NAME
+    ep = min(m.expert_parallel, procs) if moe else 1
+    tp = min(m.tensor_parallel, procs // ep)
+    pp = min(m.pipeline_parallel, procs // (tp * ep))
+    out = {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep,
            "virtual_pipeline": None, "sequence_parallel": False}
     changes = [f"{k} {getattr(m, k)} → {v}" for k, v in out.items() if getattr(m, k) != v]
+    model = "the tiny MoE (4 experts)" if moe else "the tiny model (dense)"
     notes.append(f"backend megatron kept (distributed_optimizer {m.distributed_optimizer}, recompute {m.recompute})"
-                 + (f"; {', '.join(changes)} (the tiny model is dense, 2 layers, on {procs} CPU process(es); "
+                 + (f"; {', '.join(changes)} ({model}, 2 layers, on {procs} CPU process(es); "
                     "sequence parallel is CUDA only)" if changes else ""))
     return out
 
@@ -209,7 +223,7 @@ def gpu_only(cfg: GRPOConfig) -> list[tuple[str, str]]:
         if m.expert_parallel > 1 or m.sequence_parallel or m.virtual_pipeline or m.tensor_parallel > MAX_PROCESSES:
             out.append(("megatron grid", f"tensor_parallel {m.tensor_parallel} x pipeline_parallel "
                         f"{m.pipeline_parallel}{', ' + ', '.join(parts) if parts else ''} and the MoE layers of "
-                        f"{cfg.model.name_or_path} (the CPU run trains the dense tiny model on a smaller grid)"))
+                        f"{cfg.model.name_or_path} (the CPU run trains {stand_in_model(cfg)} on a smaller grid)"))
     if _pins_host_memory(cfg):
         out.append(("pinned host memory", "page-locked host buffers (offload, DeepSpeed's CPU optimizer, vLLM sleep "
                     "level 1) exist only beside CUDA; on CPU the state already is in host memory"))

@@ -116,9 +116,12 @@ def _sharding_check(reh: Rehearsal, rows: list[dict]) -> Check:
     if not local or not total:
         return Check(f"backend {name}", "FAIL", None, "dist/param_numel_* missing from step 1")
     sharded = d.backend == "fsdp2" or (d.backend == "deepspeed" and d.deepspeed.zero_stage == 3)
+    m = d.megatron
+    grid = (m.tensor_parallel, m.pipeline_parallel, m.expert_parallel)
+    split = d.backend == "megatron" and grid != (1, 1, 1)  # model parallel: each rank holds part of the model
     share = local / total
-    want = 0.55 if sharded and d.num_processes > 1 else 1.0
-    how = "sharded" if sharded else "replicated"
+    want = 0.55 if sharded and d.num_processes > 1 else 0.99 if split else 1.0
+    how = "sharded" if sharded else "split by tp {} × pp {} × ep {}".format(*grid) if split else "replicated"
     return Check(f"backend {name}", _ok(share <= want + 1e-9), None,
                  f"{d.num_processes} process(es), {how}: rank 0 holds {share:.0%} of {total:,.0f} parameters")
 

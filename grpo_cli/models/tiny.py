@@ -13,6 +13,12 @@ TINY_NAME = "builtin:tiny"
 TINY_VERSION = 1
 TOOLS_NAME = "builtin:tiny-tools"
 """The built-in tiny model whose tokenizer can call tools (`tiny-cpu-tools`)."""
+MOE_NAME = "builtin:tiny-moe"
+"""A tiny Qwen3-MoE with the built-in tokenizer (4 experts, top 2, in both layers): the stand-in a MoE preset's
+`--rehearse` trains with expert parallelism."""
+BUILTINS = {TINY_NAME: ("tiny", {}), TOOLS_NAME: ("tiny-tools", {"tools": True}),
+            MOE_NAME: ("tiny-moe", {"arch": "qwen3_moe"})}
+"""Built-in model name → (cache folder stem, `build_tiny_checkpoint` arguments)."""
 SPECIAL = ["<pad>", "<eos>", "<unk>", "<system>", "<user>", "<assistant>"]
 WORDS = (
     "zero one two three four five six seven eight nine ten plus minus times is what the a cat dog sun moon "
@@ -159,21 +165,21 @@ def checkpoint_tensors(model) -> dict:
 
 
 def resolve_model_path(name: str) -> str:
-    """Map `builtin:tiny` (and `builtin:tiny-tools`) to its cached folder (built once, atomically); other names
-    pass through."""
-    if name not in (TINY_NAME, TOOLS_NAME):
+    """Map a built-in name (`BUILTINS`: `builtin:tiny`, `builtin:tiny-tools`, `builtin:tiny-moe`) to its cached
+    folder (built once, atomically); other names pass through."""
+    if name not in BUILTINS:
         return name
-    tools = name == TOOLS_NAME
-    target = cache_dir() / f"tiny{'-tools' if tools else ''}-v{TINY_VERSION}"
+    stem, build_args = BUILTINS[name]
+    target = cache_dir() / f"{stem}-v{TINY_VERSION}"
     if (target / "grpo_cli_tiny.json").exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
-        build_tiny_checkpoint(tmp, tools=tools)
+        build_tiny_checkpoint(tmp, **build_args)
         missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (tmp / f).is_file()]
         if missing:
-            raise RuntimeError(f"building {TINY_NAME} left out {missing} (in {tmp})")
+            raise RuntimeError(f"building {name} left out {missing} (in {tmp})")
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical

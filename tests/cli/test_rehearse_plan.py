@@ -31,7 +31,8 @@ def test_every_gpu_preset_is_covered():
 def test_topology_kept_task_replaced(name):
     src, reh = build_config(name), _plan(name)
     cfg, tiny = reh.config, build_config("tiny-cpu")
-    assert cfg.distributed.device == "cpu" and cfg.model.name_or_path == "builtin:tiny"
+    moe = name == "qwen3-30b-a3b-megatron"  # the only mixture-of-experts preset
+    assert cfg.distributed.device == "cpu" and cfg.model.name_or_path == ("builtin:tiny-moe" if moe else "builtin:tiny")
     assert cfg.distributed.num_processes == min(src.distributed.num_processes, MAX_PROCESSES)
     assert (cfg.distributed.backend, cfg.distributed.deepspeed, cfg.distributed.offload) == \
         (src.distributed.backend, src.distributed.deepspeed, src.distributed.offload)
@@ -86,15 +87,21 @@ def test_servers_and_async():
 
 
 def test_megatron_grid_shrunk_to_the_rehearsal():
-    """The MoE preset's tp 2 × ep 4 + sequence parallel becomes tp 2 (kept: 2 processes), no expert parallel (the tiny
-    model is dense), no sequence parallel (CUDA only); what is lost is a GPU-only item."""
+    """The MoE preset's tp 2 × ep 4 + sequence parallel becomes ep 2 (expert parallel kept first, on the tiny MoE's 4
+    experts), tp 1 (the processes left), no sequence parallel (CUDA only); what is lost is a GPU-only item. A dense
+    model under the same grid keeps tp 2 and drops expert parallel."""
     reh = _plan("qwen3-30b-a3b-megatron")
     m = reh.config.distributed.megatron
     assert reh.config.distributed.backend == "megatron" and not reh.deepspeed_substituted
-    assert (m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.sequence_parallel) == (2, 1, 1, False)
+    assert reh.config.model.name_or_path == "builtin:tiny-moe"
+    assert (m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.sequence_parallel) == (1, 1, 2, False)
     assert m.recompute == "selective" and m.distributed_optimizer
-    assert any(n.startswith("backend megatron kept") and "expert_parallel 4 → 1" in n
-               and "sequence_parallel True → False" in n for n in reh.notes)
+    assert any(n.startswith("backend megatron kept") and "tensor_parallel 2 → 1, expert_parallel 4 → 2" in n
+               and "sequence_parallel True → False" in n and "tiny MoE" in n for n in reh.notes)
+    dense = plan_rehearsal(build_config("qwen3-30b-a3b-megatron", overrides=[
+        "model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "distributed.megatron.expert_parallel=1"]),
+        deepspeed_ready=True).config
+    assert dense.model.name_or_path == "builtin:tiny" and dense.distributed.megatron.tensor_parallel == 2
     assert any(w == "megatron grid" and "expert_parallel 4, sequence_parallel" in why for w, why in reh.gpu_only)
 
 

@@ -109,9 +109,13 @@ def test_rehearse_7b_sglang_against_the_contract_server(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_rehearse_qwen3_30b_a3b_megatron(tmp_path):
-    """The Megatron-core preset: trained by the megatron backend, every weight sync streamed from its HF-named
-    buckets into colocated vLLM TP 2 and verified, checkpoint/resume through `grpo train`. Measured: 67 s."""
+    """The Megatron-core MoE preset on the tiny MoE (4 experts, top 2) at expert parallel 2: trained by the megatron
+    backend, every weight sync (every expert, gathered over the expert-parallel ranks) streamed from its HF-named
+    buckets into colocated vLLM TP 2 and verified, checkpoint/resume through `grpo train`. Measured: 56 s."""
     out, root = _rehearse("qwen3-30b-a3b-megatron", tmp_path)
     summary = _check_passed(out, root, "qwen3-30b-a3b-megatron")
     assert summary["backend"] == "megatron"
     assert f"{REHEARSAL_STEPS}/{REHEARSAL_STEPS} steps verified" in out.stdout
+    rows = [json.loads(r) for r in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["sync/tensors"] == 45 for r in rows)  # 2 layers × 4 experts × 3 projections among them
+    assert rows[0]["dist/param_numel_local"] < 0.7 * rows[0]["dist/param_numel_total"]  # half the experts each
