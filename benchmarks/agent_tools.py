@@ -14,8 +14,10 @@ its train phase runs over sequences of the same length: the same tokens without 
 Reported (medians of alternated rounds, the order rotating each round): rollout wall time with and without tools
 and the overhead; its split into the engine's extra time (turn k reads the tool results on top of the earlier
 turns: the hf engine keeps each row's KV between turns and reads only the new tokens, vLLM re-reads the
-conversation through its prefix cache; 4 engine calls instead of 1), tool calls (`run_calls`), parsing (`parse`), the rest of `_add_turn` (decoding a turn's text twice) and framing
-(`_add_results`: encoding the result, template tokens); and, for the whole-step figure, a train-phase proxy (one
+conversation through its prefix cache; 4 engine calls instead of 1), tool calls (`run_calls`), parsing (`parse`),
+decoding text (the rest of `_add_turns`: each turn's text for the parser, all rows in one batch; and
+`_decode_messages`: every assistant message's text, once at the end) and framing (`_add_results`: encoding the
+results in one batch, template tokens); and, for the whole-step figure, a train-phase proxy (one
 forward + backward over the batch as the trainer lays it out: left-padded prompt, right-padded completion, the
 tool run's completions 3 × 4 environment tokens longer). Engines: `hf` (our decode loop on the policy) and, with
 `--vllm`, an in-process vLLM colocate engine (`VLLMEngine`, EOS ignored through `ignore_eos`).
@@ -237,7 +239,8 @@ def main() -> None:
         runs[(name, SAME)] = functools.partial(plain, prompts, same_sampling)
         for iso in ("inline", "process"):
             agent = wrap_engine(TurnCapped(inner, args.turn_tokens, tok.eos_token_id, clock), cfg[iso], tok)
-            agent._add_turn = clock.wrap("add_turn", agent._add_turn)  # decode ×2 + parse
+            agent._add_turns = clock.wrap("add_turn", agent._add_turns)  # batch decode + parse
+            agent._decode_messages = clock.wrap("messages", agent._decode_messages)  # batch decode, at the end
             agent._add_results = clock.wrap("framing", agent._add_results)  # encode result + template tokens
             agent.parse = clock.wrap("parse", agent.parse)
             runs[(name, f"tools, {iso}")] = functools.partial(agent.generate, prompts, tool_sampling)
@@ -250,12 +253,14 @@ def main() -> None:
         masks = out.loss_masks or [[1] * len(c) for c in out.completion_ids]
         row = {"total_s": total, "engine_s": clock.s["engine"], "engine_calls": clock.calls["engine"],
                "tools_s": out.timings.get("tools", 0.0), "parse_s": clock.s["parse"],
-               "decode_s": clock.s["add_turn"] - clock.s["parse"], "framing_s": clock.s["framing"],
+               "decode_s": clock.s["add_turn"] - clock.s["parse"] + clock.s["messages"],
+               "framing_s": clock.s["framing"],
                "turns": out.metrics.get("tools/turns", 1.0),
                "calls_per_rollout": out.metrics.get("tools/calls_per_rollout", 0.0),
                "sampled_per_rollout": sorted({sum(m) for m in masks}),
                "completion_len": max(map(len, out.completion_ids))}
-        row["other_s"] = total - row["engine_s"] - row["tools_s"] - clock.s["add_turn"] - row["framing_s"]
+        row["other_s"] = (total - row["engine_s"] - row["tools_s"] - clock.s["add_turn"] - clock.s["messages"]
+                          - row["framing_s"])
         return row, out
 
     keys = list(runs)

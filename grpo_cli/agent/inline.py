@@ -12,9 +12,22 @@ import time
 from collections.abc import Callable
 
 
+class _Batch:
+    """The jobs of one `run` still running; `all_done` is set when the last one ends."""
+
+    def __init__(self, size: int) -> None:
+        self.left, self.lock, self.all_done = size, threading.Lock(), threading.Event()
+
+    def finished_one(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if self.left == 0:
+                self.all_done.set()
+
+
 class _Job:
-    def __init__(self, fn: Callable[[], str]) -> None:
-        self.fn, self.out = fn, ""
+    def __init__(self, fn: Callable[[], str], batch: _Batch) -> None:
+        self.fn, self.out, self.batch = fn, "", batch
         self.started_at: float | None = None
         self.started, self.done = threading.Event(), threading.Event()
 
@@ -41,6 +54,7 @@ class InlinePool:
             except Exception as exc:  # noqa: BLE001
                 job.out = f"error: {type(exc).__name__}: {exc}"
             job.done.set()
+            job.batch.finished_one()
             with self.lock:
                 self.idle += 1
 
@@ -52,11 +66,18 @@ class InlinePool:
             threading.Thread(target=self._worker, daemon=True, name=f"tool-inline-{self.threads}").start()
 
     def run(self, fns: list[Callable[[], str]], timeout: float) -> list[tuple[str, bool]]:
-        jobs = [_Job(fn) for fn in fns]
+        """Every job started at once; one wait for the whole batch (up to `timeout`), then each job not done yet
+        is waited for until its own start + `timeout`."""
+        if not fns:
+            return []
+        batch = _Batch(len(fns))
+        jobs = [_Job(fn, batch) for fn in fns]
         with self.lock:
             self._grow(len(jobs))
         for job in jobs:
             self.jobs.put(job)
+        if batch.all_done.wait(timeout):
+            return [(job.out, False) for job in jobs]
         out = []
         for job in jobs:
             job.started.wait()

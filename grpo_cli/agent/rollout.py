@@ -31,6 +31,11 @@ class Trajectory:
     fresh: list[int] = field(default_factory=list)  # environment tokens added since the last turn
 
 
+def _decode_all(tokenizer, seqs: list[list[int]], *, skip_special_tokens: bool) -> list[str]:
+    """`batch_decode`, one text per sequence; none for none (transformers 5 decodes `[]` to `[""]`)."""
+    return tokenizer.batch_decode(seqs, skip_special_tokens=skip_special_tokens) if seqs else []
+
+
 class AgentEngine:
     """An engine whose `generate` runs up to `agent.max_turns` assistant turns per completion, executing the tool
     calls of each turn (concurrently across the batch) in between. A trajectory stops when a turn calls no tool,
@@ -68,41 +73,63 @@ class AgentEngine:
             raise AttributeError(name)
         return getattr(self.engine, name)
 
-    def _add_turn(self, t: Trajectory, ids: list[int], logprobs: list[float] | None, finish: str) -> None:
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        t.ids += ids
-        t.mask += [1] * len(ids)
-        t.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
-        t.messages.append({"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)})
-        t.turns += 1
-        t.finish = finish
-        t.pending = self.parse(text) if finish == "stop" else []
+    def _add_turns(self, turns: list[tuple[Trajectory, list[int], list[float] | None, str]]) -> None:
+        """Append each (trajectory, sampled ids, their logprobs, finish reason); the calls of a turn that ended by
+        `stop` are parsed from its text, decoded with special tokens, all turns in one batch. The message text
+        (special tokens skipped) is decoded at the end, for every turn at once (`_decode_messages`)."""
+        stopped = [i for i, (*_, finish) in enumerate(turns) if finish == "stop"]
+        texts = _decode_all(self.tokenizer, [turns[i][1] for i in stopped], skip_special_tokens=False)
+        text_of = dict(zip(stopped, texts, strict=True))
+        for i, (t, ids, logprobs, finish) in enumerate(turns):
+            t.ids += ids
+            t.mask += [1] * len(ids)
+            t.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+            t.messages.append({"role": "assistant", "content": list(ids)})  # ids until `_decode_messages`
+            t.turns += 1
+            t.finish = finish
+            t.pending = self.parse(text_of[i]) if i in text_of else []
 
-    def _add_results(self, t: Trajectory, results: list[tuple[str, str]], budget: int) -> None:
+    def _decode_messages(self, trajs: list[Trajectory]) -> None:
+        """Every assistant message's ids → its text (special tokens skipped), in one batch."""
+        messages = [m for t in trajs for m in t.messages if m["role"] == "assistant"]
+        texts = _decode_all(self.tokenizer, [m["content"] for m in messages], skip_special_tokens=True)
+        for m, text in zip(messages, texts, strict=True):
+            m["content"] = text
+
+    def _add_results(self, answered: list[tuple[Trajectory, list[tuple[str, str]]]], budget: int) -> None:
+        """Append each trajectory's tool results (its calls' texts joined by newlines, encoded in one batch, cut
+        at `max_tool_output_tokens`) framed as the template frames a tool message; a result that leaves no room
+        to answer is cut at the budget and ends the trajectory."""
         cap = self.cfg.max_tool_output_tokens
-        for text, _ in results:
-            t.messages.append({"role": "tool", "content": text})
-        joined = "\n".join(text for text, _ in results)
-        result_ids = self.tokenizer.encode(joined, add_special_tokens=False)
-        if len(result_ids) > cap:
-            result_ids = result_ids[:cap] + self.tokenizer.encode(" …", add_special_tokens=False)[-1:]
-        env = self.framing.tokens(self.tokenizer, result_ids)
-        room = budget - len(t.ids)
-        if len(env) >= room:  # no room left to answer after the result: cut it, and the trajectory ends here
-            env, t.finish = env[:room], "length"
-        t.ids += env
-        t.fresh = env
-        t.mask += [0] * len(env)
-        t.logprobs += [0.0] * len(env)
+        joined = ["\n".join(text for text, _ in results) for _, results in answered]
+        encoded = self.tokenizer(joined, add_special_tokens=False)["input_ids"] if joined else []
+        for (t, results), result_ids in zip(answered, encoded, strict=True):
+            for text, _ in results:
+                t.messages.append({"role": "tool", "content": text})
+            if len(result_ids) > cap:
+                result_ids = result_ids[:cap] + self._ellipsis()
+            env = self.framing.tokens(self.tokenizer, result_ids)
+            room = budget - len(t.ids)
+            if len(env) >= room:  # no room left to answer after the result: cut it, and the trajectory ends here
+                env, t.finish = env[:room], "length"
+            t.ids += env
+            t.fresh = env
+            t.mask += [0] * len(env)
+            t.logprobs += [0.0] * len(env)
+
+    def _ellipsis(self) -> list[int]:
+        """The token that marks a cut tool result (the last of " …")."""
+        if not hasattr(self, "_ellipsis_ids"):
+            self._ellipsis_ids = self.tokenizer.encode(" …", add_special_tokens=False)[-1:]
+        return self._ellipsis_ids
 
     def _turns(self, first: RolloutBatch, prompt_ids: list[list[int]], sampling: SamplingParams, resume):
         """Run the turns after `first`; returns (trajectories, tool-call counts, seconds in tool calls)."""
         n, budget = sampling.n, sampling.max_tokens
         trajs = self._start(len(first.completion_ids), n)
-        for j, t in enumerate(trajs):
-            self._add_turn(t, first.completion_ids[j],
-                           first.sampler_logprobs[j] if first.sampler_logprobs is not None else None,
-                           first.finish_reasons[j])
+        self._add_turns([(t, first.completion_ids[j],
+                          first.sampler_logprobs[j] if first.sampler_logprobs is not None else None,
+                          first.finish_reasons[j]) for j, t in enumerate(trajs)])
         stats = {"calls": 0, "errors": 0, "timeouts": 0}
         tool_seconds = 0.0
         row = {j: j for j in range(len(trajs))}  # trajectory → row of the engine's last output
@@ -118,11 +145,11 @@ class AgentEngine:
             per_rollout: dict[int, list[tuple[str, str]]] = {j: [] for j in active}
             for (k, _), r in zip(flat, results, strict=True):
                 per_rollout[k].append(r)
-            for j, mine in per_rollout.items():
+            for mine in per_rollout.values():
                 stats["calls"] += len(mine)
                 stats["errors"] += sum(outcome == "error" for _, outcome in mine)
                 stats["timeouts"] += sum(outcome == "timeout" for _, outcome in mine)
-                self._add_results(trajs[j], mine, budget)
+            self._add_results([(trajs[j], mine) for j, mine in per_rollout.items()], budget)
             go = [j for j in active if trajs[j].finish == "stop"]
             if not go:
                 break
@@ -135,12 +162,14 @@ class AgentEngine:
             else:
                 out = self.engine.generate([prompt_ids[j // n] + trajs[j].ids for j in go], params)
             row = {j: i for i, j in enumerate(go)}  # trajectory → row of the engine's last output
+            sampled = []
             for i, j in enumerate(go):
                 ids, finish = out.completion_ids[i][: room[i]], out.finish_reasons[i]
                 if len(out.completion_ids[i]) > room[i]:
                     finish = "length"
                 lps = out.sampler_logprobs[i][: room[i]] if out.sampler_logprobs is not None else None
-                self._add_turn(trajs[j], ids, lps, finish)
+                sampled.append((trajs[j], ids, lps, finish))
+            self._add_turns(sampled)
         return trajs, stats, tool_seconds
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
@@ -153,6 +182,7 @@ class AgentEngine:
             first = (self.engine.generate(prompt_ids, sampling, keep_cache=True) if resume is not None
                      else self.engine.generate(prompt_ids, sampling))
             trajs, stats, tool_seconds = self._turns(first, prompt_ids, sampling, resume)
+            self._decode_messages(trajs)
         finally:
             if resume is not None:
                 self.engine.drop_cache()

@@ -1,6 +1,7 @@
-"""A tool-running interpreter (`python -m grpo_cli.agent.tool_worker`): reads one JSON request per line
-(`{"spec", "name", "arguments"}`), runs the tool, writes one JSON reply per line (`{"status", "text"}`). It shares
-nothing with the trainer but these lines; `agent.execute.WorkerPool` starts, reuses and kills these processes."""
+"""A tool-running interpreter (`python -m grpo_cli.agent.tool_worker`): reads one JSON message per line (a request
+`{"spec", "name", "arguments"}`, or `{"batch": [requests]}`), runs each tool call, writes one JSON reply per request
+(`{"status", "text"}`) as it finishes (`runtime.workers.serve_batch`). It shares nothing with the trainer but these
+lines; `agent.execute.WorkerPool` starts, reuses and kills these processes."""
 
 from __future__ import annotations
 
@@ -9,22 +10,26 @@ import sys
 
 
 def main() -> None:
-    from grpo_cli.runtime.workers import end_strays
+    from grpo_cli.runtime.workers import end_strays, serve_batch
 
     from grpo_cli.agent.execute import format_result
     from grpo_cli.agent.tools import load_tools
 
     loaded: dict[str, dict] = {}
-    for line in sys.stdin:
-        req = json.loads(line)
+
+    def handle(req: dict) -> dict:
         try:
-            tools = loaded.setdefault(req["spec"], load_tools([req["spec"]]))
+            if req["spec"] not in loaded:  # once per tool (setdefault would load it again on every call)
+                loaded[req["spec"]] = load_tools([req["spec"]])
+            tools = loaded[req["spec"]]
             reply = {"status": "ok", "text": format_result(tools[req["name"]].fn(**req["arguments"]))}
         except BaseException as exc:  # noqa: BLE001  (any failure is the model's next message)
             reply = {"status": "error", "text": f"{type(exc).__name__}: {exc}"}
         end_strays()
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        return reply
+
+    for line in sys.stdin:
+        serve_batch(json.loads(line), handle)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ docstring) for the chat template, and the parsers that read tool calls out of a 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
@@ -16,6 +17,11 @@ from grpo_cli.rewards.resolve import resolve
 JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
+@functools.lru_cache(maxsize=256)
+def _signature(fn: Callable) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
 class ToolError(UserError):
     """A tool or parser that cannot be used as configured (the message names it and the fix)."""
 
@@ -26,6 +32,15 @@ class Tool:
     fn: Callable
     spec: str
     """Where it came from (`pkg.module:function`), for messages."""
+
+    def bind(self, arguments: dict) -> None:
+        """Raise TypeError if `fn(**arguments)` does not fit its signature (read once per function: an
+        environment's bound methods share their function's, with `self` bound)."""
+        func = getattr(self.fn, "__func__", None)
+        if func is None:
+            _signature(self.fn).bind(**arguments)
+        else:
+            _signature(func).bind(self.fn.__self__, **arguments)
 
     def schema(self) -> dict:
         """OpenAI-style function schema: name, the docstring's first paragraph, one property per parameter with its

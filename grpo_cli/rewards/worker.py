@@ -24,7 +24,9 @@ def main() -> None:
         work = tempfile.mkdtemp(prefix="reward-")
         try:
             os.chdir(work)
-            fn = fns.setdefault(req["name"], resolve(req["name"]))
+            if req["name"] not in fns:  # resolved once (setdefault would resolve it again on every call)
+                fns[req["name"]] = resolve(req["name"])
+            fn = fns[req["name"]]
             columns = {k: [v] for k, v in req["columns"].items()}
             [value] = fn([req["prompt"]], [req["completion"]], **columns, **req["kwargs"], **req["extras"])
             ok = value is None or (isinstance(value, (int, float)) and math.isfinite(value))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.continuation import RowKV, chunk_inputs, continuable, seed_cache, stash_rows
+from grpo_cli.rollout.continuation import KeptRows, RowKV, chunk_inputs, continuable, seed_cache, stash_rows
 from grpo_cli.rollout.decode_step import compiled_decode_sample, decode_sample, decoder_parts, plan_decode, preallocated
 from grpo_cli.rollout.sampling import draw_noise, process_logits, sample_tokens
 
@@ -106,10 +106,11 @@ def _continue_prefill(model, kept: list[RowKV], new_ids: list[list[int]], steps:
     """A new cache seeded with the rows' kept KV, then one forward over their continuation chunks
     (`continuation.chunk_inputs`); the same (cache, logits, rows, width) as `_prefill`."""
     device = next(model.parameters()).device
-    ids, pos, mask, s0 = chunk_inputs(kept, new_ids, steps, pad_token_id, device)
+    layout = KeptRows(kept)
+    ids, pos, mask, s0 = chunk_inputs(kept, layout, new_ids, steps, pad_token_id, device)
     width = s0 + ids.shape[1]
     cache = new_cache(model, max_len=width + steps)
-    seed_cache(cache, kept, s0)
+    seed_cache(cache, layout)
     logits = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=pos, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]
     return cache, logits, _Rows(torch.arange(len(kept), device=device), mask, pos[:, -1] + 1), width

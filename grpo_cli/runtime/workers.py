@@ -33,6 +33,14 @@ def end_strays() -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
+def serve_batch(message: dict, handle) -> None:
+    """In a worker: answer `message` (one request, or `{"batch": [requests]}` from `WorkerPool.call_many`) with one
+    JSON line per request, `handle(request)` → reply dict, flushed as each is done."""
+    for request in message["batch"] if "batch" in message else [message]:
+        sys.stdout.write(json.dumps(handle(request)) + "\n")
+        sys.stdout.flush()
+
+
 class WorkerPool:
     """At most `size` workers of `module` run at once; a call waits for a free one. `memory_mb` caps each worker's
     address space (RLIMIT_AS); `scrub_env` starts workers with `KEEP_ENV` only."""
@@ -75,30 +83,81 @@ class WorkerPool:
         with self.lock:
             self.live.discard(proc)
 
+    def _take(self) -> subprocess.Popen:
+        with self.lock:
+            proc = self.idle.pop() if self.idle else None
+        return proc or self._start()
+
+    def _give_back(self, proc: subprocess.Popen) -> None:
+        with self.lock:
+            self.idle.append(proc)
+
+    @staticmethod
+    def _send(proc: subprocess.Popen, message: dict) -> bool:
+        try:
+            proc.stdin.write(json.dumps(message) + "\n")
+            proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    @staticmethod
+    def _reply(proc: subprocess.Popen, timeout: float) -> tuple[dict | None, str]:
+        """The worker's next reply line within `timeout`: (reply, `ok`), (None, `timeout`) or (None, `died`). Read
+        from the pipe's descriptor into the worker's own buffer, so that lines already read stay visible to the next
+        call (a buffered file object would hide them from `select`)."""
+        buf: bytearray = proc.__dict__.setdefault("_grpo_buffer", bytearray())
+        deadline = time.monotonic() + timeout
+        fd = proc.stdout.fileno()
+        while b"\n" not in buf:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None, "timeout"
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return None, "died"
+            buf += chunk
+        end = buf.index(b"\n")
+        line = bytes(buf[:end])
+        del buf[:end + 1]
+        return json.loads(line), "ok"
+
     def call(self, request: dict, timeout: float) -> tuple[dict | None, str]:
         """(reply, outcome): outcome `ok`, `timeout` (the group was killed) or `died` (no reply: the worker exited or
         was killed by a limit; it is replaced). The timeout counts from the moment a worker takes the call."""
         with self.slots:
-            with self.lock:
-                proc = self.idle.pop() if self.idle else None
-            proc = proc or self._start()
-            deadline, ready, line = time.monotonic() + timeout, [], ""
-            try:
-                proc.stdin.write(json.dumps(request) + "\n")
-                proc.stdin.flush()
-                ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-                line = proc.stdout.readline() if ready else ""
-            except (BrokenPipeError, OSError):
-                ready = [True]
-            if not ready:
+            proc = self._take()
+            reply, outcome = self._reply(proc, timeout) if self._send(proc, request) else (None, "died")
+            if outcome == "ok":
+                self._give_back(proc)
+            else:
                 self._kill(proc)
-                return None, "timeout"
-            if not line:
-                self._kill(proc)
-                return None, "died"
-            with self.lock:
-                self.idle.append(proc)
-            return json.loads(line), "ok"
+            return reply, outcome
+
+    def call_many(self, requests: list[dict], timeout: float) -> list[tuple[dict | None, str]]:
+        """`call` for each of `requests`, with one worker and one message for all (`{"batch": [...]}`: the worker
+        answers one line per request as it finishes it, see `serve_batch`), which saves a round trip per request.
+        Each request gets `timeout` from the previous reply (the first from the send), as if called alone; one
+        past it kills the worker's group and is `timeout`, one the worker died on is `died`, and the requests after
+        it go to a fresh worker."""
+        out: list[tuple[dict | None, str]] = []
+        while len(out) < len(requests):
+            rest = requests[len(out):]
+            with self.slots:
+                proc = self._take()
+                if not self._send(proc, {"batch": rest}):
+                    self._kill(proc)
+                    out.append((None, "died"))
+                    continue
+                for _ in rest:
+                    reply, outcome = self._reply(proc, timeout)
+                    out.append((reply, outcome))
+                    if outcome != "ok":
+                        self._kill(proc)
+                        break
+                else:
+                    self._give_back(proc)
+        return out
 
     def close(self) -> None:
         with self.lock:

@@ -174,6 +174,26 @@ def test_a_hanging_tool_times_out_and_leaves_no_process():
     assert [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.pid not in before] == []
 
 
+def test_calls_sent_together_keep_their_own_timeouts(monkeypatch):
+    """Process isolation sends each interpreter its share of a turn's calls in one message (here all 4 to one): the
+    hanging second call times out after its own 1 s and its interpreter is killed, the calls before and after it
+    still answer (the rest on a fresh interpreter), and no spinner is left."""
+    from grpo_cli.agent import execute
+
+    monkeypatch.setattr(execute, "POOL_SIZE", 1)  # one chunk: every call in one message
+    tools = load_tools([f"{TOOLS}:spin", f"{TOOLS}:add"])
+    before = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+    calls = [ToolCall("add", {"a": 1, "b": 1}), ToolCall("spin", {"x": 1}), ToolCall("add", {"a": 2, "b": 3}),
+             ToolCall("add", {"a": 4, "b": 4})]
+    start = time.perf_counter()
+    results = run_calls(calls, tools, timeout=1.0, isolation="process")
+    took = time.perf_counter() - start
+    assert results == [("2", "ok"), ("error: spin timed out after 1 s", "timeout"), ("5", "ok"), ("8", "ok")]
+    assert took < 3.0, took
+    running = [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.pid not in before]
+    assert all(p.status() != psutil.STATUS_RUNNING or p.cpu_percent(0.2) < 50 for p in running)  # no spinner
+
+
 def test_inline_calls_run_together_on_threads_started_once():
     """A late inline call times out on its own clock and leaves the pool serving; a turn's calls run at once; the
     threads are kept for the next turn (the pool does not grow when the same number of calls comes again)."""

@@ -59,6 +59,9 @@ class FakeLLM:
     def named_parameters(self, remove_duplicate: bool = True):
         return self.model.named_parameters(remove_duplicate=remove_duplicate)
 
+    def named_modules(self):
+        return self.model.named_modules() if self.model is not None else iter(())
+
     # ---- generation ----
     def generate(self, requests, params, use_tqdm=False):
         from grpo_cli.rollout.scoring import score_sequences
