@@ -49,7 +49,7 @@ _CALL_S: list[float] = []
 
 def _interpreters(calls: int) -> int:
     fast = bool(_CALL_S) and _CALL_S[-1] < FAST_CALL_S
-    return max(1, min(calls, POOL_SIZE, os.cpu_count() or 1 if fast else POOL_SIZE))
+    return max(1, min(calls, POOL_SIZE, (os.cpu_count() or 1) if fast else POOL_SIZE))
 
 
 def _in_process(pairs: list[tuple[Tool, ToolCall]], timeout: float) -> list[tuple[str, bool]]:
