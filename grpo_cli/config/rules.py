@@ -223,7 +223,7 @@ def _check_megatron(cfg: GRPOConfig) -> None:
     d, m, model = cfg.distributed, cfg.distributed.megatron, cfg.model
     if d.backend != "megatron":
         return
-    from grpo_cli.config.plan import local_model_config, megatron_layout, num_experts
+    from grpo_cli.config.plan import local_model_config, megatron_layout, model_shape, num_experts
 
     lay = megatron_layout(cfg)
     world, tp, pp, ep = lay["world"], lay["tp"], lay["pp"], lay["ep"]
@@ -281,6 +281,14 @@ def _check_megatron(cfg: GRPOConfig) -> None:
     c = local_model_config(model.name_or_path)
     if c is not None:
         _check_megatron_model(cfg, c, num_experts(c))
+    experts = num_experts(c) if c is not None else model_shape(model.name_or_path).experts
+    if experts and tp > 1 and not m.sequence_parallel:
+        raise ValueError(
+            f"distributed.megatron.tensor_parallel={tp} on {model.name_or_path}, a mixture-of-experts model, needs "
+            "distributed.megatron.sequence_parallel=true: megatron-core refuses to train a MoE layer with tensor "
+            "parallelism but no sequence parallelism (transformer/moe/moe_layer.py). Set sequence_parallel=true "
+            "(CUDA only), or tensor_parallel=1 and split the experts with expert_parallel instead (on CPU)."
+        )
 
 
 def _check_megatron_model(cfg: GRPOConfig, c: dict, experts: int) -> None:

@@ -34,6 +34,12 @@ def _moe_folder(tmp_path, **fields):
     (["distributed.megatron.sequence_parallel=true"], r"sequence_parallel .* tensor_parallel is 1"),
     (["distributed.num_processes=2", "train.prompts_per_step=2", "distributed.megatron.tensor_parallel=2",
       "distributed.megatron.sequence_parallel=true", "distributed.device=cpu"], r"sequence_parallel needs CUDA"),
+    (["distributed.num_processes=2", "train.prompts_per_step=2", "distributed.megatron.tensor_parallel=2",
+      "model.name_or_path=builtin:tiny-moe"], r"tensor_parallel=2 on builtin:tiny-moe, a mixture-of-experts model, "
+                                              r"needs distributed\.megatron\.sequence_parallel=true"),
+    (["distributed.num_processes=8", "train.prompts_per_step=8", "distributed.megatron.tensor_parallel=2",
+      "model.name_or_path=Qwen/Qwen3-30B-A3B"], r"megatron-core refuses to train a MoE layer with tensor "
+                                                r"parallelism but no sequence parallelism"),
     (["distributed.offload.optimizer=true"], r"distributed\.offload \(optimizer\) is not implemented for "
                                              r"distributed\.backend 'megatron'"),
     (["model.gradient_checkpointing=true"], r"distributed\.megatron\.recompute"),
@@ -77,11 +83,16 @@ def test_megatron_grids_accepted(overrides):
     assert lay["tp"] * lay["pp"] * lay["dp"] == lay["world"]
 
 
+SP = ["distributed.megatron.sequence_parallel=true", "distributed.device=cuda"]
+"""A MoE model at tensor parallel > 1 trains only with sequence parallel (megatron-core's rule), which needs CUDA."""
+
+
 @pytest.mark.parametrize(("fields", "overrides", "match"), [
-    ({}, ["distributed.megatron.tensor_parallel=8", "distributed.megatron.expert_parallel=1"], None),  # 8 | 8 heads, kv 4 | 8
+    # 8 | 8 heads, kv 4 | 8
+    ({}, ["distributed.megatron.tensor_parallel=8", "distributed.megatron.expert_parallel=1", *SP], None),
     ({"num_attention_heads": 6, "head_dim": 8}, ["distributed.megatron.tensor_parallel=4"],
      r"tensor_parallel=4 does not divide .*num_attention_heads=6 .*valid values: \[1, 2, 3, 6\]"),
-    ({"num_key_value_heads": 2}, ["distributed.megatron.tensor_parallel=8"], None),  # kv 2 replicated over 8 ranks
+    ({"num_key_value_heads": 2}, ["distributed.megatron.tensor_parallel=8", *SP], None),  # kv 2 replicated over 8
     ({"num_attention_heads": 12, "num_key_value_heads": 3}, ["distributed.megatron.tensor_parallel=2"],
      r"tensor_parallel=2 does not fit .*num_key_value_heads=3.*valid values: \[1, 3, 6, 12\]"),
     ({}, ["distributed.megatron.pipeline_parallel=8"], r"pipeline_parallel=8 does not divide .*num_hidden_layers=4"),

@@ -106,12 +106,12 @@ def reference(ckpt: str, *overrides: str) -> tuple[dict, dict[str, torch.Tensor]
 
 
 def megatron(ckpt: str, layout: str, info, out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    cfg = config(ckpt, "megatron", 2, *LAYOUTS[layout])
+    cfg = config(ckpt, "megatron", info.world_size, *LAYOUTS[layout])
     policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
     masters = exact_masters(policy.backend, ckpt) if cfg.model.dtype != "float32" else None
     full = full_batch(policy.backend.vocab_size)
-    half = ROWS // 2
-    batch = full.rows(half * info.rank, half * (info.rank + 1))
+    share = ROWS // info.world_size
+    batch = full.rows(share * info.rank, share * (info.rank + 1))
     folder = out / f"ckpt-{layout}-{Path(ckpt).name}"
     if info.is_main:
         folder.mkdir()
@@ -220,8 +220,8 @@ def main(cases: str, ckpts: str, out: str) -> None:
         ref_logs, ref_weights = refs[arch, dtype]
         start = time.perf_counter()
         logs, weights = megatron(ckpt, layout, info, Path(out))
-        half = ROWS // 2
-        mine = slice(half * info.rank, half * (info.rank + 1))
+        share = ROWS // info.world_size
+        mine = slice(share * info.rank, share * (info.rank + 1))
         losses = torch.tensor(logs["loss"], dtype=torch.float64)
         torch.distributed.all_reduce(losses)  # each rank's share → the step loss
         entropy = torch.tensor(logs["entropy"], dtype=torch.float64)
@@ -234,7 +234,7 @@ def main(cases: str, ckpts: str, out: str) -> None:
             "ref": diff(logs["ref"], torch.tensor(ref_logs["ref"])[mine]),
             "loss": diff(losses, ref_logs["loss"]),
             "grad_norm": diff(logs["grad_norm"], ref_logs["grad_norm"]),
-            "entropy": diff(entropy / 2, ref_logs["entropy"]),
+            "entropy": diff(entropy / info.world_size, ref_logs["entropy"]),
             "weights": max(diff(weights[k], ref_weights[k]) for k in weights),
             "moved": min(diff(weights[k], initial[k]) for k in weights),
             "names_missing": [k for k in tied_extra if k != "lm_head.weight"],
