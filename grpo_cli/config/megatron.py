@@ -20,14 +20,16 @@ class MegatronConfig(Section):
     """Stages the decoder layers are cut into (the loss is computed on the last); must divide the layer count
     (× `virtual_pipeline`)."""
     expert_parallel: int = Field(1, ge=1)
-    """Ranks that split a MoE layer's experts (1 for dense models); must divide the expert count and
-    data parallel × tensor_parallel."""
+    """Ranks that split a MoE layer's experts (1 for dense models); must divide the expert count and data
+    parallel. A MoE model trains at `tensor_parallel` 1 (see `sequence_parallel`)."""
     virtual_pipeline: int | None = Field(None, ge=2)
     """Model chunks per pipeline stage (interleaved schedule: smaller bubble, more communication); needs
     `pipeline_parallel` > 1. None: one chunk per stage."""
     sequence_parallel: bool = False
     """Split layer norms and dropout along the sequence across the tensor-parallel ranks (less activation
-    memory); needs `tensor_parallel` > 1 and CUDA."""
+    memory). Refused for now: the backend builds megatron-core's pure-torch layer spec, whose RMSNorm cannot do it
+    (Transformer Engine's spec could; it is not built). Without it megatron-core also refuses a MoE model at
+    `tensor_parallel` > 1: split experts with `expert_parallel` instead."""
     distributed_optimizer: bool = True
     """Shard the float32 master weights and Adam state over the data-parallel ranks (ZeRO-1)."""
     recompute: Literal["none", "selective", "full"] = "none"

@@ -248,16 +248,12 @@ def _check_megatron(cfg: GRPOConfig) -> None:
             f"distributed.megatron.virtual_pipeline={m.virtual_pipeline} interleaves model chunks between pipeline "
             "stages, but pipeline_parallel is 1; set pipeline_parallel > 1 or virtual_pipeline: null."
         )
-    if m.sequence_parallel and tp == 1:
+    if m.sequence_parallel:
         raise ValueError(
-            "distributed.megatron.sequence_parallel splits norms and dropout over the tensor-parallel ranks, but "
-            "tensor_parallel is 1 (nothing to split over); set tensor_parallel > 1 or sequence_parallel=false."
-        )
-    if m.sequence_parallel and d.device == "cpu":
-        raise ValueError(
-            "distributed.megatron.sequence_parallel needs CUDA (Megatron's sequence-parallel collectives and "
-            "gradient hooks are written for NCCL), but distributed.device is 'cpu'; set sequence_parallel=false "
-            "(the CPU run keeps tensor_parallel) or distributed.device=cuda."
+            "distributed.megatron.sequence_parallel cannot take effect here: the megatron backend builds "
+            "megatron-core's pure-torch layer spec (no Transformer Engine), whose RMSNorm (WrappedTorchNorm, "
+            "transformer/torch_norm.py) refuses sequence parallelism at model build, on any device. Set "
+            "sequence_parallel=false; tensor_parallel still splits the weights and the attention/MLP activations."
         )
     if any(d.offload.model_dump().values()):
         on = [k for k, v in d.offload.model_dump().items() if v]
@@ -282,12 +278,13 @@ def _check_megatron(cfg: GRPOConfig) -> None:
     if c is not None:
         _check_megatron_model(cfg, c, num_experts(c))
     experts = num_experts(c) if c is not None else model_shape(model.name_or_path).experts
-    if experts and tp > 1 and not m.sequence_parallel:
+    if experts and tp > 1:
         raise ValueError(
-            f"distributed.megatron.tensor_parallel={tp} on {model.name_or_path}, a mixture-of-experts model, needs "
-            "distributed.megatron.sequence_parallel=true: megatron-core refuses to train a MoE layer with tensor "
-            "parallelism but no sequence parallelism (transformer/moe/moe_layer.py). Set sequence_parallel=true "
-            "(CUDA only), or tensor_parallel=1 and split the experts with expert_parallel instead (on CPU)."
+            f"distributed.megatron.tensor_parallel={tp} cannot train {model.name_or_path}, a mixture-of-experts "
+            "model: megatron-core refuses a MoE layer with tensor parallelism but no sequence parallelism "
+            "(transformer/moe/moe_layer.py), and this backend's pure-torch layer spec cannot do sequence "
+            "parallelism. Set tensor_parallel=1 and split the experts with expert_parallel (and the layers with "
+            "pipeline_parallel) instead."
         )
 
 

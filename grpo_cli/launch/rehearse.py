@@ -143,20 +143,18 @@ def _backend(src: GRPOConfig, deepspeed_ready: bool, notes: list[str]) -> tuple[
 def _megatron(src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
     """Megatron's grid shrunk to the rehearsal's processes and the tiny model (2 layers, 2 heads): for a MoE model
     (the tiny MoE, 4 experts) expert parallel is kept first, up to the process count; then tensor parallel up to
-    the processes left, pipeline parallel only where it still fits; no sequence parallel (CUDA only). Each change is
-    a note."""
+    the processes left, pipeline parallel only where it still fits; one chunk per stage. Each change is a note
+    (sequence parallel is refused by the config rules before a rehearsal is planned)."""
     m, procs = src.distributed.megatron, min(src.distributed.num_processes, MAX_PROCESSES)
     moe = stand_in_model(src) == MOE_NAME
     ep = min(m.expert_parallel, procs) if moe else 1
     tp = min(m.tensor_parallel, procs // ep)
     pp = min(m.pipeline_parallel, procs // (tp * ep))
-    out = {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep,
-           "virtual_pipeline": None, "sequence_parallel": False}
+    out = {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep, "virtual_pipeline": None}
     changes = [f"{k} {getattr(m, k)} → {v}" for k, v in out.items() if getattr(m, k) != v]
     model = "the tiny MoE (4 experts)" if moe else "the tiny model (dense)"
     notes.append(f"backend megatron kept (distributed_optimizer {m.distributed_optimizer}, recompute {m.recompute})"
-                 + (f"; {', '.join(changes)} ({model}, 2 layers, on {procs} CPU process(es); "
-                    "sequence parallel is CUDA only)" if changes else ""))
+                 + (f"; {', '.join(changes)} ({model}, 2 layers, on {procs} CPU process(es))" if changes else ""))
     return out
 
 
@@ -219,11 +217,11 @@ def gpu_only(cfg: GRPOConfig) -> list[tuple[str, str]]:
         m = d.megatron
         parts = [f"expert_parallel {m.expert_parallel}"] if m.expert_parallel > 1 else []
         parts += [f"virtual_pipeline {m.virtual_pipeline}"] if m.virtual_pipeline else []
-        parts += ["sequence_parallel"] if m.sequence_parallel else []
-        if m.expert_parallel > 1 or m.sequence_parallel or m.virtual_pipeline or m.tensor_parallel > MAX_PROCESSES:
+        if m.expert_parallel > 1 or m.virtual_pipeline or m.tensor_parallel > MAX_PROCESSES:
+            layers = f" and the MoE layers of {cfg.model.name_or_path}" if stand_in_model(cfg) == MOE_NAME else ""
             out.append(("megatron grid", f"tensor_parallel {m.tensor_parallel} x pipeline_parallel "
-                        f"{m.pipeline_parallel}{', ' + ', '.join(parts) if parts else ''} and the MoE layers of "
-                        f"{cfg.model.name_or_path} (the CPU run trains {stand_in_model(cfg)} on a smaller grid)"))
+                        f"{m.pipeline_parallel}{', ' + ', '.join(parts) if parts else ''}{layers} (the CPU run "
+                        f"trains {stand_in_model(cfg)} on a smaller grid)"))
     if _pins_host_memory(cfg):
         out.append(("pinned host memory", "page-locked host buffers (offload, DeepSpeed's CPU optimizer, vLLM sleep "
                     "level 1) exist only beside CUDA; on CPU the state already is in host memory"))

@@ -87,22 +87,22 @@ def test_servers_and_async():
 
 
 def test_megatron_grid_shrunk_to_the_rehearsal():
-    """The MoE preset's tp 2 × ep 4 + sequence parallel becomes ep 2 (expert parallel kept first, on the tiny MoE's 4
-    experts), tp 1 (the processes left), no sequence parallel (CUDA only); what is lost is a GPU-only item. A dense
-    model under the same grid keeps tp 2 and drops expert parallel."""
+    """The MoE preset's ep 8 becomes ep 2 (expert parallel kept first, on the tiny MoE's 4 experts, up to the 2
+    processes), tp 1 kept; what is lost is a GPU-only item. A dense model under a tp 2 grid keeps tp 2 and drops
+    expert parallel."""
     reh = _plan("qwen3-30b-a3b-megatron")
     m = reh.config.distributed.megatron
     assert reh.config.distributed.backend == "megatron" and not reh.deepspeed_substituted
     assert reh.config.model.name_or_path == "builtin:tiny-moe"
     assert (m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.sequence_parallel) == (1, 1, 2, False)
     assert m.recompute == "selective" and m.distributed_optimizer
-    assert any(n.startswith("backend megatron kept") and "tensor_parallel 2 → 1, expert_parallel 4 → 2" in n
-               and "sequence_parallel True → False" in n and "tiny MoE" in n for n in reh.notes)
+    assert any(n.startswith("backend megatron kept") and "expert_parallel 8 → 2" in n and "tiny MoE" in n
+               for n in reh.notes)
     dense = plan_rehearsal(build_config("qwen3-30b-a3b-megatron", overrides=[
-        "model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "distributed.megatron.expert_parallel=1"]),
-        deepspeed_ready=True).config
+        "model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "distributed.megatron.expert_parallel=1",
+        "distributed.megatron.tensor_parallel=2"]), deepspeed_ready=True).config
     assert dense.model.name_or_path == "builtin:tiny" and dense.distributed.megatron.tensor_parallel == 2
-    assert any(w == "megatron grid" and "expert_parallel 4, sequence_parallel" in why for w, why in reh.gpu_only)
+    assert any(w == "megatron grid" and "expert_parallel 8" in why for w, why in reh.gpu_only)
 
 
 def test_deepspeed_stand_in_is_said():

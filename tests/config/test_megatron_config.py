@@ -31,15 +31,17 @@ def _moe_folder(tmp_path, **fields):
       "distributed.megatron.expert_parallel=4"], r"expert_parallel=4 does not fit the grid.*data parallel 2; "
                                                  r"valid values: \[1, 2\]"),
     (["distributed.megatron.virtual_pipeline=2"], r"virtual_pipeline=2 .* pipeline_parallel is 1"),
-    (["distributed.megatron.sequence_parallel=true"], r"sequence_parallel .* tensor_parallel is 1"),
+    # the pure-torch layer spec's RMSNorm refuses sequence parallelism (megatron-core's torch_norm.py), any device
     (["distributed.num_processes=2", "train.prompts_per_step=2", "distributed.megatron.tensor_parallel=2",
-      "distributed.megatron.sequence_parallel=true", "distributed.device=cpu"], r"sequence_parallel needs CUDA"),
+      "distributed.megatron.sequence_parallel=true", "distributed.device=cuda"],
+     r"sequence_parallel cannot take effect here: .*RMSNorm \(WrappedTorchNorm"),
+    # and a MoE layer at tensor parallel > 1 needs it (moe_layer.py): refused, from config.json or the name
     (["distributed.num_processes=2", "train.prompts_per_step=2", "distributed.megatron.tensor_parallel=2",
-      "model.name_or_path=builtin:tiny-moe"], r"tensor_parallel=2 on builtin:tiny-moe, a mixture-of-experts model, "
-                                              r"needs distributed\.megatron\.sequence_parallel=true"),
+      "model.name_or_path=builtin:tiny-moe"], r"tensor_parallel=2 cannot train builtin:tiny-moe, a "
+                                              r"mixture-of-experts model"),
     (["distributed.num_processes=8", "train.prompts_per_step=8", "distributed.megatron.tensor_parallel=2",
-      "model.name_or_path=Qwen/Qwen3-30B-A3B"], r"megatron-core refuses to train a MoE layer with tensor "
-                                                r"parallelism but no sequence parallelism"),
+      "model.name_or_path=Qwen/Qwen3-30B-A3B"], r"megatron-core refuses a MoE layer with tensor parallelism but "
+                                                r"no sequence parallelism .*Set tensor_parallel=1"),
     (["distributed.offload.optimizer=true"], r"distributed\.offload \(optimizer\) is not implemented for "
                                              r"distributed\.backend 'megatron'"),
     (["model.gradient_checkpointing=true"], r"distributed\.megatron\.recompute"),
@@ -72,7 +74,7 @@ def test_megatron_settings_refused_under_another_backend(setting):
 @pytest.mark.parametrize("overrides", [
     [],
     ["distributed.num_processes=8", "distributed.megatron.tensor_parallel=2", "distributed.megatron.pipeline_parallel=2",
-     "distributed.megatron.virtual_pipeline=2", "distributed.megatron.sequence_parallel=true",
+     "distributed.megatron.virtual_pipeline=2",
      "distributed.megatron.expert_parallel=2", "distributed.megatron.recompute=full"],
     ["distributed.num_processes=2", "train.prompts_per_step=2", "distributed.megatron.tensor_parallel=2",
      "distributed.device=cpu"],  # tensor parallel on CPU is fine; only sequence parallel needs CUDA
@@ -83,16 +85,12 @@ def test_megatron_grids_accepted(overrides):
     assert lay["tp"] * lay["pp"] * lay["dp"] == lay["world"]
 
 
-SP = ["distributed.megatron.sequence_parallel=true", "distributed.device=cuda"]
-"""A MoE model at tensor parallel > 1 trains only with sequence parallel (megatron-core's rule), which needs CUDA."""
-
-
 @pytest.mark.parametrize(("fields", "overrides", "match"), [
-    # 8 | 8 heads, kv 4 | 8
-    ({}, ["distributed.megatron.tensor_parallel=8", "distributed.megatron.expert_parallel=1", *SP], None),
+    # 8 | 8 heads, kv 4 | 8 (dense: a MoE model trains at tensor parallel 1)
+    ({"num_experts": None}, ["distributed.megatron.tensor_parallel=8", "distributed.megatron.expert_parallel=1"], None),
     ({"num_attention_heads": 6, "head_dim": 8}, ["distributed.megatron.tensor_parallel=4"],
      r"tensor_parallel=4 does not divide .*num_attention_heads=6 .*valid values: \[1, 2, 3, 6\]"),
-    ({"num_key_value_heads": 2}, ["distributed.megatron.tensor_parallel=8", *SP], None),  # kv 2 replicated over 8
+    ({"num_key_value_heads": 2, "num_experts": None}, ["distributed.megatron.tensor_parallel=8"], None),  # kv 2 × 4
     ({"num_attention_heads": 12, "num_key_value_heads": 3}, ["distributed.megatron.tensor_parallel=2"],
      r"tensor_parallel=2 does not fit .*num_key_value_heads=3.*valid values: \[1, 3, 6, 12\]"),
     ({}, ["distributed.megatron.pipeline_parallel=8"], r"pipeline_parallel=8 does not divide .*num_hidden_layers=4"),
@@ -125,26 +123,26 @@ def test_moe_shape_counts_experts():
 
 
 def test_preset_memory_by_hand():
-    """qwen3-30b-a3b-megatron: 8 GPUs, tp 2, ep 4 (etp = tp = 2), pp 1, so dp 4, edp 8 / (4·2) = 1; bf16."""
+    """qwen3-30b-a3b-megatron: 8 GPUs, tp 1, ep 8 (etp = tp = 1), pp 1, so dp 8, edp 8 / 8 = 1; bf16."""
     cfg = build_config("qwen3-30b-a3b-megatron")
     s = model_shape("Qwen/Qwen3-30B-A3B")
     x, dense = s.expert_params, s.params - s.expert_params
-    held = dense / 2 + x / 8  # dense 1/(tp·pp), experts 1/(ep·etp·pp)
+    held = dense + x / 8  # dense 1/(tp·pp), experts 1/(ep·etp·pp)
     mem = memory_plan(cfg, 141 * GIB)
     assert mem["weights"] == pytest.approx(held * 2)  # bf16
     assert mem["gradients"] == pytest.approx(held * 4)  # float32 DDP buffers
-    assert mem["optimizer"] == pytest.approx(12 * (dense / (2 * 4) + x / 8 / 1))  # masters + moments / dp, / edp
-    assert mem["weights"] / GIB == pytest.approx(8.19, abs=0.01) and mem["optimizer"] / GIB == pytest.approx(42.65,
+    assert mem["optimizer"] == pytest.approx(12 * (dense / 8 + x / 8 / 1))  # masters + moments / dp, / edp
+    assert mem["weights"] / GIB == pytest.approx(9.62, abs=0.01) and mem["optimizer"] / GIB == pytest.approx(42.65,
                                                                                                             abs=0.01)
-    # activations: selective recompute + sequence parallel → s·b·h·34/t per layer, 48 layers, 1 micro-batch in flight
-    # (pp 1), plus the float32 logits over the vocabulary shard
+    # activations: selective recompute, no sequence parallel, t = 1 → s·b·h·(10 + 24/t) per layer, 48 layers, 1
+    # micro-batch in flight (pp 1), plus the float32 logits over the whole vocabulary
     seq = 512 + 2048
-    act = 48 * seq * 2048 * 34 / 2 + seq * 151_936 * 4 / 2
+    act = 48 * seq * 2048 * 34 + seq * 151_936 * 4
     assert mem["activations"] == pytest.approx(act)
     none = memory_plan(build_config("qwen3-30b-a3b-megatron", overrides=["distributed.megatron.recompute=none"]),
                        141 * GIB)
     # without recompute the s² attention scores stay: + 5·a·s/(h·t) per s·b·h
-    assert none["activations"] - act == pytest.approx(48 * seq * 2048 * 5 * 32 * seq / (2048 * 2))
+    assert none["activations"] - act == pytest.approx(48 * seq * 2048 * 5 * 32 * seq / 2048)
 
 
 @pytest.mark.parametrize(("sets", "expect"), [
@@ -178,7 +176,7 @@ def test_plan_renders_megatron_notes():
     from grpo_cli.config.plan import render_plan
 
     text = render_plan(build_config("qwen3-30b-a3b-megatron"), gpu_mem=80 * GIB)
-    assert "backend megatron" in text and "experts 1/(ep 4 x etp 2 x pp 1)" in text
+    assert "backend megatron" in text and "experts 1/(ep 8 x etp 1 x pp 1)" in text
     assert "# verdict: does NOT fit in 80 GiB" in text
     assert "# verdict: fits in 141 GiB" in render_plan(build_config("qwen3-30b-a3b-megatron"), gpu_mem=141 * GIB)
 
