@@ -9,9 +9,10 @@ E = max c_j): cache slots [0, T_j) hold row j's kept layout (its own tokens wher
 between), slots [S₀ + E − c_j, S₀ + E) its new tokens (right-aligned, so the chunk's last position is every row's
 last token), the rest is padding (mask 0); generation starts at slot S₀ + E. Positions stay the row's own: a new
 token i sits at n_j + i, as in one rendering of the whole sequence (`decode`: position = cumsum(mask) − 1); the kept
-keys carry their own positions' rotation, so where a slot sits does not matter, only the mask. The price is width:
-the padding of earlier turns (left-padded prompts, shorter chunks, rows that stopped before their batch's longest)
-stays in the layout, masked. A continuation seeds its cache from whole batches (one row selection per batch and
+keys carry their own positions' rotation, so where a slot sits does not matter, only the mask. The price is width
+and memory: the padding of earlier turns (left-padded prompts, shorter chunks, rows that stopped before their
+batch's longest) stays in the layout, masked, and a turn's cache tensors stay alive until the next turn has copied
+them into its own (two caches at once, where a compacting copy held one cache and the rows' slots). A continuation seeds its cache from whole batches (one row selection per batch and
 layer, one reordering when rows come from several), not row by row."""
 
 from __future__ import annotations
