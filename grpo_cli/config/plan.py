@@ -161,7 +161,9 @@ def engine_bytes(cfg: GRPOConfig) -> int:
 
 
 def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
-    """Bytes per GPU for each item of the training and generation phases (rough; activations are an estimate)."""
+    """Bytes per GPU for each item of the training and generation phases (rough; activations are an estimate).
+    With megatron, the hf engine holds a whole copy of the model in `rollout.dtype` on every rank
+    (`hf_engine_copy`): megatron has no Hugging Face module for it to share."""
     shape = model_shape(cfg.model.name_or_path)
     p, wbytes = shape.params, BYTES[cfg.model.dtype]
     out = training_state_bytes(cfg, p)
@@ -174,6 +176,8 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     factor = {True: 2, "selective": 10}.get(cfg.model.gradient_checkpointing, 16)
     out["activations"] = megatron_activation_bytes(cfg, shape, batch_plan(cfg)) if megatron else \
         cfg.train.micro_batch_size * seq * shape.hidden * shape.layers * wbytes * factor
+    if megatron and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
+        out["hf_engine_copy"] = p * engine_bytes(cfg)
     if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate":
         tp = cfg.rollout.vllm.tensor_parallel_size
         budget = cfg.rollout.vllm.gpu_memory_utilization * (gpu_mem or 80 * GIB)
@@ -313,7 +317,9 @@ def _gpu_notes(cfg: GRPOConfig) -> dict[str, str]:
                 "gradients": "float32 Megatron DDP buffers, same split as the weights",
                 "optimizer": f"fp32 master + Adam moments, {opt}",
                 "activations": f"per stage: layers/pp x min(pp, micro-batches) in flight, /tp; recompute "
-                               f"{d.megatron.recompute}; + float32 logits/tp"}
+                               f"{d.megatron.recompute}; + float32 logits/tp",
+                "hf_engine_copy": "the hf engine's own whole model on every rank (rollout.dtype); vLLM splits "
+                                  "it by its TP"}
     notes = {}
     if d.backend == "deepspeed" and d.deepspeed.offload_optimizer:
         notes["optimizer"] = "on the host (deepspeed.offload_optimizer)"

@@ -326,11 +326,10 @@ def _check_megatron_model(cfg: GRPOConfig, c: dict, experts: int) -> None:
 
 
 def _check_agent(cfg: GRPOConfig) -> None:
-    if cfg.rollout.custom and (cfg.agent is not None or cfg.rollout.mode == "async"):
+    if cfg.rollout.custom and cfg.agent is not None:
         raise ValueError(
-            "rollout.custom produces the completions itself, so it takes neither agent: (multi-turn tool calls; "
-            "call tools inside your function instead) nor rollout.mode async (its Ray actors run the built-in "
-            "single- and multi-turn loops only); drop one."
+            "rollout.custom produces the completions itself, so it does not take agent: (multi-turn tool calls); "
+            "call your tools inside the function instead, or drop rollout.custom."
         )
 
 

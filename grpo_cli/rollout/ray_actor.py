@@ -20,23 +20,20 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
     `hf` loads a copy of the checkpoint in the rollout dtype, `vllm` runs a single-process `vllm.LLM`. With
     `agent:` it runs the whole multi-turn loop (`agent.rollout.AgentEngine`, tools executed in the actor), so a
     batch's every turn samples with the one weight version stamped on it: Ray runs the actor's calls in order and a
-    weight push waits behind the generation."""
+    weight push waits behind the generation. `rollout.custom` runs in the actor the same way, on the actor's engine."""
     from grpo_cli.config.schema import GRPOConfig
     from grpo_cli.rollout.base import EngineContext
 
     cfg = GRPOConfig.model_validate(cfg_dump)
     ctx = EngineContext(**ctx_fields)
     engine = _single_turn_engine(cfg, ctx)
-    if cfg.agent is None:
+    if cfg.agent is None and not cfg.rollout.custom:
         return engine
     from transformers import AutoTokenizer
 
-    from grpo_cli.agent.rollout import wrap_engine
+    from grpo_cli.agent.wrap import wrap_rollout
 
-    tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
-    if cfg.agent.chat_template:
-        tokenizer.chat_template = cfg.agent.chat_template
-    return wrap_engine(engine, cfg.agent, tokenizer)
+    return wrap_rollout(engine, cfg, AutoTokenizer.from_pretrained(ctx.model_path))
 
 
 def _single_turn_engine(cfg, ctx):

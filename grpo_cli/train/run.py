@@ -53,14 +53,10 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     if cfg.rollout.mode == "async":
         share_cores(cfg, device)
     engine = make_engine(cfg, ctx, policy=hf_module, device=device, broadcast=lambda obj: broadcast_object(obj, info))
-    if cfg.agent is not None:
-        from grpo_cli.agent.rollout import wrap_engine
+    if cfg.rollout.mode != "async":  # async: each Ray actor wraps its own engine (rollout/ray_actor.py)
+        from grpo_cli.agent.wrap import wrap_rollout
 
-        engine = wrap_engine(engine, cfg.agent, policy.tokenizer)
-    if cfg.rollout.custom:
-        from grpo_cli.agent.custom import wrap_custom
-
-        engine = wrap_custom(engine, cfg.rollout.custom, policy.tokenizer)
+        engine = wrap_rollout(engine, cfg, policy.tokenizer)
     offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload)
     if not engine.shares_policy_weights:

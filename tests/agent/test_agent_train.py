@@ -88,8 +88,10 @@ def test_two_steps_with_tools_in_async_mode(tmp_path):
             f"agent.environment={TOOLS}:Counter", f"agent.tool_parser={TOOLS}:always_guess",
             "rewards.functions=[{name: grpo_cli.agent.rewards:environment}]"])
         run_training(cfg, output_dir=str(tmp_path / "run"))
+        prompts, batch = _generate_outside_the_pipeline(cfg)
     finally:
         ray.shutdown()
+    _check_one_loop(cfg, prompts, batch)
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["tools/calls_per_rollout"] > 0 and r["tools/errors"] == 0 for r in rows), rows
@@ -103,6 +105,42 @@ def test_two_steps_with_tools_in_async_mode(tmp_path):
         assert s["reward"] == len(said)  # the actor's own instance counted its guesses (environment reward)
         checked += bool(said)
     assert checked >= 4, samples
+
+
+def _generate_outside_the_pipeline(cfg):
+    """What an evaluation or a dynamic-sampling round generates in async mode: the trainer's own `generate`, not a
+    pipeline submission."""
+    import torch
+
+    from grpo_cli.runtime.dist import DistInfo
+    from grpo_cli.train.loop import generate_phase
+    from grpo_cli.train.pipeline import take_step_prompts
+    from grpo_cli.train.run import build_trainer
+
+    tr = build_trainer(cfg, DistInfo(), torch.device("cpu"), log=lambda *_: None)
+    try:
+        tr.sync(0)
+        prompts = take_step_prompts(tr.cursor, prompts_per_step=2, rank=0, world_size=1)
+        return prompts, generate_phase(tr, prompts, seed=7)
+    finally:
+        tr.engine.close()
+
+
+def _check_one_loop(cfg, prompts, batch) -> None:
+    """One multi-turn loop ran, in the actors, with each prompt's row: every trained (mask 1) token was sampled
+    (logprob < 0), every environment token has mask 0 and logprob 0, and each tool answer is right for its own row.
+    A second loop around the actors' would train on their tool tokens (mask 1, logprob 0)."""
+    n = cfg.train.generations_per_prompt
+    assert len(batch.completion_ids) == len(prompts) * n and batch.loss_masks is not None
+    calls = 0
+    for j, (mask, lps) in enumerate(zip(batch.loss_masks, batch.sampler_logprobs, strict=True)):
+        assert all((lp < 0) if m else (lp == 0.0) for m, lp in zip(mask, lps, strict=True)), (j, mask, lps)
+        target = prompts[j // n].columns["answer_number"]
+        said = [m["content"] for m in batch.trajectories[j] if m["role"] == "tool"]
+        assert set(said) <= {"right" if target == 5 else "higher" if target > 5 else "lower"}, (target, said)
+        assert batch.environment_rewards[j] == len(said) and (0 in mask or not said), (j, said, mask)
+        calls += len(said)
+    assert calls >= 1, batch.trajectories  # most trajectories spend their 64 tokens before a turn ends
 
 
 def _answer(prompt: str) -> int:
@@ -123,3 +161,21 @@ def test_a_custom_rollout_function_trains_on_its_masks(tmp_path):
     assert len(rows) == 2 and all(r["completions/mean_length"] <= cfg.rollout.max_completion_length for r in rows)
     with pytest.raises(ConfigError, match="rollout.custom produces the completions itself"):
         build_config("tiny-cpu-tools", overrides=[f"rollout.custom={TOOLS}:sample_then_note"])
+
+
+@pytest.mark.slow
+def test_a_custom_rollout_function_runs_in_the_async_actors():
+    """In async mode the Ray actor calls `rollout.custom` with its own engine (the pipeline's submissions and the
+    trainer's own `generate` both end in the actor's `generate`): every completion ends with the function's two
+    environment tokens, at mask 0 and logprob 0, once."""
+    ray = pytest.importorskip("ray")
+    try:
+        cfg = build_config("tiny-cpu", overrides=[
+            *SMALL[:6], f"rollout.custom={TOOLS}:sample_then_note", "rollout.mode=async", "rollout.max_staleness=1",
+            "rollout.ray.num_actors=1", "rollout.ray.cpus_per_actor=1", "rollout.ray.start_timeout_s=120"])
+        prompts, batch = _generate_outside_the_pipeline(cfg)
+    finally:
+        ray.shutdown()
+    assert len(batch.completion_ids) == len(prompts) * cfg.train.generations_per_prompt
+    for ids, mask, lps in zip(batch.completion_ids, batch.loss_masks, batch.sampler_logprobs, strict=True):
+        assert mask[-2:] == [0, 0] and lps[-2:] == [0.0, 0.0] and 0 not in mask[:-2], (ids, mask)

@@ -63,6 +63,20 @@ def test_hf_colocate_and_server_accepted():
                             'rollout.server.urls=["http://x:1"]'])
 
 
+def test_plan_counts_the_hf_engine_copy():
+    """With megatron the hf engine loads the whole model on every rank in `rollout.dtype`: the plan shows that copy
+    and its peak grows by it (vLLM's rows instead, split by its TP; the hf engine under ddp shares the policy)."""
+    base = ["distributed.backend=megatron", "distributed.megatron.tensor_parallel=2", "rollout.dtype=bfloat16",
+            "model.gradient_checkpointing=false"]
+    HF = ["rollout.engine=hf", "rollout.vllm.sleep_level=0"]
+    hf = memory_plan(build_config("qwen-7b-colocate-tp2", overrides=[*base, *HF]), 80 * GIB)
+    params = model_shape(build_config("qwen-7b-colocate-tp2").model.name_or_path).params
+    assert hf["hf_engine_copy"] == params * 2 and not any(k.startswith("vllm") for k in hf)
+    assert "hf_engine_copy" not in memory_plan(build_config("qwen-7b-colocate-tp2", overrides=base), 80 * GIB)
+    assert "hf_engine_copy" not in memory_plan(build_config("qwen-7b-colocate-tp2", overrides=[
+        *HF, "distributed.backend=ddp"]), 80 * GIB)
+
+
 @pytest.mark.parametrize("setting", ["distributed.megatron.tensor_parallel=2", "distributed.megatron.recompute=full",
                                      "distributed.megatron.distributed_optimizer=false"])
 def test_megatron_settings_refused_under_another_backend(setting):
