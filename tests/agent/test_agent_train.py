@@ -120,7 +120,7 @@ def _generate_outside_the_pipeline(cfg):
     tr = build_trainer(cfg, DistInfo(), torch.device("cpu"), log=lambda *_: None)
     try:
         tr.sync(0)
-        prompts = take_step_prompts(tr.cursor, prompts_per_step=2, rank=0, world_size=1)
+        prompts = take_step_prompts(tr.cursor, prompts_per_step=4, rank=0, world_size=1)
         return prompts, generate_phase(tr, prompts, seed=7)
     finally:
         tr.engine.close()
