@@ -9,8 +9,9 @@ import json
 import pytest
 
 from grpo_cli.config.load import ConfigError, build_config
-from grpo_cli.config.plan import GIB, megatron_layout, memory_plan, model_shape, training_state_bytes
+from grpo_cli.config.plan import GIB, megatron_layout, memory_plan, model_shape, peak_bytes, training_state_bytes
 from grpo_cli.launch import doctor as d
+from grpo_cli.launch import doctor_verdict as dv
 
 MEG = ["distributed.backend=megatron", "rollout.engine=vllm", "train.micro_batch_size=1"]
 
@@ -69,9 +70,12 @@ def test_plan_counts_the_hf_engine_copy():
     base = ["distributed.backend=megatron", "distributed.megatron.tensor_parallel=2", "rollout.dtype=bfloat16",
             "model.gradient_checkpointing=false"]
     HF = ["rollout.engine=hf", "rollout.vllm.sleep_level=0"]
-    hf = memory_plan(build_config("qwen-7b-colocate-tp2", overrides=[*base, *HF]), 80 * GIB)
-    params = model_shape(build_config("qwen-7b-colocate-tp2").model.name_or_path).params
+    cfg = build_config("qwen-7b-colocate-tp2", overrides=[*base, *HF])
+    hf = memory_plan(cfg, 80 * GIB)
+    params = model_shape(cfg.model.name_or_path).params
     assert hf["hf_engine_copy"] == params * 2 and not any(k.startswith("vllm") for k in hf)
+    without = {k: v for k, v in hf.items() if k != "hf_engine_copy"}
+    assert peak_bytes(cfg, hf) == pytest.approx(peak_bytes(cfg, without) + params * 2)
     assert "hf_engine_copy" not in memory_plan(build_config("qwen-7b-colocate-tp2", overrides=base), 80 * GIB)
     assert "hf_engine_copy" not in memory_plan(build_config("qwen-7b-colocate-tp2", overrides=[
         *HF, "distributed.backend=ddp"]), 80 * GIB)
@@ -202,9 +206,9 @@ def test_doctor_megatron_absent_fails_only_its_mode(monkeypatch):
     checks = {c.id: c for c in d._megatron_checks(import_modules=False)}
     assert checks["megatron-core.import"].ok is False and checks["megatron-core.import"].detail == "not installed"
     assert "[megatron]" in checks["mbridge.import"].fix
-    base = [d.Check(i, True, "") for i in ("torch.import", "transformers.import", "accelerate.import")]
-    verdicts = {v.mode: v for v in d.judge([*base, *checks.values()])}
-    assert verdicts["megatron"].status == d.NO and verdicts["hf-colocate"].status == d.OK
+    base = [dv.Check(i, True, "") for i in ("torch.import", "transformers.import", "accelerate.import")]
+    verdicts = {v.mode: v for v in dv.judge([*base, *checks.values()])}
+    assert verdicts["megatron"].status == dv.NO and verdicts["hf-colocate"].status == dv.OK
 
 
 def test_doctor_megatron_version_against_the_pin(monkeypatch):
