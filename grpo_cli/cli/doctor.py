@@ -11,7 +11,7 @@ import typer
 
 
 class Mode(str, Enum):
-    """The modes `grpo doctor` judges (same names as `grpo_cli.launch.doctor.MODES`)."""
+    """The modes `grpo doctor` judges (same names as `grpo_cli.launch.doctor_verdict.MODES`)."""
 
     hf_colocate = "hf-colocate"
     vllm_colocate = "vllm-colocate"
@@ -35,7 +35,8 @@ def doctor(
     what the installed vLLM can do (sleep mode, in-place weight loading, processed logprobs, external launcher);
     free ports; then a verdict per mode (ok / limited / no) with the exact install command for what is missing.
     Starts no engine and takes no GPU memory."""
-    from grpo_cli.launch.doctor import NO, collect, render_text
+    from grpo_cli.launch.doctor import collect
+    from grpo_cli.launch.doctor_verdict import NO, render_text
 
     report = collect(engines=not quick)
     wanted = [m.value for m in modes or []]

@@ -12,23 +12,24 @@ from typer.testing import CliRunner
 
 from grpo_cli.cli.main import app
 from grpo_cli.launch import doctor as d
+from grpo_cli.launch import doctor_verdict as dv
 
 runner = CliRunner()
 
 
 def test_judge_no_limited_ok():
-    checks = [d.Check("a", True, "fine"), d.Check("b", False, "b is missing", "pip install b"),
-              d.Check("c", False, "c is slow", "use a GPU"), d.Check("i", None, "just information")]
+    checks = [dv.Check("a", True, "fine"), dv.Check("b", False, "b is missing", "pip install b"),
+              dv.Check("c", False, "c is slow", "use a GPU"), dv.Check("i", None, "just information")]
     modes = {"all-ok": (("a", "i"), ()), "needs-b": (("a", "b"), ("c",)), "limited": (("a",), ("c",)),
              "never-probed": (("a", "zzz"), ()), "conflicts": (("a",), ("deps.x.*", "deps.y.*", "env.absent"))}
-    checks.append(d.Check("deps.x.torch", False, "x 1.0 requires torch<2, installed 2.13.0", "pip install 'torch<2'"))
-    got = {v.mode: v for v in d.judge(checks, modes)}
-    assert got["all-ok"].status == d.OK and not got["all-ok"].reasons
-    assert got["needs-b"].status == d.NO and got["needs-b"].fixes == ["pip install b", "use a GPU"]
+    checks.append(dv.Check("deps.x.torch", False, "x 1.0 requires torch<2, installed 2.13.0", "pip install 'torch<2'"))
+    got = {v.mode: v for v in dv.judge(checks, modes)}
+    assert got["all-ok"].status == dv.OK and not got["all-ok"].reasons
+    assert got["needs-b"].status == dv.NO and got["needs-b"].fixes == ["pip install b", "use a GPU"]
     assert got["needs-b"].reasons == ["b: b is missing", "c: c is slow"]
-    assert got["limited"].status == d.LIMITED and got["limited"].fixes == ["use a GPU"]
-    assert got["never-probed"].status == d.NO  # a probe that never ran (its package did not import) fails
-    assert got["conflicts"].status == d.LIMITED and got["conflicts"].fixes == ["pip install 'torch<2'"]
+    assert got["limited"].status == dv.LIMITED and got["limited"].fixes == ["use a GPU"]
+    assert got["never-probed"].status == dv.NO  # a probe that never ran (its package did not import) fails
+    assert got["conflicts"].status == dv.LIMITED and got["conflicts"].fixes == ["pip install 'torch<2'"]
 
 
 def test_install_commands_are_exact():
@@ -94,7 +95,7 @@ def test_doctor_json_on_this_machine():
     assert report["packages"]["torch"] == torch.__version__
     checks = {c["id"]: c for c in report["checks"]}
     modes = {m["mode"]: m for m in report["modes"]}
-    assert set(modes) == set(d.MODES)
+    assert set(modes) == set(dv.MODES)
     assert modes["hf-colocate"]["status"] == "ok"
     assert checks["net.free_port"]["ok"] is True
     for pkg in ("sglang", "deepspeed"):
@@ -113,4 +114,4 @@ def test_doctor_json_on_this_machine():
 def test_cli_mode_choices_match_probe_table():
     from grpo_cli.cli.doctor import Mode
 
-    assert [m.value for m in Mode] == list(d.MODES)
+    assert [m.value for m in Mode] == list(dv.MODES)

