@@ -67,7 +67,8 @@ class TrainingStateOffload:
             self._deepspeed_offload()
         else:
             self._move(to_host=True)
-        self.moved_bytes = offload_meter.moved_bytes(before, offload_meter.snapshot(self.model, self.optimizer))
+        after = offload_meter.snapshot(self.model, self.optimizer, parked=self._grads)
+        self.moved_bytes = offload_meter.moved_bytes(before, after)
         accel.synchronize(self.device)
         accel.empty_cache(self.device)  # hand the freed blocks to the engine
         self.offloaded = True
@@ -143,13 +144,16 @@ class TrainingStateOffload:
 def _copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of `tensor` in fresh storage on `device` (pinned when it is the host side of a device → host
     transfer, `accel.wants_pinned`). A DTensor (FSDP2 gradient or AdamW state) moves as its local shard, rewrapped
-    with the same mesh, placements and global shape: a plain tensor of the global shape cannot take its copy."""
+    with the same spec (mesh, placements, global shape): a plain tensor of the global shape cannot take its copy.
+
+    Not `DTensor.from_local`: it moves the local tensor to the mesh's device type, and FSDP2's mesh on a GPU machine
+    is `cuda`, so the host copy went straight back to the GPU (nothing offloaded). The DTensor is built around the
+    copy as FSDP2 builds its own host shards under `CPUOffloadPolicy` (`_fsdp_common._from_local_no_grad`)."""
     if _is_dtensor(tensor):
         from torch.distributed.tensor import DTensor
 
         local = _copy(tensor.to_local(), device)
-        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
-                                  stride=tensor.stride())
+        return DTensor(local, tensor._spec, requires_grad=tensor.requires_grad)
     if accel.wants_pinned(tensor.device, device):
         return accel.host_copy(tensor, pinned=True)
     return tensor.to(device, copy=True, non_blocking=True)

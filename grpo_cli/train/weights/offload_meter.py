@@ -1,6 +1,8 @@
 """What an offload actually moved, measured rather than read from the config: every place the training state lives
 (optimizer state and float32 masters, gradients, parameters; DeepSpeed's ZeRO buffers included) is recorded by
-its storage before and after the offload, and a storage whose place now holds another storage (or nothing) moved.
+its storage before and after the offload, and a storage moved when every place that held it now holds a storage in
+host memory, or nothing. A new storage on the device is a copy that stayed there, not a move (a DTensor rewrapped
+with `DTensor.from_local` went back to its mesh's GPU, and the meter used to count it as offloaded).
 
 Why: a backend may ignore a request (DeepSpeed under `offload_optimizer` keeps the optimizer state and the
 gradient partitions in host memory already), so "asked to move the optimizer" and "moved the optimizer" differ.
@@ -38,12 +40,13 @@ def _tensors(value, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
             yield from _tensors(item, (*path, i))
 
 
-def _places(model: torch.nn.Module, optimizer) -> Iterator[tuple[tuple, str, torch.Tensor | None]]:
-    """(place, kind, tensor or None) for every place the training state can live."""
+def _places(model: torch.nn.Module, optimizer, parked: dict) -> Iterator[tuple[tuple, str, torch.Tensor | None]]:
+    """(place, kind, tensor or None) for every place the training state can live (a gradient parked outside its
+    parameter, `parked[param]`, in its parameter's place)."""
     for p in model.parameters():
         yield ("param", id(p)), "params", p
         yield ("ds_tensor", id(p)), "params", getattr(p, "ds_tensor", None)
-        yield ("grad", id(p)), "grads", p.grad
+        yield ("grad", id(p)), "grads", p.grad if p.grad is not None else parked.get(p)
     if optimizer is None:
         return
     for owner, state in getattr(optimizer, "state", {}).items():
@@ -60,10 +63,11 @@ def _places(model: torch.nn.Module, optimizer) -> Iterator[tuple[tuple, str, tor
         yield ("ds", "fp32_grad", i), "grads", master.grad
 
 
-def snapshot(model: torch.nn.Module, optimizer) -> Snapshot:
-    """Where each piece of training state is stored now (tensors without storage or on `meta` are left out)."""
+def snapshot(model: torch.nn.Module, optimizer, *, parked: dict | None = None) -> Snapshot:
+    """Where each piece of training state is stored now (tensors without storage or on `meta` are left out);
+    `parked`: {parameter: its gradient, held outside the module while offloaded}."""
     out: Snapshot = {}
-    for place, kind, tensor in _places(model, optimizer):
+    for place, kind, tensor in _places(model, optimizer, parked or {}):
         if tensor is None:
             continue
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
@@ -85,12 +89,18 @@ def held_bytes(shot: Snapshot) -> dict[str, int]:
     return out
 
 
+def _on_host(storage: tuple[str, int]) -> bool:
+    return storage[0] == "cpu"
+
+
 def moved_bytes(before: Snapshot, after: Snapshot) -> dict[str, int]:
-    """Bytes per kind whose storage left: no place that held it before still holds it (each now holds another
-    storage, copied elsewhere, or none: parked or freed). A storage some place still holds stayed, even when other
-    places let go of it (DeepSpeed empties its gathered views of a flat buffer that stays); comparing place by
-    place, not address by address, keeps an address reused by a later allocation from hiding a move."""
-    kept = {storage for place, (_, storage, _) in before.items() if (now := after.get(place)) and now[1] == storage}
+    """Bytes per kind whose storage left for the host: every place that held it before now holds another storage in
+    host memory, or none (freed). A storage some place still holds stayed, even when other places let go of it
+    (DeepSpeed empties its gathered views of a flat buffer that stays), and so did one whose place now holds a new
+    storage off the host (a copy made on the device); comparing place by place, not address by address, keeps an
+    address reused by a later allocation from hiding a move."""
+    kept = {storage for place, (_, storage, _) in before.items()
+            if (now := after.get(place)) and (now[1] == storage or not _on_host(now[1]))}
     moved: dict[tuple[str, int], tuple[str, int]] = {}
     for kind, storage, nbytes in before.values():
         if storage not in kept:
