@@ -159,6 +159,19 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             "for its CUDA FusedAdam, and grpo-cli steps torch AdamW. Set distributed.deepspeed.offload_optimizer=true "
             "(the optimizer state then stays in host memory, nothing to move) or distributed.offload.optimizer=false."
         )
+    # DeepSpeed 0.19.8 (`DeepSpeedEngine._do_optimizer_sanity_check`) wraps the optimizer in BF16_Optimizer, which has
+    # no offload_states, exactly for ZeRO-1 + bf16 + fp32 gradient accumulation (config/deepspeed.reduce_dtypes: a
+    # bf16 model with reduce_dtype float32) without a CPU offload_optimizer; ZeRO-2/3 and fp16 get its ZeRO optimizer.
+    on = [k for k, v in d.offload.model_dump().items() if v]
+    if d.backend == "deepspeed" and d.deepspeed.zero_stage == 1 and cfg.model.dtype == "bfloat16" \
+            and d.reduce_dtype == "float32" and not d.deepspeed.offload_optimizer and on:
+        raise ValueError(
+            f"distributed.offload ({', '.join(on)}) cannot move the training state of DeepSpeed ZeRO-1 with "
+            "model.dtype bfloat16 and distributed.reduce_dtype float32: DeepSpeed then steps through its "
+            "BF16_Optimizer, which has no offload_states (the run would crash at the first generation). Use "
+            "distributed.deepspeed.zero_stage=2 (the optimizer state stays partitioned as under ZeRO-1, the "
+            "gradients too), or model.dtype=float32, or turn the distributed.offload flags off."
+        )
 
 
 def _check_sharding(cfg: GRPOConfig) -> None:

@@ -125,10 +125,10 @@ class TrainingBackend:
 
     def weight_source(self):
         """What a weight sync streams to the engine (`weights.source.WeightSource`): here the Hugging Face module's
-        parameters (gathered from shards, LoRA merged, under checkpoint names)."""
+        parameters (gathered from shards, LoRA merged, under checkpoint names), probed as the trainer computes."""
         from grpo_cli.train.weights.hf_module import ModuleWeights
 
-        return ModuleWeights(self.module)
+        return ModuleWeights(self.module, compute_dtype=compute_dtype(self.cfg), compute_context=self.compute_context)
 
     def reference(self):
         """Context yielding the model whose logprobs are the KL reference (β > 0): the frozen copy, or with

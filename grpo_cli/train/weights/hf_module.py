@@ -181,10 +181,15 @@ class ModuleWeights:
     """`source.WeightSource` of a Hugging Face module (DDP/DeepSpeed wrappers removed; PEFT: LoRA merged on the way,
     the trained tensors untouched)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None,
+                 compute_context=contextlib.nullcontext) -> None:
+        """`compute_dtype` and `compute_context` (a backend's: autocast under ddp) say how the trainer's forward
+        computes; a bare module computes in its weights' dtype, with no context."""
         self.model = unwrap(model)
         self.peft = is_peft(self.model)
         self.dtype = next(self.model.parameters()).dtype
+        self.compute_dtype = compute_dtype or self.dtype
+        self._compute_context = compute_context
 
     def named_tensors(self, *, bucket_mb: int, stats: dict, keep_copies: set[str],
                       keep_rows: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -199,7 +204,8 @@ class ModuleWeights:
         return projection_names(self.model, peft=self.peft)
 
     def probe_logprobs(self, probe: list[list[int]]) -> list[list[float]]:
-        return _trainer_logprobs(self.model, probe)
+        with self._compute_context():  # as the trainer computes: bf16 autocast over float32 masters under ddp
+            return _trainer_logprobs(self.model, probe)
 
     def describe_ties(self) -> str | None:
         return describe_ties(self.model)

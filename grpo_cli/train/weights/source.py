@@ -16,7 +16,10 @@ SAMPLED_ROWS = 8
 
 class WeightSource(Protocol):
     dtype: torch.dtype
-    """The trainer's compute dtype (with the engine's, it bounds how closely the probe logprobs agree)."""
+    """The dtype of the weights the trainer holds (float32 masters under mixed precision by default)."""
+    compute_dtype: torch.dtype
+    """The dtype `probe_logprobs` computes in, `model.dtype` under mixed precision (with the engine's dtype, it
+    bounds how closely the probe logprobs agree: DESIGN.md 4b)."""
 
     def named_tensors(self, *, bucket_mb: int, stats: dict, keep_copies: set[str],
                       keep_rows: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -30,7 +33,8 @@ class WeightSource(Protocol):
         """Checkpoint names of the input embedding and the output projection."""
 
     def probe_logprobs(self, probe: list[list[int]]) -> list[list[float]]:
-        """Collective: the trainer's temperature-1 logprob of every token after the first of each sequence."""
+        """Collective: the trainer's temperature-1 logprob of every token after the first of each sequence, computed
+        as the trainer's forward computes (in `compute_dtype`)."""
 
     def describe_ties(self) -> str | None:
         """One line naming the tied weights a sync sends under several names, or None."""

@@ -15,7 +15,8 @@ from grpo_cli.train.weights.source import WeightSource
 from grpo_cli.train.weights.sync_ranks import agree, attempt, follow, pushes_from_main
 
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}
-"""Largest mean |engine − trainer| probe logprob (nats/token) accepted, by the less precise of the two dtypes.
+"""Largest mean |engine − trainer| probe logprob (nats/token) accepted, by the less precise of the engine's dtype and
+the trainer's compute dtype (bf16 compute over float32 masters is judged as bf16).
 fp32 kernels agree to ~1e-6; the bound only has to separate "same weights" from "other weights"."""
 
 
@@ -76,11 +77,25 @@ def cast_stream(stream: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype |
         yield name, tensor
 
 
-def _dtype_of(engine, trainer: torch.dtype) -> torch.dtype:
-    """The less precise of the engine's and the trainer's dtypes (the one that bounds the probe agreement)."""
+def _dtype_of(engine, trainer: torch.dtype) -> tuple[torch.dtype, str]:
+    """The less precise of the engine's dtype and the trainer's compute dtype `trainer` (the one that bounds the
+    probe agreement: under mixed precision the probe is computed in bf16 over float32 masters, DESIGN.md 4b), and
+    a phrase naming the two compared."""
     engine_dtype = _engine_dtype(engine)
     candidates = [d for d in (trainer, engine_dtype) if isinstance(d, torch.dtype)]
-    return max(candidates, key=lambda d: PROBE_TOLERANCE.get(d, 1e-3))
+    held = _dtype_name(engine_dtype) if engine_dtype is not None else "dtype, which it does not report"
+    compared = f"the less precise of the trainer's compute dtype {_dtype_name(trainer)} and the engine's {held}"
+    return max(candidates, key=lambda d: PROBE_TOLERANCE.get(d, 1e-3)), compared
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _compute_dtype(source: WeightSource) -> torch.dtype:
+    """The dtype the source's probe logprobs are computed in (a source without `compute_dtype` computes in the
+    dtype of its weights)."""
+    return getattr(source, "compute_dtype", None) or source.dtype
 
 
 def verify_sync(engine, source: WeightSource, *, version: int, sent: dict[str, torch.Tensor],
@@ -95,7 +110,7 @@ def verify_sync(engine, source: WeightSource, *, version: int, sent: dict[str, t
     trainer_lp = source.probe_logprobs(probe) if probe else []
 
     def check() -> dict[str, float]:
-        return _check_engine(engine, source.dtype, version, sent, probe, trainer_lp, sent_rows)
+        return _check_engine(engine, _compute_dtype(source), version, sent, probe, trainer_lp, sent_rows)
 
     if not pushes_from_main(engine, info):
         return check()
@@ -105,7 +120,8 @@ def verify_sync(engine, source: WeightSource, *, version: int, sent: dict[str, t
 
 def _check_engine(engine, trainer_dtype: torch.dtype, version: int, sent: dict[str, torch.Tensor],
                   probe: list[list[int]], trainer_lp: list[list[float]], sent_rows: dict | None) -> dict[str, float]:
-    """`verify_sync`'s questions to the engine, judged against the trainer's `trainer_lp` of `probe`."""
+    """`verify_sync`'s questions to the engine, judged against the trainer's `trainer_lp` of `probe`, computed in
+    `trainer_dtype` (the trainer's compute dtype, not its master weights')."""
     problems: list[str] = []
     if getattr(engine, "weight_version", version) != version:
         problems.append(f"engine reports weight version {engine.weight_version}, expected {version}")
@@ -121,14 +137,15 @@ def _check_engine(engine, trainer_dtype: torch.dtype, version: int, sent: dict[s
         probe, out["sync/probe_deferred"] = [], 1.0
     if probe:
         out.update(_probe_diffs(engine.score(probe), trainer_lp))
-        dtype = _dtype_of(engine, trainer_dtype)
+        dtype, compared = _dtype_of(engine, trainer_dtype)
         tol = PROBE_TOLERANCE.get(dtype, 1e-3)
         checked_what.append(f"the logprobs of {sum(len(s) - 1 for s in probe)} probe tokens against the "
-                            f"trainer's (mean |diff| ≤ {tol:g} nats/token for {dtype})")
+                            f"trainer's (mean |diff| ≤ {tol:g} nats/token for {_dtype_name(dtype)})")
         if out["sync/mean_probe_diff"] > tol:
             problems.append(
                 f"probe logprobs differ from the trainer's by {out['sync/mean_probe_diff']:.3g} nats/token on "
-                f"average (max {out['sync/max_probe_diff']:.3g}; tolerance {tol:g} for {dtype})"
+                f"average (max {out['sync/max_probe_diff']:.3g}; tolerance {tol:g} for {_dtype_name(dtype)}, "
+                f"{compared})"
             )
     if problems:
         raise RolloutError(_failure_message(engine, version, problems, checked_what,

@@ -9,6 +9,7 @@ from functools import cached_property
 import torch
 
 from grpo_cli.models.checkpoint_files import stored_shapes
+from grpo_cli.train.backends.base import compute_dtype
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.weights.source import record_sent, spread
 
@@ -28,6 +29,7 @@ class MegatronWeights:
     def __init__(self, backend) -> None:
         self.backend = backend
         self.dtype = next(backend.model.parameters()).dtype
+        self.compute_dtype = compute_dtype(backend.cfg)  # probe_logprobs runs batch_logprobs, in model.dtype
 
     @cached_property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
