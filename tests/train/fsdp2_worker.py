@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from grpo_cli.config.load import build_config
 from grpo_cli.runtime import accel
 from grpo_cli.runtime.dist import all_reduce_sum, init_from_env, shutdown
-from grpo_cli.train.backends.fsdp2 import _fsdp_params, gradient_bytes
+from grpo_cli.train.backends.fsdp2 import _fsdp_params, fsdp_param_groups, gradient_bytes
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.weights.offload import TrainingStateOffload
 from grpo_cli.train.policy import load_policy
@@ -117,8 +117,7 @@ def policies(ckpt: str, rank: int, reference: dict, info) -> dict:
                         ("bf16_reduce", ["distributed.reduce_dtype=bfloat16"])):
         cfg = config(ckpt, *extra)
         policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
-        groups = [g for m in policy.module.modules() if hasattr(m, "_get_fsdp_state")
-                  for g in m._get_fsdp_state()._fsdp_param_groups]
+        groups = list(fsdp_param_groups(policy.module))  # torch's private layout differs across versions
         out[name] = {"offload_policy": sorted({type(g.offload_policy).__name__ for g in groups}),
                      "reduce_dtype": sorted({str(g.mp_policy.reduce_dtype) for g in groups}),
                      "offload_to_cpu": sorted({f.offload_to_cpu for f in _fsdp_params(policy.module)})}

@@ -85,12 +85,27 @@ def load_sharded(module: torch.nn.Module, folder: str, *, rank: int, world: int,
             local.copy_(rows.to(local.dtype))
 
 
+def fsdp_param_groups(module: torch.nn.Module):
+    """FSDP2's parameter groups (`FSDPParamGroup`) of every `fully_shard`ed submodule. No public API lists them, and
+    the private layout changed: torch 2.6-2.11 keep one group (None for a module without parameters of its own) in
+    `FSDPState._fsdp_param_group`; 2.12+ a list `_fsdp_param_groups` (one group per mesh), beside a singular property
+    that raises when there are several. Both are read here, the list first (pyproject.toml's torch floor is 2.6)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = state._fsdp_param_group
+                groups = [] if group is None else [group]
+            yield from groups
+
+
 def _fsdp_params(module: torch.nn.Module):
     """FSDP2's per-parameter records (`FSDPParam`) of every `fully_shard`ed submodule."""
-    for m in module.modules():
-        if hasattr(m, "_get_fsdp_state"):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
-                yield from group.fsdp_params
+    for group in fsdp_param_groups(module):
+        yield from group.fsdp_params
 
 
 def gradient_bytes(module: torch.nn.Module) -> int:
