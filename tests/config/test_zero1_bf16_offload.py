@@ -80,7 +80,8 @@ def test_bf16_optimizer_has_no_offload_states():
 @pytest.mark.parametrize("overrides", [
     [*ZERO1_BF16],  # no offload: BF16_Optimizer is fine
     [*ZERO1_BF16, "distributed.offload.optimizer=true", "distributed.reduce_dtype=bfloat16"],  # ZeRO's own optimizer
-    [*ZERO1_BF16[:2], "distributed.deepspeed.zero_stage=2", "model.dtype=bfloat16", "distributed.offload.optimizer=true"],
+    ["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=2", "model.dtype=bfloat16",
+     "distributed.offload.optimizer=true"],
 ])
 def test_accepted(overrides):
     build_config(overrides=overrides)
