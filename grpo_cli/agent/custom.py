@@ -3,12 +3,13 @@ engine; this wrapper checks what it returns and hands the trainer a `RolloutBatc
 
 from __future__ import annotations
 
-from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams, held_awake
 
 
 class CustomRollout:
-    """An engine whose `generate` is `fn(engine=, prompt_ids=, sampling=, tokenizer=)`; everything else is the
-    wrapped engine's (weight sync, sleep, close)."""
+    """An engine whose `generate` is `fn(engine=, prompt_ids=, sampling=, tokenizer=)`, with the engine held awake
+    across the function's calls of it (`rollout.base.held_awake`); everything else is the wrapped engine's (weight
+    sync, sleep, close)."""
 
     def __init__(self, engine, fn, tokenizer, spec: str) -> None:
         self.engine, self.fn, self.tokenizer, self.spec = engine, fn, tokenizer, spec
@@ -18,8 +19,12 @@ class CustomRollout:
             raise AttributeError(name)
         return getattr(self.engine, name)
 
+    def hold_awake(self):
+        return held_awake(self.engine)
+
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        samples = self.fn(engine=self.engine, prompt_ids=prompt_ids, sampling=sampling, tokenizer=self.tokenizer)
+        with held_awake(self.engine):
+            samples = self.fn(engine=self.engine, prompt_ids=prompt_ids, sampling=sampling, tokenizer=self.tokenizer)
         want = len(prompt_ids) * sampling.n
         if not isinstance(samples, list) or len(samples) != want:
             raise RolloutError(f"rollout.custom {self.spec} returned {type(samples).__name__} of "

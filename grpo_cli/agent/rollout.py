@@ -11,7 +11,7 @@ from grpo_cli.agent.execute import run_calls
 from grpo_cli.agent.template import ToolFraming
 from grpo_cli.agent.tools import Tool, ToolCall
 from grpo_cli.config.agent import AgentConfig
-from grpo_cli.rollout.base import RolloutBatch, SamplingParams
+from grpo_cli.rollout.base import RolloutBatch, SamplingParams, held_awake
 
 TURN_SEED_STRIDE = 1_000_003
 """Turn t of a step samples with seed `seed + t·stride` (reproducible, different from turn 0's)."""
@@ -72,6 +72,10 @@ class AgentEngine:
         if name == "engine":  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.engine, name)
+
+    def hold_awake(self):
+        """The wrapped engine's (`rollout.base.held_awake`): `generate` holds it across a rollout's turns."""
+        return held_awake(self.engine)
 
     def _add_turns(self, turns: list[tuple[Trajectory, list[int], list[float] | None, str]]) -> None:
         """Append each (trajectory, sampled ids, their logprobs, finish reason); the calls of a turn that ended by
@@ -175,17 +179,19 @@ class AgentEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         """Turn 0 samples every completion; later turns sample the rollouts that called a tool, from the whole
         conversation so far. An engine with `continue_rows` (hf) keeps each row's KV between turns and reads only
-        the new tokens; others get the conversation's ids as a prompt."""
+        the new tokens; others get the conversation's ids as a prompt. The engine is held awake for all the turns
+        (a colocated vLLM engine sleeps once, after the last)."""
         start = time.perf_counter()
         resume = getattr(self.engine, "continue_rows", None)
-        try:
-            first = (self.engine.generate(prompt_ids, sampling, keep_cache=True) if resume is not None
-                     else self.engine.generate(prompt_ids, sampling))
-            trajs, stats, tool_seconds = self._turns(first, prompt_ids, sampling, resume)
-            self._decode_messages(trajs)
-        finally:
-            if resume is not None:
-                self.engine.drop_cache()
+        with held_awake(self.engine):
+            try:
+                first = (self.engine.generate(prompt_ids, sampling, keep_cache=True) if resume is not None
+                         else self.engine.generate(prompt_ids, sampling))
+                trajs, stats, tool_seconds = self._turns(first, prompt_ids, sampling, resume)
+            finally:
+                if resume is not None:
+                    self.engine.drop_cache()
+        self._decode_messages(trajs)
         b = len(trajs)
         metrics = {"tools/calls_per_rollout": stats["calls"] / b, "tools/errors": float(stats["errors"]),
                    "tools/timeouts": float(stats["timeouts"]), "tools/turns": sum(t.turns for t in trajs) / b}

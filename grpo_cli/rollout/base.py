@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -78,6 +79,20 @@ class RolloutEngine(Protocol):
     def wake_up(self, tags: list[str] | None = None) -> None: ...
 
     def close(self) -> None: ...
+
+    def hold_awake(self) -> AbstractContextManager[None]:
+        """Optional (callers use `held_awake(engine)`): keep the engine awake across the `generate` calls of a block,
+        the turns of one multi-turn rollout; an engine that sleeps after each generation (colocated vLLM) then
+        sleeps once, when the block ends. A wrapper declares it, passing it on to the engine it wraps."""
+        ...
+
+
+def held_awake(engine) -> AbstractContextManager[None]:
+    """The block during which `engine` stays awake between generations: its own `hold_awake()` where its class
+    declares one, else the contract's default, a block that changes nothing (an engine that never sleeps between
+    calls). Looked up on the class, so a wrapper passes it on only by declaring it."""
+    hold = getattr(type(engine), "hold_awake", None)
+    return hold(engine) if hold is not None else nullcontext()
 
 
 @dataclass(frozen=True)

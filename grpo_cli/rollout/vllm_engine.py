@@ -38,10 +38,11 @@ class VLLMEngine:
     group whose members all-gather their prompts, run the same requests in lockstep, and keep their own slice.
     Every call (generate, score, update_weights, sleep, wake_up) must therefore be made by all ranks together.
 
-    Sleep (`sleep_level` 1/2, CUDA): every `generate` ends with a sleep, so the memory is the trainer's until the
-    next generation; `update_weights` wakes the weights only, the next `generate` the KV cache. Level 2 discards
-    the weights, so it is only right when a weight sync follows before the next generation: generations that no
-    sync follows (evaluation) run inside `keeping_weights()` and sleep at level 1.
+    Sleep (`sleep_level` 1/2, CUDA): every `generate` ends with a sleep (inside `hold_awake`, the block's end does),
+    so the memory is the trainer's until the next generation; `update_weights` wakes the weights only, the next
+    `generate` the KV cache. Level 2 discards the weights, so it is only right when a weight sync follows before the
+    next generation: generations that no sync follows (evaluation) run inside `keeping_weights()` and sleep at
+    level 1.
     """
 
     shares_policy_weights = False
@@ -88,6 +89,7 @@ class VLLMEngine:
         self.sleep_level = 0 if notice else sleep_level
         self._asleep: set[str] = set()
         self._weights_discarded, self._keep_weights = False, False
+        self._held, self._sleep_due = 0, None  # `hold_awake` blocks open; the level their end sleeps at
         self._pending_probe: Callable[[], dict] | None = None
         self.last_probe: dict[str, float] = {}
         kwargs: dict = dict(
@@ -236,7 +238,11 @@ class VLLMEngine:
                 logprobs.append([c.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
         timings = {"generate": time.perf_counter() - start}
         if self.sleep_level:
-            timings["sleep"] = self._timed_sleep(min(self.sleep_level, 1) if self._keep_weights else self.sleep_level)
+            level = min(self.sleep_level, 1) if self._keep_weights else self.sleep_level
+            if self._held:
+                self._sleep_due = level
+            else:
+                timings["sleep"] = self._timed_sleep(level)
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions, finish_reasons=reasons,
             sampler_logprobs=logprobs, weight_version=self.weight_version, timings=timings,
@@ -349,6 +355,21 @@ class VLLMEngine:
             yield
         finally:
             self._keep_weights = False
+
+    @contextlib.contextmanager
+    def hold_awake(self):
+        """The turns of one multi-turn rollout (`agent:`, `rollout.custom`) generate without sleeping in between;
+        the engine sleeps once when the outermost block ends, at the level its last generation asked for. Else turn
+        2 at sleep level 2 found the weights discarded, and at level 1 each turn moved them and lost the prefix
+        cache."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if not self._held and self._sleep_due is not None:
+                level, self._sleep_due = self._sleep_due, None
+                self.sleep(level)
 
     def _timed_sleep(self, level: int) -> float:
         start = time.perf_counter()

@@ -91,6 +91,7 @@ def bare_engine(llm: FakeLLM, *, sleep_level: int, seed: int = 0):
     eng.model_path, eng.max_model_len, eng.tp, eng.tp_group, eng.rank, eng.world_size = "fake", 64, 1, None, 0, 1
     eng.eos_token_ids, eng.weight_version, eng._calls, eng.notices = [STOP], 0, 0, []
     eng._asleep, eng._weights_discarded, eng._keep_weights = set(), False, False
+    eng._held, eng._sleep_due = 0, None
     eng._pending_probe, eng.last_probe, eng._owns_process_group = None, {}, False
     eng.dtype = torch.float32
     return eng
