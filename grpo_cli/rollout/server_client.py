@@ -1,5 +1,5 @@
 """`server` mode: the trainer's client of one or more `grpo serve-rollout` servers (HTTP, weights streamed as
-checksummed safetensors frames, NCCL broadcast as a CUDA-only fast path)."""
+checksummed safetensors frames, NCCL broadcast as a CUDA-only fast path; both in buckets of `weight_chunk_mb`)."""
 
 from __future__ import annotations
 
@@ -250,12 +250,20 @@ class ServerEngine:
         self.weight_version = version
 
     def _update_nccl(self, named_tensors, version: int) -> None:
+        """Bucket by bucket of `weight_chunk_mb`, as the HTTP frames: the trainer never holds the whole model. A failed
+        update aborts the group; the next one joins the servers again (`/init_communicator`)."""
         from grpo_cli.server.nccl import NcclSender
 
+        start = time.perf_counter()
         if self._nccl is None:
             self._nccl = NcclSender.connect(self.http, self.urls, timeout_s=self.policy.request_timeout_s)
-        self._nccl.send(list(named_tensors), version)
+        try:
+            sent = self._nccl.send(named_tensors, version, chunk_bytes=self.chunk_bytes)
+        except BaseException:
+            self._nccl = None  # the sender aborted its group
+            raise
         self.weight_version = version
+        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent}
 
     # -- memory and cache ---------------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -268,6 +276,9 @@ class ServerEngine:
         self.http.post_each(self.urls, "/reset_prefix_cache")
 
     def close(self) -> None:
+        if self._nccl is not None:
+            self._nccl.close()
+            self._nccl = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
         self._release_shm()

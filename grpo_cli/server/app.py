@@ -178,6 +178,7 @@ def _routes(app: FastAPI, st: State) -> None:
         if body.level and sv.engine_name == "vllm" and "sleep" not in sv.capabilities:
             raise UserError("this server was started without sleep mode: restart it with --sleep-level 1 or 2")
         async with st.lock:
+            _require_no_session(st)
             await anyio.to_thread.run_sync(sv.engine.sleep, body.level)
             st.state = "sleeping" if body.level else st.state
         return {"state": st.state}
@@ -185,6 +186,7 @@ def _routes(app: FastAPI, st: State) -> None:
     @app.post("/wake_up")
     async def wake_up(body: WakeBody | None = None):
         async with st.lock:
+            _require_no_session(st)
             await anyio.to_thread.run_sync(sv.engine.wake_up, body.tags if body else None)
             if st.state == "sleeping":
                 st.state = "ready"
@@ -193,15 +195,24 @@ def _routes(app: FastAPI, st: State) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         async with st.lock:
+            _require_no_session(st)
             await anyio.to_thread.run_sync(reset_cache, sv.engine)
         return {"reset": True}
 
 
 def _require_ready(st: State) -> None:
+    _require_no_session(st)
     if st.state == "inconsistent":
         raise Conflict(f"weights are inconsistent after a failed update ({st.last_error}); push the weights again")
     if st.state == "sleeping":
         raise Conflict("the engine is asleep: call /wake_up first")
+
+
+def _require_no_session(st: State) -> None:
+    """Between the bucket requests of an NCCL update the engine is mid-load (and the lock free): refuse."""
+    if st.session is not None:
+        raise Conflict(f"an NCCL weight update to v{st.session.apply.version} is in progress (or its trainer stopped "
+                       "between buckets): push the weights again, or wait for the update to complete")
 
 
 def _generate(engine, prompt_ids, sampling, stop_token_ids):

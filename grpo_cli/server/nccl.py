@@ -1,12 +1,23 @@
 """NCCL fast path of the weight sync (CUDA only): the trainer hosts a TCPStore, every server joins a NCCL group
-through `/init_communicator`, and each update is a broadcast from rank 0 announced by `/update_weights_nccl`.
+through `/init_communicator`, and each update goes bucket by bucket (`rollout.server.weight_chunk_mb`, as the HTTP
+frames do): a `/update_weights_nccl` request announces one bucket (names, dtypes, shapes, its index; `last` on the
+final one), the trainer broadcasts that bucket's tensors, and the server answers once it has received them and the
+engine has taken them. Neither side holds more than one bucket; the server commits the version after the last.
 
-The HTTP call announcing an update runs on a thread while the trainer broadcasts, and both sides wait with
-timeouts, so a dead peer surfaces as an error instead of a hang. Untested here (no CUDA on CI machines)."""
+The trainer waits on those HTTP answers, with `request_timeout_s`, never on `Work.wait`: a NCCL work's wait only
+makes the current CUDA stream wait and returns at once on the host (seen on an H100), so a dead server went unnoticed
+until NCCL's watchdog aborted the trainer, with no checkpoint. A missing answer raises RolloutServerDown (the loop
+saves a checkpoint and stops), and the group is aborted; its timeout exceeds the HTTP one by `GROUP_GRACE_S`, so the
+watchdog never acts first.
+
+One code path on both devices: the group is NCCL on CUDA and gloo on CPU (`_group`), which is how the CPU tests run
+this transport (trainer and server threads of one process); `nccl_available` keeps users to CUDA."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -15,8 +26,11 @@ import torch
 
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.server.codec import DTYPES
+from grpo_cli.server.transport import RolloutServerDown
 
 _CODES = {v: k for k, v in DTYPES.items()}
+GROUP_GRACE_S = 60.0
+"""The group's timeout is the HTTP timeout plus this: the trainer's HTTP wait gives up first and aborts the group."""
 
 
 def nccl_available() -> tuple[bool, str]:
@@ -27,13 +41,27 @@ def nccl_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _group(host: str, port: int, world_size: int, rank: int, timeout_s: float):
-    from torch.distributed import ProcessGroupNCCL, TCPStore
+def transport_device() -> torch.device:
+    """The device the broadcasts run on: this process's current GPU, or the CPU (gloo, the tests' stand-in)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _group(host: str, port: int, world_size: int, rank: int, timeout_s: float, device: torch.device):
+    from torch.distributed import TCPStore
 
     store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+    if device.type != "cuda":
+        return torch.distributed.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+    from torch.distributed import ProcessGroupNCCL
+
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s)
     return ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _handshake(pg, device) -> None:
@@ -41,20 +69,29 @@ def _handshake(pg, device) -> None:
     pg.broadcast(flag, 0).wait()
 
 
-class NcclReceiver:
-    """Server side: one rank of the trainer's group; receives broadcast tensors on the current CUDA device."""
+def _abort(pg) -> None:
+    """Abort the group's pending work (NCCL: its communicators, so the watchdog has nothing left to time out)."""
+    try:
+        pg.abort()
+    except RuntimeError:  # a backend without abort: its pending work fails at the group's timeout instead
+        pass
 
-    def __init__(self, pg, device) -> None:
-        self.pg, self.device = pg, device
+
+class NcclReceiver:
+    """Server side: one rank of the trainer's group; receives one bucket of broadcast tensors at a time."""
+
+    def __init__(self, pg, device, timeout_s: float) -> None:
+        self.pg, self.device, self.timeout_s = pg, device, timeout_s
 
     @classmethod
     def join(cls, host: str, port: int, world_size: int, rank: int, *, timeout_s: float) -> NcclReceiver:
-        device = torch.device("cuda", torch.cuda.current_device())
-        pg = _group(host, port, world_size, rank, timeout_s)
+        device = transport_device()
+        pg = _group(host, port, world_size, rank, timeout_s, device)
         _handshake(pg, device)
-        return cls(pg, device)
+        return cls(pg, device, timeout_s)
 
     def receive(self, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]:
+        """The tensors of one bucket, allocated as they are received."""
         out = []
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             if dtype not in DTYPES:
@@ -62,8 +99,28 @@ class NcclReceiver:
             t = torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
             self.pg.broadcast(t, 0).wait()
             out.append((name, t))
-        torch.cuda.synchronize(self.device)
+        _synchronize(self.device)
         return out
+
+    def close(self) -> None:
+        _abort(self.pg)
+
+
+def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int,
+            device: torch.device) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """(tensors on `device`, is_last) of ~`chunk_bytes` each (a bigger tensor gets a bucket of its own), read lazily
+    from `named_tensors`: a bucket is yielded when the next tensor would overflow it, so the last is known and held
+    is one bucket plus that tensor. An empty stream gives one empty last bucket (the server still commits)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        t = tensor.detach().to(device).contiguous()
+        if bucket and size + t.nbytes > chunk_bytes:
+            yield bucket, False
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += t.nbytes
+    yield bucket, True
 
 
 def _advertised_host(server_url: str) -> str:
@@ -84,11 +141,14 @@ def _free_port() -> int:
 
 
 class NcclSender:
-    """Trainer side (rank 0): broadcasts each tensor while a thread waits on the servers' HTTP answers."""
+    """Trainer side (rank 0): per bucket, announces it to every server over HTTP, broadcasts its tensors, and waits
+    for every server's answer (bounded by the HTTP timeout) before reading the next bucket."""
 
     def __init__(self, http, urls, pg, device, timeout_s: float) -> None:
         self.http, self.urls, self.pg, self.device, self.timeout_s = http, urls, pg, device, timeout_s
-        self.pool = ThreadPoolExecutor(max_workers=len(urls))
+        self.pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="nccl-http")
+        self.last_buckets: list[int] = []
+        """Bytes of each bucket of the last update (what a test or a log reads back)."""
 
     @classmethod
     def connect(cls, http, urls: list[str], *, timeout_s: float) -> NcclSender:
@@ -97,28 +157,59 @@ class NcclSender:
             raise RolloutError(f"rollout.server.weight_transport=nccl needs CUDA and NCCL on the trainer: {why}; "
                                "use weight_transport=http")
         host, port, world = _advertised_host(urls[0]), _free_port(), len(urls) + 1
-        device = torch.device("cuda", torch.cuda.current_device())
-        pool = ThreadPoolExecutor(max_workers=len(urls))
-        futures = [pool.submit(http.call, url, "POST", "/init_communicator", idempotent=False,
-                               json={"host": host, "port": port, "world_size": world, "rank": i + 1,
-                                     "timeout_s": timeout_s})
-                   for i, url in enumerate(urls)]
-        pg = _group(host, port, world, 0, timeout_s)
-        _handshake(pg, device)
-        for f in futures:
-            f.result(timeout=timeout_s)
+        device, group_timeout = transport_device(), timeout_s + GROUP_GRACE_S
+        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+            futures = [pool.submit(http.call, url, "POST", "/init_communicator", idempotent=False,
+                                   json={"host": host, "port": port, "world_size": world, "rank": i + 1,
+                                         "timeout_s": group_timeout})
+                       for i, url in enumerate(urls)]
+            pg = _group(host, port, world, 0, group_timeout, device)
+            _handshake(pg, device)
+            for f in futures:
+                f.result(timeout=timeout_s)
         return cls(http, urls, pg, device, timeout_s)
 
-    def send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
-        body = {"names": [n for n, _ in named_tensors], "dtypes": [_CODES[t.dtype] for _, t in named_tensors],
-                "shapes": [list(t.shape) for _, t in named_tensors], "version": version}
-        futures = [self.pool.submit(self.http.call, url, "POST", "/update_weights_nccl", idempotent=False, json=body)
-                   for url in self.urls]
-        for _, t in named_tensors:
-            work = self.pg.broadcast(t.detach().to(self.device).contiguous(), 0)
-            if not work.wait(timedelta(seconds=self.timeout_s)):
-                raise RolloutError(f"NCCL broadcast did not finish within {self.timeout_s:g} s")
-        for url, f in zip(self.urls, futures, strict=True):
-            res = f.result(timeout=self.timeout_s).json()
-            if res.get("weight_version") != version:
-                raise RolloutError(f"rollout server {url} did not confirm v{version} after the NCCL update: {res}")
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, chunk_bytes: int) -> int:
+        """Stream `named_tensors` bucket by bucket; returns the bytes sent. Any failure aborts the group (the caller
+        connects again at the next update): broadcasts no server receives are left behind."""
+        self.last_buckets = []
+        try:
+            for index, (bucket, last) in enumerate(buckets(named_tensors, chunk_bytes=chunk_bytes,
+                                                           device=self.device)):
+                replies = self._send_bucket(bucket, index, last, version)
+                self.last_buckets.append(sum(t.nbytes for _, t in bucket))
+                bucket.clear()  # the generator reads the next bucket while the loop still names this list
+            for url, res in zip(self.urls, replies, strict=True):
+                if res.get("weight_version") != version:
+                    raise RolloutError(f"rollout server {url} did not confirm v{version} after the NCCL update: {res}")
+        except BaseException:
+            self.close()
+            raise
+        return sum(self.last_buckets)
+
+    def _send_bucket(self, bucket, index: int, last: bool, version: int) -> list[dict]:
+        body = {"names": [n for n, _ in bucket], "dtypes": [_CODES[t.dtype] for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket], "version": version, "bucket": index, "last": last}
+        futures = [self.pool.submit(self.http.call, url, "POST", "/update_weights_nccl", idempotent=False,
+                                    json=body) for url in self.urls]
+        works = [self.pg.broadcast(t, 0) for _, t in bucket]
+        replies = [self._answer(url, f, index, version) for url, f in zip(self.urls, futures, strict=True)]
+        for work in works:  # every server has the bucket: NCCL orders the stream after it, gloo returns at once
+            work.wait()
+        return replies
+
+    def _answer(self, url: str, future, index: int, version: int) -> dict:
+        """A server's answer to one bucket. The HTTP call is bounded by `request_timeout_s` (then the transport raises
+        RolloutServerDown); the wait here is a backstop in case its thread never returns."""
+        policy = self.http.policy
+        backstop = self.timeout_s + (policy.wait_for_recovery_s if policy.on_failure == "wait" else 0.0) + 30.0
+        try:
+            return future.result(timeout=backstop).json()
+        except concurrent.futures.TimeoutError:
+            raise RolloutServerDown(f"rollout server {url} did not confirm NCCL bucket {index} of v{version} within "
+                                    f"{backstop:g} s; save a checkpoint and stop (restart the server and resume)",
+                                    url=url) from None
+
+    def close(self) -> None:
+        _abort(self.pg)
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -61,10 +61,14 @@ class CommBody(_Strict):
 
 
 class NcclUpdateBody(_Strict):
+    """One bucket of an NCCL update: its tensors follow as broadcasts. Buckets count from 0; `last` commits."""
+
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
     version: int = Field(ge=0)
+    bucket: int = Field(0, ge=0)
+    last: bool = True
 
 
 class UserError(ValueError):
@@ -86,6 +90,8 @@ class State:
         self.state = "ready"
         self.last_error = ""
         self.comm = None
+        self.session = None
+        """The NCCL update whose buckets are arriving (`weights.NcclSession`): generation is refused (409) meanwhile."""
 
 
 def reset_cache(engine) -> None:

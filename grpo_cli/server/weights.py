@@ -2,11 +2,14 @@
 by name, loading from disk, and the NCCL path.
 
 An update holds the engine lock from its first byte to its last, so no generation sees half-new weights; one
-that fails after a tensor was loaded marks the server `inconsistent` until a complete update arrives."""
+that fails after a tensor was loaded marks the server `inconsistent` until a complete update arrives. An NCCL update
+spans one request per bucket (`NcclSession`): between them the state stays `updating`, which refuses generation."""
 
 from __future__ import annotations
 
 import mmap
+import queue
+import threading
 from pathlib import Path
 
 import anyio
@@ -35,6 +38,11 @@ class _Apply:
             if shapes and tuple(t.shape) != shapes[name]:
                 raise UserError(f"tensor {name!r} has shape {tuple(t.shape)}, the model's is {shapes[name]}")
             self.seen.add(name)
+
+    def add(self, tensors) -> None:
+        """Count tensors already checked (by name and shape, before they were received)."""
+        self.tensors += len(tensors)
+        self.bytes += sum(t.nbytes for _, t in tensors)
 
     def counted(self, tensors):
         """Check then pass on tensors (a lazy iterator: the engine loads them as they arrive)."""
@@ -72,6 +80,87 @@ class _Apply:
         self.st.state = "inconsistent" if self.tensors else prior
 
 
+class NcclSession:
+    """One NCCL update across its bucket requests. The engine's single `update_weights` call of the update (vLLM
+    opens one reload session per call) runs on a thread of its own, fed bucket by bucket: `feed` returns once the
+    engine took the bucket (it asked for the next tensor), or, for the last, once the call returned. A bucket that
+    does not come within the group's timeout fails the update."""
+
+    def __init__(self, st: State, version: int, prior: str, timeout_s: float) -> None:
+        self.apply, self.prior, self.timeout_s = _Apply(st, version), prior, timeout_s
+        self.next_bucket = 0
+        self.start = anyio.current_time()
+        self.error: BaseException | None = None
+        self._buckets: queue.Queue = queue.Queue()
+        self._taken = threading.Semaphore(0)
+        self._thread = threading.Thread(target=self._run, name=f"nccl-update-v{version}", daemon=True)
+        self._thread.start()
+
+    def _tensors(self):
+        while True:
+            try:
+                bucket = self._buckets.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise UserError(f"NCCL update to v{self.apply.version}: bucket {self.next_bucket} did not come "
+                                f"within {self.timeout_s:g} s (the trainer stopped mid-update)") from None
+            if bucket is None:
+                return
+            if isinstance(bucket, BaseException):
+                raise bucket
+            yield from bucket
+            del bucket  # the engine has the bucket: hold nothing of it while waiting for the next
+            self._taken.release()
+
+    def _run(self) -> None:
+        finished = []
+
+        def marked():
+            yield from self._tensors()
+            finished.append(True)
+
+        try:
+            self.apply.st.served.engine.update_weights(marked(), self.apply.version)
+            if not finished:
+                raise UserError("the engine did not take every tensor of the update")
+        except BaseException as e:  # noqa: BLE001 - handed to the request that fed the bucket
+            self.error = e
+        finally:
+            self._taken.release()
+
+    def feed(self, tensors: list, last: bool) -> None:
+        """Hand one received bucket to the engine and wait until it took it (a worker thread's call)."""
+        self._buckets.put(tensors)
+        if last:
+            self._buckets.put(None)
+            self._thread.join(self.timeout_s)
+            if self._thread.is_alive():
+                raise UserError(f"the engine did not finish loading v{self.apply.version} within {self.timeout_s:g} s")
+        elif not self._taken.acquire(timeout=self.timeout_s):
+            raise UserError(f"the engine did not take NCCL bucket {self.next_bucket} within {self.timeout_s:g} s")
+        if self.error is not None:
+            raise self.error
+        self.next_bucket += 1
+
+    def abort(self, why: str) -> None:
+        """Stop the engine's call (the next tensor it asks for raises) and wait for it, bounded."""
+        self._buckets.put(UserError(why))
+        self._thread.join(self.timeout_s)
+
+
+def end_session(st: State, why: str) -> None:
+    """End an NCCL update left unfinished (its trainer went away, or another update begins): the weights are then
+    `inconsistent` until a complete update. Blocks (joins the engine's thread): call it from a worker thread."""
+    session, st.session = st.session, None
+    if session is not None:
+        session.abort(why)
+        session.apply.failed(UserError(why), session.prior)
+
+
+async def _end_session(st: State, why: str) -> None:
+    if st.session is not None:
+        await anyio.to_thread.run_sync(end_session, st, why)
+
+
 def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
     @app.post("/update_weights")
     async def update_weights(request: Request, version: int):
@@ -79,6 +168,7 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
             raise UserError("version must be >= 0")
         start = anyio.current_time()
         async with st.lock:
+            await _end_session(st, f"an HTTP update to v{version} began")
             prior, st.state = st.state, "updating"
             apply = _Apply(st, version)
             stream = request.stream()
@@ -99,6 +189,7 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
                             "server on the trainer's host, run by the same user (else use weight_transport=http)")
         start = anyio.current_time()
         async with st.lock:
+            await _end_session(st, f"a shared-memory update to v{body.version} began")
             prior, st.state = st.state, "updating"
             apply = _Apply(st, body.version)
             try:
@@ -117,6 +208,7 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
         files = _safetensors_files(body.path)
         start = anyio.current_time()
         async with st.lock:
+            await _end_session(st, f"an update from disk to v{body.version} began")
             prior, st.state = st.state, "updating"
             apply = _Apply(st, body.version)
             try:
@@ -136,30 +228,52 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
             raise UserError(f"NCCL weight sync is not available on this server: {why}; use the HTTP path "
                             "(rollout.server.weight_transport=http)")
         async with st.lock:
+            await _end_session(st, "the trainer joined again (/init_communicator)")
+            if st.comm is not None:
+                st.comm.close()
+                st.comm = None
             st.comm = await anyio.to_thread.run_sync(
                 lambda: NcclReceiver.join(body.host, body.port, body.world_size, body.rank, timeout_s=body.timeout_s))
         return {"rank": body.rank}
 
     @app.post("/update_weights_nccl")
     async def update_weights_nccl(body: NcclUpdateBody):
+        """One bucket: check its names and shapes, receive its broadcasts, hand them to the engine, answer. Nothing of
+        the next bucket is allocated before this one is loaded; the last bucket commits the version."""
         if st.comm is None:
             raise UserError("no NCCL communicator: call /init_communicator first")
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
             raise UserError("names, dtypes and shapes must have the same length")
-        start = anyio.current_time()
         async with st.lock:
-            prior, st.state = st.state, "updating"
-            apply = _Apply(st, body.version)
-            apply.check([(n, _Shape(s)) for n, s in zip(body.names, body.shapes, strict=True)])
-            apply.seen.clear()
             try:
+                session = await _session_for(st, body)
+                session.apply.check([(n, _Shape(s)) for n, s in zip(body.names, body.shapes, strict=True)])
                 tensors = await anyio.to_thread.run_sync(st.comm.receive, body.names, body.dtypes, body.shapes)
-                await apply.load_all(apply.counted(tensors))
-                await anyio.to_thread.run_sync(reset_cache, st.served.engine)
+                session.apply.add(tensors)
+                await anyio.to_thread.run_sync(session.feed, tensors, body.last)
+                del tensors
+                if body.last:
+                    await anyio.to_thread.run_sync(reset_cache, st.served.engine)
             except Exception as e:
-                apply.failed(e, prior)
+                await _end_session(st, f"NCCL bucket {body.bucket} of v{body.version} failed: {e}")
                 raise
-            return apply.done(anyio.current_time() - start)
+            if not body.last:
+                return {"bucket": body.bucket, "tensors": len(body.names), "weight_version": st.weight_version}
+            st.session = None
+            return session.apply.done(anyio.current_time() - session.start)
+
+
+async def _session_for(st: State, body: NcclUpdateBody) -> NcclSession:
+    """The update this bucket belongs to: bucket 0 begins one (ending any left unfinished), the others continue it."""
+    if body.bucket == 0:
+        await _end_session(st, f"a new NCCL update to v{body.version} began")
+        prior, st.state = st.state, "updating"
+        st.session = NcclSession(st, body.version, prior, st.comm.timeout_s)
+    session = st.session
+    if session is None or session.apply.version != body.version or session.next_bucket != body.bucket:
+        want = f"bucket {session.next_bucket} of v{session.apply.version}" if session else "bucket 0"
+        raise UserError(f"NCCL bucket {body.bucket} of v{body.version} out of order (expected {want})")
+    return session
 
 
 class _Shape:
