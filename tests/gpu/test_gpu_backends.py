@@ -1,21 +1,21 @@
-"""Training backends on GPUs: fsdp2 and ZeRO-3 at world size 1 in bf16 through `grpo train`; on two GPUs, DDP, fsdp2
-and ZeRO-3 over NCCL match one process (the CPU suite shows the same over gloo); the first used-by preset when its
-model can be had."""
+"""Training backends on one GPU with torch alone (no vLLM): ddp, fsdp2 (one process, no launcher), ZeRO-2, ZeRO-3 and
+megatron at world size 1 in bf16 through `grpo train`, 2 steps, then a resume to step 3. fsdp2 and ZeRO-3 shard the
+policy, so they generate from `grpo serve-rollout --engine hf` on the same GPU. On two GPUs, DDP, fsdp2 and ZeRO-3
+over NCCL match one process (the CPU suite shows the same over gloo); the first used-by preset needs vLLM and its
+model in the local cache."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from gpu_helpers import gpu_env, grpo, needs_two, sets, torchrun
+from gpu_helpers import DEVICE, ON_CPU, gpu_env, grpo, hf_server, needs_two, needs_vllm, sets, step_metrics, summary, torchrun
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm")
 E2E = Path(__file__).parents[1] / "e2e"
 WORKER = str(E2E / "dp_worker.py")
 BACKENDS = {
@@ -23,15 +23,37 @@ BACKENDS = {
     "fsdp2": ["distributed.backend=fsdp2", "rollout.engine=vllm"],
     "zero3": ["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=3", "rollout.engine=vllm"],
 }
+"""For the two-GPU parity worker (it builds no engine; `rollout.engine=vllm` only satisfies the config rules)."""
+
+ONE_GPU = {
+    "ddp": [],
+    "zero2": ["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=2"],
+    "megatron": ["distributed.backend=megatron"],
+    "fsdp2": ["distributed.backend=fsdp2"],
+    "zero3": ["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=3"],
+}
+SERVED = {"fsdp2", "zero3"}
+"""Sharded at world size 1 too: they generate from a rollout server instead of the policy's own parameters."""
+BASE = [f"distributed.device={DEVICE}", "model.dtype=bfloat16", "eval.every_steps=0", "checkpoint.every_steps=2",
+        "train.prompts_per_step=4", "train.generations_per_prompt=4", "train.micro_batch_size=8"]
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", "zero3"])
-def test_sharded_backend_world_1_bf16_trains(tmp_path, backend):
-    grpo(tmp_path, "train", "--preset", "tiny-cpu-vllm", "--output-dir", str(tmp_path / "run"),
-         *sets("distributed.device=cuda", "model.dtype=bfloat16", "train.steps=3", *BACKENDS[backend]))
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["backend"] == ("deepspeed" if backend == "zero3" else backend)
-    assert (tmp_path / "run" / "final-model" / "config.json").exists()
+@pytest.mark.parametrize("backend", list(ONE_GPU))
+def test_backend_world_1_bf16_trains_and_resumes(tmp_path, backend):
+    run = tmp_path / "run"
+    with (hf_server(tmp_path) if backend in SERVED else contextlib.nullcontext()) as url:
+        served = ["rollout.mode=server", f'rollout.server.urls=["{url}"]'] if url else []
+        args = ["train", "--output-dir", str(run), *sets(*BASE, *ONE_GPU[backend], *served)]
+        grpo(tmp_path, *args, *sets("train.steps=2"))
+        assert summary(run)["steps"] == 2 and (run / "checkpoint-2").is_dir()
+        resumed = grpo(tmp_path, *args, *sets("train.steps=3", "checkpoint.resume=auto"))
+    assert "resumed from" in resumed.stdout, resumed.stdout[-3000:]
+    done = summary(run)
+    assert done["steps"] == 3 and done["backend"] == ("deepspeed" if backend.startswith("zero") else backend)
+    records = step_metrics(run)
+    assert [r["step"] for r in records][-1] == 3
+    if not ON_CPU:
+        assert all(r["memory/cuda_peak_allocated_mb"] > 0 for r in records)
 
 
 def _worker(tiny_checkpoint: str, out: Path, procs: int, backend: str) -> dict:
@@ -74,6 +96,7 @@ def _cached_gsm8k() -> bool:
     return proc.returncode == 0
 
 
+@needs_vllm
 def test_first_used_by_preset_runs_three_steps(tmp_path):
     path = _local_model("Qwen/Qwen2.5-1.5B-Instruct")
     if path is None or not _cached_gsm8k():
@@ -81,4 +104,4 @@ def test_first_used_by_preset_runs_three_steps(tmp_path):
                     "GRPO_GPU_MODEL_QWEN2_5_1_5B_INSTRUCT, or download both once)")
     grpo(tmp_path, "train", "--preset", "qwen-1.5b-colocate", "--output-dir", str(tmp_path / "run"),
          *sets("train.steps=3", f"model.name_or_path={path}", "checkpoint.every_steps=0"), timeout=1800, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+    assert summary(tmp_path / "run")["steps"] == 3

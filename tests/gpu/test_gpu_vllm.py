@@ -5,16 +5,15 @@ engine, and a colocated run with evaluation under sleep level 2 (issue 27, defec
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from gpu_helpers import gpu_env, grpo, sets
+from gpu_helpers import gpu_env, grpo, needs_vllm, sets
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm")
+pytestmark = needs_vllm  # this file alone needs vLLM throughout
 WORKER = str(Path(__file__).with_name("vllm_sleep_worker.py"))
 
 
