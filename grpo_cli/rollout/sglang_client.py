@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,34 +269,32 @@ class SGLangEngine:
             self.loaded_folder = None
 
     def _update_from_tensor(self, named_tensors, version: int) -> None:
-        """Buckets of `/update_weights_from_tensor`, each with one payload serialized per TP rank of the server (each
-        rank deserializes its own index: `managers/tp_worker.py`); cache flushed and version set on the last bucket
-        only. On sglang >= 0.5.21 the buckets run inside a weight-update session
-        (`scheduler_components/weight_updater.py` refuses them outside one)."""
-        buckets, bucket, size = [], [], 0
-        for name, t in named_tensors:
-            bucket.append((name, t.detach()))
-            size += t.nbytes
-            if size >= self.chunk_bytes:
-                buckets.append(bucket)
-                bucket, size = [], 0
-        if bucket or not buckets:
-            buckets.append(bucket)
-        for url in self.urls:
-            session = self._begin_session(url)
-            try:
-                for k, b in enumerate(buckets):
-                    last = k == len(buckets) - 1
-                    payloads = [self.serializer(b) for _ in range(self._facts(url).tp_size)]
-                    body = {"serialized_named_tensors": payloads, "flush_cache": last, "abort_all_requests": False,
-                            "weight_version": str(version) if last else None}
-                    res = self.http.call(url, "POST", "/update_weights_from_tensor", idempotent=False,
-                                         json=body).json()
-                    if not res.get("success", False):
-                        raise RolloutError(f"SGLang server {url} refused weight bucket {k}: {res.get('message')}")
-            finally:
-                if session:
-                    self.http.call(url, "POST", "/end_weight_update", idempotent=False, json={})
+        """`/update_weights_from_tensor` per bucket of `weight_chunk_mb`, posted to every server as soon as it is full,
+        so the trainer holds one bucket (plus the tensor that overflowed it), never the whole model. Each carries one
+        payload serialized per TP rank of the server (each rank deserializes its own index: `managers/tp_worker.py`);
+        the cache is flushed and the version set on the last bucket only (SGLang does both per call, when asked:
+        `scheduler_components/weight_updater.py` update_weights_from_tensor). On sglang >= 0.5.21 the buckets run
+        inside a weight-update session on each server (that file refuses them outside one)."""
+        sessions: list[str] = []
+        try:
+            for url in self.urls:
+                if self._begin_session(url):
+                    sessions.append(url)
+            for k, (bucket, last) in enumerate(tensor_buckets(named_tensors, self.chunk_bytes)):
+                for url in self.urls:
+                    self._post_bucket(url, bucket, k, last, version)
+                bucket.clear()  # the generator fills the next bucket while the loop still names this list
+        finally:
+            for url in sessions:
+                self.http.call(url, "POST", "/end_weight_update", idempotent=False, json={})
+
+    def _post_bucket(self, url: str, bucket: list, k: int, last: bool, version: int) -> None:
+        payloads = [self.serializer(bucket) for _ in range(self._facts(url).tp_size)]
+        body = {"serialized_named_tensors": payloads, "flush_cache": last, "abort_all_requests": False,
+                "weight_version": str(version) if last else None}
+        res = self.http.call(url, "POST", "/update_weights_from_tensor", idempotent=False, json=body).json()
+        if not res.get("success", False):
+            raise RolloutError(f"SGLang server {url} refused weight bucket {k}: {res.get('message')}")
 
     def _begin_session(self, url: str) -> bool:
         """Open a weight-update session; False on SGLang without sessions (< 0.5.21: the endpoint answers 404). A
@@ -345,6 +343,21 @@ class SGLangEngine:
         self._drop_loaded_folder()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+
+
+def tensor_buckets(named_tensors: Iterable, chunk_bytes: int) -> Iterator[tuple[list, bool]]:
+    """(tensors, is_last) of ~`chunk_bytes` each (a bigger tensor alone), read lazily: a bucket is yielded when the
+    next tensor would overflow it, so the last one is known. No tensor at all gives one empty last bucket (it still
+    flushes the cache and sets the version)."""
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        t = t.detach()
+        if bucket and size + t.nbytes > chunk_bytes:
+            yield bucket, False
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += t.nbytes
+    yield bucket, True
 
 
 def _parse_output(out: dict) -> tuple[list[int], str, list[float]]:

@@ -213,6 +213,9 @@ def _memory_routes(app: FastAPI, engine, state: dict) -> None:
 
 
 def _after_update(state: dict, obj: dict) -> None:
+    """Per call, so a client may send its buckets in several calls and flush / set the version on the last only:
+    `managers/tokenizer_control_mixin.py` sets the version when the call succeeded and `weight_version is not None`;
+    `scheduler_components/weight_updater.py` flushes when the request's `flush_cache` (default true) is."""
     if obj.get("weight_version") is not None:
         state["weight_version"] = obj["weight_version"]
     if obj.get("flush_cache", True):

@@ -136,6 +136,46 @@ def test_tensor_update_runs_inside_a_weight_update_session(served_tiny, tiny_che
         eng.close()
 
 
+def test_tensor_update_posts_each_bucket_as_soon_as_it_is_full(served_tiny, tiny_checkpoint):
+    """One POST per bucket of weight_chunk_mb while the trainer's stream is read: when a bucket is serialized the
+    stream has given at most one tensor beyond it (the one that overflowed it), so the trainer never holds the whole
+    model; only the last POST flushes the cache and sets the version."""
+    app = create_contract_app(served_tiny, launch_args=launch_args(tiny_checkpoint))
+    chunk, pulled, seen = 40_000, [0], []
+
+    def serializer(named):
+        seen.append((pulled[0], len(named), sum(t.nbytes for _, t in named)))
+        return safetensors_b64_serializer(named)
+
+    trainer = _trained(tiny_checkpoint)
+
+    def stream():
+        for item in trainer.named_parameters():
+            pulled[0] += 1
+            yield item
+
+    with app_in_thread(app) as url:
+        eng = SGLangEngine([url], policy=FAST, api_key=KEY, model_path=tiny_checkpoint, weight_transport="tensor",
+                           serializer=serializer)
+        eng.chunk_bytes = chunk
+        eng.update_weights(stream(), 3)
+        bodies = [b for path, b in app.state.contract["log"] if path == "/update_weights_from_tensor"]
+        n = len(bodies)
+        assert n > 1 and n == len(seen)
+        assert [b["flush_cache"] for b in bodies] == [False] * (n - 1) + [True]
+        assert [b["weight_version"] for b in bodies] == [None] * (n - 1) + ["3"]
+        sent = 0
+        for pulled_then, count, nbytes in seen:
+            assert nbytes <= chunk or count == 1
+            sent += count
+            assert pulled_then <= sent + 1
+        assert sent == len(list(trainer.named_parameters()))
+        state = app.state.contract
+        assert state["weight_version"] == "3" and state["flushes"] == 1 and state["session"] is None
+        assert _max_diff(eng.score([[3, 4, 5]]), score_sequences(trainer, [[3, 4, 5]], pad_token_id=0)) < 1e-4
+        eng.close()
+
+
 def test_tensor_update_without_sessions_on_older_sglang(served_tiny, tiny_checkpoint):
     app = create_contract_app(served_tiny, launch_args=launch_args(tiny_checkpoint), version="0.5.20")
     with app_in_thread(app) as url:
