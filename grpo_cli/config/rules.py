@@ -139,6 +139,7 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             f"distributed.backend '{d.backend}' shards across processes (each holds 1/N); use rollout.engine=vllm "
             "(colocated, synced from the shards), rollout.mode=server or async, or distributed.backend=ddp."
         )
+    _check_offload_of_shared_weights(cfg)
     if cfg.model.cpu_linear == "onednn" and (d.backend != "ddp" or cfg.model.dtype != "float32"):
         raise ValueError(
             f"model.cpu_linear 'onednn' runs plain float32 linear layers on CPU, but distributed.backend is "
@@ -171,6 +172,23 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             "BF16_Optimizer, which has no offload_states (the run would crash at the first generation). Use "
             "distributed.deepspeed.zero_stage=2 (the optimizer state stays partitioned as under ZeRO-1, the "
             "gradients too), or model.dtype=float32, or turn the distributed.offload flags off."
+        )
+
+
+def _check_offload_of_shared_weights(cfg: GRPOConfig) -> None:
+    """The colocated hf engine generates with the policy's own parameters (`rollout/factory.make_hf_engine`: unless
+    `rollout.dtype` asks for a copy in another dtype than the weights', or megatron leaves it none to share), so
+    `distributed.offload.params` would move them to the host just before generation: generation ran on the CPU,
+    silently. Refused on every device: on CPU the offload does nothing, and a config is rehearsed on CPU for a GPU."""
+    d, r = cfg.distributed, cfg.rollout
+    weights = "float32" if cfg.model.master_weights == "float32" else cfg.model.dtype
+    shares = r.dtype in ("auto", weights) and d.backend != "megatron"
+    if d.offload.params and r.engine == "hf" and r.mode == "colocate" and shares:
+        raise ValueError(
+            "distributed.offload.params moves the policy's parameters to host memory while the engine generates, "
+            "but rollout.engine 'hf' in colocate mode generates with those very parameters, so generation would run "
+            "on the CPU. Set distributed.offload.params=false (distributed.offload.optimizer and .grads still free "
+            "the GPU for generation), or use rollout.engine=vllm, which holds its own copy of the weights."
         )
 
 
