@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -39,7 +40,8 @@ def process_group_options(device: torch.device, *, timeout_minutes: float) -> di
 
 def init_process_group(device: torch.device, *, timeout_minutes: float, **kwargs) -> None:
     """`set_device` first, then the group per `process_group_options` (extra `kwargs`, e.g. a store, pass on).
-    The one place a process group is created (trainer, DeepSpeed's single process, a colocated vLLM engine)."""
+    The one place a process group is created (a launched job's trainer, a job of one process through
+    `ensure_process_group`, a colocated vLLM engine)."""
     set_device(device)
     opts = process_group_options(device, timeout_minutes=timeout_minutes)
     if kwargs.get("world_size") == 1:
@@ -47,6 +49,45 @@ def init_process_group(device: torch.device, *, timeout_minutes: float, **kwargs
         # for (DeepSpeed's comm/torch.py skips device_id at world size 1 for this reason).
         opts.pop("device_id", None)
     dist.init_process_group(**opts, **kwargs)
+
+
+@dataclass
+class _OwnGroup:
+    """The 1-rank default group `ensure_process_group` made in this process (None: none, or a launcher's job made the
+    group) and what to run before destroying it."""
+
+    group: object = None
+    before_destroy: list[Callable[[], None]] = field(default_factory=list)
+
+
+_own = _OwnGroup()
+
+
+def ensure_process_group(device: torch.device, *, timeout_minutes: float,
+                         before_destroy: Callable[[], None] | None = None) -> None:
+    """The process group a backend needs (fsdp2, DeepSpeed, megatron): the job's own when a launcher started it; in
+    a job of one process, a 1-rank group on an in-memory store (no launcher variable needed), which `shutdown`
+    destroys at the end of the job after running `before_destroy` (a library dropping what it holds of the group:
+    DeepSpeed's and Megatron's cached subgroups would otherwise outlive it)."""
+    if not dist.is_initialized():
+        init_process_group(device, timeout_minutes=timeout_minutes, store=dist.HashStore(), rank=0, world_size=1)
+        _own.group, _own.before_destroy = dist.group.WORLD, []
+    if _own.group is not None and before_destroy is not None and before_destroy not in _own.before_destroy:
+        _own.before_destroy.append(before_destroy)
+
+
+def release_own_group() -> bool:
+    """Destroy the 1-rank group `ensure_process_group` made (NCCL warns at exit about one left alive, and a later
+    job in the same process would inherit it); True when there was one. A launched job's group is `shutdown`'s."""
+    group, callbacks = _own.group, _own.before_destroy
+    _own.group, _own.before_destroy = None, []
+    if group is None or dist.group.WORLD is not group:  # none made here, or destroyed by someone else already
+        return False
+    for callback in callbacks:
+        callback()
+    if dist.is_initialized():  # a callback may have destroyed it through its own library (deepspeed.comm)
+        dist.destroy_process_group()
+    return True
 
 
 def init_from_env(device: torch.device, *, timeout_minutes: float) -> DistInfo:
@@ -85,10 +126,12 @@ def barrier(info: DistInfo) -> None:
 def shutdown(info: DistInfo) -> None:
     """End of a job: wait for every rank (rank 0 may still be writing), then tear the process group down here
     rather than in interpreter teardown, where a rank exiting early aborted ("terminate called without an active
-    exception") and its launcher killed the ranks still writing."""
+    exception") and its launcher killed the ranks still writing. A job of one process destroys the 1-rank group it
+    made (`release_own_group`)."""
     if info.world_size > 1 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    release_own_group()
 
 
 def leave_worker() -> None:

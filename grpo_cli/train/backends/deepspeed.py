@@ -25,16 +25,18 @@ TAG = "deepspeed"
 
 def ensure_process_group(device: torch.device, *, timeout_minutes: float) -> None:
     """DeepSpeed's comm layer on the job's process group (before `zero.Init` reads the world size); in one process
-    a 1-rank group on an in-memory store, made like every other group (`launch.dist.init_process_group`)."""
+    a 1-rank group (`runtime.dist.ensure_process_group`), destroyed at the end of the job through `deepspeed.comm`,
+    which also drops the subgroups DeepSpeed cached from it."""
     import deepspeed
+    import deepspeed.comm
     import torch.distributed as dist
 
-    from grpo_cli.runtime.dist import init_process_group, process_group_options
+    from grpo_cli.runtime.dist import ensure_process_group, process_group_options
 
     if not dist.is_initialized():
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
             os.environ.setdefault(key, value)  # zero.Init reads LOCAL_RANK
-        init_process_group(device, timeout_minutes=timeout_minutes, store=dist.HashStore(), rank=0, world_size=1)
+    ensure_process_group(device, timeout_minutes=timeout_minutes, before_destroy=deepspeed.comm.destroy_process_group)
     opts = process_group_options(device, timeout_minutes=timeout_minutes)
     deepspeed.init_distributed(dist_backend=opts["backend"], timeout=opts["timeout"])
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.runtime.accel import is_cuda
+from grpo_cli.runtime.dist import ensure_process_group
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
 from grpo_cli.train.backends.activations import enable_checkpointing
 from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
@@ -161,7 +162,9 @@ class FSDP2Backend(TrainingBackend):
         return module.train() if trainable else module.eval().requires_grad_(False)
 
     def build(self, model_path: str) -> None:
+        """In one process (no launcher), a 1-rank group for `fully_shard`'s mesh, destroyed at the end of the job."""
         cfg = self.cfg
+        ensure_process_group(self.device, timeout_minutes=cfg.distributed.timeout_minutes)
         if self.device.type == "cpu":
             return_large_frees_to_os()
         self.module = self.model = self._sharded(model_path, trainable=True)

@@ -11,14 +11,14 @@ from grpo_cli.train.backends.base import compute_dtype, lr_lambda
 
 def init_parallel_state(cfg: GRPOConfig, world_size: int, device: torch.device) -> None:
     """`initialize_model_parallel` with tensor × pipeline (× data = the rest) = world; idempotent per process. A
-    single-process run gets a 1-rank process group first (Megatron's groups need one)."""
+    single-process run gets a 1-rank process group first (Megatron's groups need one), destroyed at the end of the
+    job after Megatron forgets its subgroups (`runtime.dist.ensure_process_group`)."""
     from megatron.core import parallel_state as mpu
 
-    if not torch.distributed.is_initialized():
-        from grpo_cli.runtime.dist import init_process_group
+    from grpo_cli.runtime.dist import ensure_process_group
 
-        init_process_group(device, timeout_minutes=cfg.distributed.timeout_minutes, store=torch.distributed.HashStore(),
-                           rank=0, world_size=1)
+    ensure_process_group(device, timeout_minutes=cfg.distributed.timeout_minutes,
+                         before_destroy=mpu.destroy_model_parallel)
 
     m = cfg.distributed.megatron
     if world_size % (m.tensor_parallel * m.pipeline_parallel):
