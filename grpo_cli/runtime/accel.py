@@ -65,6 +65,15 @@ def host_copy(tensor: torch.Tensor, *, pinned: bool) -> torch.Tensor:
     return out.copy_(tensor, non_blocking=pinned)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: itself when it is there already (CPU runs, shards already on the GPU), else one copy
+    (a host buffer bound for a CUDA collective)."""
+    device = torch.device(device)
+    if tensor.device == device or (device.index is None and tensor.device.type == device.type):
+        return tensor
+    return tensor.to(device)
+
+
 def rng_states(device: torch.device) -> dict:
     """The random generators of this process that training draws from: the CPU's and, on CUDA, this device's."""
     states = {"torch": torch.get_rng_state()}

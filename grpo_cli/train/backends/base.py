@@ -128,7 +128,8 @@ class TrainingBackend:
         parameters (gathered from shards, LoRA merged, under checkpoint names), probed as the trainer computes."""
         from grpo_cli.train.weights.hf_module import ModuleWeights
 
-        return ModuleWeights(self.module, compute_dtype=compute_dtype(self.cfg), compute_context=self.compute_context)
+        return ModuleWeights(self.module, compute_dtype=compute_dtype(self.cfg), compute_context=self.compute_context,
+                             device=self.device)
 
     def reference(self):
         """Context yielding the model whose logprobs are the KL reference (β > 0): the frozen copy, or with

@@ -13,7 +13,7 @@ from grpo_cli.rollout.flat_weights import byte_buckets
 from grpo_cli.rollout.scoring import score_sequences
 from grpo_cli.models.experts import expert_parts
 from grpo_cli.rollout.weight_names import tied_aliases
-from grpo_cli.train.weights.lora import merged_tensor
+from grpo_cli.train.weights.lora import lora_layer, merged_tensor
 from grpo_cli.train.weights.shard_gather import GatheredBucket, row_sharded
 from grpo_cli.train.weights.source import CHECKSUM_TENSORS, record_sent, spread
 
@@ -105,11 +105,14 @@ def buckets(named: list[tuple[str, torch.nn.Parameter]], cap_bytes: int) -> Iter
 
 
 @contextlib.contextmanager
-def _gathered(params: list[torch.nn.Parameter]):
+def _gathered(params: list[torch.nn.Parameter], *, dtype: torch.dtype | None = None,
+              device: torch.device | None = None, exact: frozenset[int] = frozenset()):
     """Materialise a bucket (all ranks take part): ZeRO-3 partitions in place; FSDP2's row-sharded DTensors into
-    one buffer per dtype (`shard_gather.GatheredBucket`, yielded; empty without any). Others pass through."""
+    one buffer per dtype (`shard_gather.GatheredBucket`, yielded; empty without any), cast to `dtype` and gathered
+    on `device` (see there). Others pass through."""
     ds = [p for p in params if is_zero3(p)]
-    rows = GatheredBucket([p for p in params if is_dtensor(p) and row_sharded(p)])
+    rows = GatheredBucket([p for p in params if is_dtensor(p) and row_sharded(p)], dtype=dtype, device=device,
+                          exact=exact)
     if not ds:
         yield rows
         return
@@ -131,14 +134,17 @@ def _full_tensor(param: torch.nn.Parameter, gathered: GatheredBucket) -> torch.T
 
 def stream_named_tensors(
     model: torch.nn.Module, *, bucket_mb: int, peft: bool, stats: dict, keep_copies: set[str],
-    keep_rows: set[str] = frozenset(),
+    keep_rows: set[str] = frozenset(), dtype: torch.dtype | None = None, device: torch.device | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(checkpoint name, full tensor)` for every name of every base-model parameter (`checkpoint_names`:
-    a tied weight once per name), gathering one bucket at a time; each recorded in `stats` (`source.record_sent`)."""
+    a tied weight once per name), gathering one bucket at a time; each recorded in `stats` (`source.record_sent`).
+    FSDP2 shards are cast to `dtype` (the engine's) before their gather and gathered on `device` (the training
+    device): a LoRA base weight is gathered in its own dtype, merged with its adapter, and cast after."""
     names = checkpoint_names(model, peft=peft)
     named = [(n, p) for n, p in model.named_parameters() if n in names]
     for bucket in buckets(named, bucket_mb * 2**20):
-        with _gathered([p for _, p in bucket]) as gathered:
+        exact = frozenset(id(p) for n, p in bucket if peft and lora_layer(model, n) is not None)
+        with _gathered([p for _, p in bucket], dtype=dtype, device=device, exact=exact) as gathered:
             for name, param in bucket:
                 tensor = _full_tensor(param, gathered)
                 if peft:
@@ -182,20 +188,23 @@ class ModuleWeights:
     the trained tensors untouched)."""
 
     def __init__(self, model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None,
-                 compute_context=contextlib.nullcontext) -> None:
+                 compute_context=contextlib.nullcontext, device: torch.device | None = None) -> None:
         """`compute_dtype` and `compute_context` (a backend's: autocast under ddp) say how the trainer's forward
-        computes; a bare module computes in its weights' dtype, with no context."""
+        computes; a bare module computes in its weights' dtype, with no context. `device`: the training device,
+        where FSDP2 shards are gathered (under `fsdp2.cpu_offload` they live on the host; None: where they are)."""
+        self.device = device
         self.model = unwrap(model)
         self.peft = is_peft(self.model)
         self.dtype = next(self.model.parameters()).dtype
         self.compute_dtype = compute_dtype or self.dtype
         self._compute_context = compute_context
 
-    def named_tensors(self, *, bucket_mb: int, stats: dict, keep_copies: set[str],
-                      keep_rows: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_tensors(self, *, bucket_mb: int, stats: dict, keep_copies: set[str], keep_rows: set[str],
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         with _sync_context(self.model, peft=self.peft):
             yield from stream_named_tensors(self.model, bucket_mb=bucket_mb, peft=self.peft, stats=stats,
-                                            keep_copies=keep_copies, keep_rows=keep_rows)
+                                            keep_copies=keep_copies, keep_rows=keep_rows, dtype=dtype,
+                                            device=self.device)
 
     def checksum_names(self) -> list[str]:
         return checksum_names(self.model, peft=self.peft)

@@ -5,12 +5,18 @@ rank holds rows [r·c, min(n, (r+1)·c)), c = ⌈n/W⌉ (the last ranks may hold
 bucket's local shards end to end, each padded to c rows, into one flat buffer; `all_gather_into_tensor` stacks
 the W buffers, so parameter p is the column block [off_p, off_p + c·row_p) of the (W, total) gathered view: the
 (W·c, …) rows in order, of which the first n are the tensor. Peak memory is the bucket (`weight_sync_bucket_mb`)
-plus its shards and the tensor being copied out (a bucket of one tensor is a view, no copy)."""
+plus its shards and the tensor being copied out (a bucket of one tensor is a view, no copy).
+
+The shards are cast to the engine's dtype before the collective (float32 masters → a bf16 engine: half the bytes on
+the wire), and gathered on the training device: under `fsdp2.cpu_offload` the shards live in host memory, and the
+collective would otherwise run on the host over gloo (~280 GB per step at 70B) instead of the GPU's NCCL."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from grpo_cli.runtime import accel
 
 
 def shard_rows(param, rank: int, world: int) -> tuple[int, int]:
@@ -31,16 +37,23 @@ def row_sharded(tensor: torch.Tensor) -> bool:
 
 class GatheredBucket:
     """The full tensors of `params` (row-sharded DTensors, `row_sharded`), gathered at construction (collective:
-    every rank builds it for the same bucket); `full(param)` copies one out of the gathered buffer."""
+    every rank builds it for the same bucket); `full(param)` copies one out of the gathered buffer.
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    `dtype`: the dtype to gather floating tensors in (the engine's; None: their own), except the parameters in
+    `exact` (LoRA base weights, merged with their adapter in their own precision before the cast). `device`: where
+    the collective runs (the training device, resolved once; None: where the shards are)."""
+
+    def __init__(self, params: list[torch.Tensor], *, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None, exact: frozenset[int] = frozenset()) -> None:
         self._where: dict[int, tuple[torch.Tensor, int, int, int]] = {}
         """id(param): (gathered (W, total) view, element offset, elements per rank, rows per rank)."""
+        self.device = device
         groups: dict[tuple, list[torch.Tensor]] = {}
-        for p in params:  # one collective per dtype and mesh (FSDP2: one mesh, float32 masters: one dtype)
-            groups.setdefault((p.dtype, p.device_mesh), []).append(p)
-        for (dtype, mesh), group in groups.items():
-            self._gather(group, dtype, mesh)
+        for p in params:  # one collective per dtype and mesh (FSDP2: one mesh, one engine dtype)
+            wire = dtype if dtype is not None and p.is_floating_point() and id(p) not in exact else p.dtype
+            groups.setdefault((wire, p.device_mesh), []).append(p)
+        for (wire, mesh), group in groups.items():
+            self._gather(group, wire, mesh)
 
     @torch.no_grad()
     def _gather(self, group: list[torch.Tensor], dtype: torch.dtype, mesh) -> None:
@@ -52,11 +65,12 @@ class GatheredBucket:
             layout.append((p, total, slot, rows))
             total += slot
         local = group[0].to_local()
-        shards = torch.zeros(total, dtype=dtype, device=local.device)
+        shards = torch.zeros(total, dtype=dtype, device=local.device)  # laid out (and cast) where the shards are
         for p, off, _, _ in layout:
             mine = p.to_local()
             shards[off:off + mine.numel()].view(mine.shape).copy_(mine)
-        gathered = torch.empty(world * total, dtype=dtype, device=local.device)
+        shards = accel.to_device(shards, self.device or local.device)  # one copy of the bucket, host → GPU
+        gathered = torch.empty(world * total, dtype=dtype, device=shards.device)
         # torch 2.13 names it all_gather_single (all_gather_into_tensor warns as deprecated); torch < 2.13 lacks it
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(gathered, shards, group=mesh.get_group())

@@ -21,10 +21,11 @@ class WeightSource(Protocol):
     """The dtype `probe_logprobs` computes in, `model.dtype` under mixed precision (with the engine's dtype, it
     bounds how closely the probe logprobs agree: DESIGN.md 4b)."""
 
-    def named_tensors(self, *, bucket_mb: int, stats: dict, keep_copies: set[str],
-                      keep_rows: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_tensors(self, *, bucket_mb: int, stats: dict, keep_copies: set[str], keep_rows: set[str],
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: `(checkpoint name, full tensor)` of every weight, gathered `bucket_mb` at a time; each
-        recorded with `record_sent`."""
+        recorded with `record_sent`. `dtype`: the engine's, which a source may cast to before it gathers (the
+        caller casts what comes out in another dtype)."""
 
     def checksum_names(self) -> list[str]:
         """A few small weights to read back from the engine for exact equality."""

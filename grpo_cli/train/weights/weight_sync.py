@@ -42,9 +42,10 @@ def sync_weights(
     rows = set(source.projection_names()) if readback else set()
     stats: dict = {"tensors": 0, "bytes": 0, "copies": {}, "rows": {}}
     error = None
-    stream = source.named_tensors(bucket_mb=bucket_mb, stats=stats, keep_copies=wanted, keep_rows=rows)
+    dtype = _engine_dtype(engine)  # the source casts its shards before gathering them where it can
+    stream = source.named_tensors(bucket_mb=bucket_mb, stats=stats, keep_copies=wanted, keep_rows=rows, dtype=dtype)
     if pushes:
-        _, error = attempt(lambda: engine.update_weights(cast_stream(stream, _engine_dtype(engine)), version))
+        _, error = attempt(lambda: engine.update_weights(cast_stream(stream, dtype), version))
     for _ in stream:  # what the engine left unread (all of it on a rank that does not push): collective gathers
         pass
     if main_only:
@@ -70,7 +71,8 @@ def _engine_dtype(engine) -> torch.dtype | None:
 
 
 def cast_stream(stream: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None):
-    """Floating tensors cast to the engine's dtype on the way (float32 masters → a bf16 engine: half the bytes)."""
+    """Floating tensors cast to the engine's dtype on the way (float32 masters → a bf16 engine: half the bytes);
+    FSDP2 shards arrive cast already (cast before their all-gather, `shard_gather`), the others are cast here."""
     for name, tensor in stream:
         if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
             tensor = tensor.to(dtype)

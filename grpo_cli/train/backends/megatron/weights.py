@@ -35,8 +35,9 @@ class MegatronWeights:
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         return stored_shapes(self.backend.model_path)
 
-    def named_tensors(self, *, bucket_mb: int, stats: dict, keep_copies: set[str],
-                      keep_rows: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_tensors(self, *, bucket_mb: int, stats: dict, keep_copies: set[str], keep_rows: set[str],
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """`dtype` is not used: the gather reads the compute-dtype model chunks (`weight_sync.cast_stream` casts)."""
         for bucket in self.backend.hf_tensor_buckets(bucket_mb=bucket_mb):
             for name, tensor in bucket:
                 record_sent(stats, name, tensor, keep_copies=keep_copies, keep_rows=keep_rows)
