@@ -11,6 +11,7 @@ from grpo_cli.config.model_shape import (  # noqa: F401  (re-exported: `grpo pla
     ModelShape, local_model_config, model_shape, num_experts)
 from grpo_cli.config.plan_megatron import (  # noqa: F401
     BYTES, megatron_activation_bytes, megatron_layout, megatron_state_bytes)
+from grpo_cli.config.reward_models import parks_reward_models, reward_model_bytes
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -178,6 +179,8 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
         cfg.train.micro_batch_size * seq * shape.hidden * shape.layers * wbytes * factor
     if megatron and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
         out["hf_engine_copy"] = p * engine_bytes(cfg)
+    if rm := reward_model_bytes(cfg, on_device=True):
+        out["reward_model"] = rm  # config.reward_models: parked in host memory except while scoring, or resident
     if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate":
         tp = cfg.rollout.vllm.tensor_parallel_size
         budget = cfg.rollout.vllm.gpu_memory_utilization * (gpu_mem or 80 * GIB)
@@ -206,20 +209,26 @@ def _offload_flags(cfg: GRPOConfig) -> dict[str, bool]:
 
 
 def resident_while_generating(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, float]:
-    """What stays on the GPU while generating: the state `distributed.offload` does not move, and the reference."""
+    """What stays on the GPU while generating: the state `distributed.offload` does not move, the reference, and a
+    reward model that is not parked in host memory (`config.reward_models.parks_reward_models`)."""
     moved = _offload_flags(cfg)
     state = state_between_steps(cfg, mem)
-    return {k: (0.0 if moved[k] else v) for k, v in state.items()} | {"reference": mem.get("reference", 0.0)}
+    rm = 0.0 if parks_reward_models(cfg) else mem.get("reward_model", 0.0)
+    return ({k: (0.0 if moved[k] else v) for k, v in state.items()} | {"reference": mem.get("reference", 0.0)}
+            | ({"reward_model": rm} if rm else {}))
 
 
 def peak_bytes(cfg: GRPOConfig, mem: dict[str, float]) -> float:
     """Sleep level 0: training and vLLM memory add up. Sleep ≥ 1: vLLM releases its memory while training, so
-    the peak is the larger of training and (vLLM + the training state left on the device while generating)."""
+    the peak is the larger of training and (vLLM + the training state left on the device while generating). A
+    parked reward model is on the device only while scoring, beside the training state between steps."""
     vllm = mem.get("vllm_weights", 0.0) + mem.get("vllm_kv_cache", 0.0)
-    train = sum(v for k, v in mem.items() if not k.startswith("vllm"))
+    rm = mem.get("reward_model", 0.0) if parks_reward_models(cfg) else 0.0
+    train = sum(v for k, v in mem.items() if not k.startswith("vllm")) - rm
+    scoring = sum(state_between_steps(cfg, mem).values()) + mem.get("reference", 0.0) + rm
     if cfg.rollout.vllm.sleep_level == 0:
-        return train + vllm
-    return max(train, vllm + sum(resident_while_generating(cfg, mem).values()))
+        return max(train, scoring) + vllm
+    return max(train, scoring, vllm + sum(resident_while_generating(cfg, mem).values()))
 
 
 def async_plan(cfg: GRPOConfig) -> dict[str, object]:
@@ -285,6 +294,11 @@ def host_plan(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, tuple[float, 
     if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate" and cfg.rollout.vllm.sleep_level == 1:
         rows["vllm_weights_asleep"] = (mem.get("vllm_weights", 0.0) * local,
                                        "vLLM sleep level 1 keeps its weights in host memory while training")
+    if on_cpu := reward_model_bytes(cfg, on_device=False):
+        rows["reward_model"] = (on_cpu * local, "local reward model(s) on the CPU, one copy per process")
+    if parks_reward_models(cfg) and mem.get("reward_model"):
+        rows["reward_model_parked"] = (mem["reward_model"] * local, "reward model(s) waiting here except while "
+                                                                    "scoring (colocated engine; not pinned)")
     if cfg.rollout.mode == "async":
         rows["ray_object_store"] = (p * engine_bytes(cfg), "one copy of the weights per sync, put by rank 0 "
                                                            "(node 0; shared memory, not pinned)")
@@ -334,6 +348,9 @@ def _render_memory(cfg: GRPOConfig, mem: dict[str, float], gpu_mem: float | None
     lines = [f"# memory per GPU (estimate; mode {cfg.rollout.mode}, engine {cfg.rollout.engine}, "
              f"backend {cfg.distributed.backend})"]
     notes = _gpu_notes(cfg)
+    if "reward_model" in mem:
+        notes["reward_model"] = "local reward model(s), one copy per process; " + (
+            "on the GPU only while scoring" if parks_reward_models(cfg) else "resident for the whole run")
     lines += [f"  {k:28s} {v / GIB:8.2f} GiB" + (f"   {notes[k]}" if k in notes else "") for k, v in mem.items()]
     peak = peak_bytes(cfg, mem)
     lines.append(f"  {'peak':28s} {peak / GIB:8.2f} GiB")

@@ -96,8 +96,9 @@ def _check_async(cfg: GRPOConfig) -> None:
             "Ray rollout actor runs one single-process engine on one GPU (vLLM's tensor parallelism would need its "
             "multi-process executor inside the actor, and weight pushes to every worker of it). Set "
             "rollout.vllm.tensor_parallel_size=1 and spread the rollout GPUs over more actors (rollout.ray.num_actors "
-            "= distributed.rollout_gpus x num_machines), or serve a tensor-parallel engine with `grpo serve-rollout "
-            "--tensor-parallel-size N` and rollout.mode=server."
+            "= distributed.rollout_gpus x num_machines), or serve a tensor-parallel engine with SGLang (`grpo "
+            "serve-rollout --engine sglang --tensor-parallel-size N`, rollout.engine=sglang, rollout.mode=server; "
+            "`grpo serve-rollout --engine vllm` serves one GPU per server)."
         )
     if r.ray.address is None and d.num_machines > 1:
         raise ValueError(
@@ -364,6 +365,20 @@ def _check_agent(cfg: GRPOConfig) -> None:
         )
 
 
+def _check_reward_models(cfg: GRPOConfig) -> None:
+    from grpo_cli.config.reward_models import device_setting, reward_models
+
+    for f in reward_models(cfg):
+        if f.isolation == "process" and device_setting(cfg, f) != "cpu":
+            raise ValueError(
+                f"rewards.functions[{f.alias or f.name}] (model {f.kwargs['model']}) runs on device "
+                f"'{device_setting(cfg, f)}' with isolation: process: every worker interpreter of every rank would "
+                "load its own copy, all onto the first visible GPU, and memory_mb's address-space cap breaks CUDA's "
+                "initialisation. Score it inline (isolation: inline, one copy per training process on its own "
+                "device) or on the CPU (device: cpu)."
+            )
+
+
 def check_rules(cfg: GRPOConfig) -> None:
     """Raise ValueError (naming the field and the fix) when fields contradict each other."""
     _check_batch(cfg)
@@ -373,3 +388,4 @@ def check_rules(cfg: GRPOConfig) -> None:
     _check_megatron(cfg)
     _check_lora_and_eval(cfg)
     _check_agent(cfg)
+    _check_reward_models(cfg)

@@ -76,7 +76,7 @@ def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
     from grpo_cli.eval.runner import Evaluator
     from grpo_cli.runtime.dist import DistInfo
     from grpo_cli.runtime.quiet import quiet_hf_stack
-    from grpo_cli.rewards.resolve import build_reward_fns
+    from grpo_cli.rewards.resolve import reward_fns_for
     from grpo_cli.rollout.base import EngineContext
     from grpo_cli.rollout.factory import make_engine
     from grpo_cli.runtime.accel import resolve_device
@@ -91,7 +91,7 @@ def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
                         policy.tokenizer.pad_token_id)
     engine = make_engine(cfg, ctx, policy=hf_module, device=device)
     try:
-        evaluator = Evaluator.build(cfg, reward_fns=build_reward_fns(cfg.rewards.functions),
+        evaluator = Evaluator.build(cfg, reward_fns=reward_fns_for(cfg, device),
                                     tokenizer=policy.tokenizer, dist=info)
 
         def generate(prompts, sampling):

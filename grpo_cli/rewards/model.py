@@ -1,14 +1,17 @@
 """Reward models: a local sequence-classification checkpoint (its own tokenizer and chat template, which may differ
-from the policy's) scores prompt + completion at its last non-pad token, in batches, on the CPU or the training
-device (`reward_model`); a served one answers SGLang's /classify route (`served_reward_model`)."""
+from the policy's) scores prompt + completion at its last non-pad token, in batches, in the run's compute dtype on
+the CPU or the training device (`reward_model`); a served one answers SGLang's /classify route
+(`served_reward_model`)."""
 
 from __future__ import annotations
 
+import contextlib
 from functools import lru_cache
 
 
 def resolve_rm_device(device: str):
-    """`cpu`, or `auto`: this process's training device (its CUDA device under torchrun when there is one)."""
+    """`cpu`, a device name (the trainer passes its resolved device as one), or `auto` where no trainer resolved it
+    (`grpo serve-rollout --task reward`): this process's CUDA device when there is one."""
     import torch
 
     from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
@@ -17,17 +20,33 @@ def resolve_rm_device(device: str):
 
 
 @lru_cache(maxsize=4)
-def _load(path: str, device: str = "cpu"):
+def _load(path: str, dtype: str = "float32"):
+    """The checkpoint in `dtype`, in host memory (`_placed` puts it on its device), and its tokenizer."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=torch.float32).eval()
-    model.to(resolve_rm_device(device))
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     tokenizer.padding_side = "right"
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _placed(net, device, *, park: bool):
+    """`net` on `device` while it scores; with `park` back in host memory afterwards, its device blocks handed back
+    (`accel.empty_cache`) for the colocated rollout engine and the training state. One path on every device: on the
+    CPU both moves are no-ops."""
+    from grpo_cli.runtime import accel
+
+    net.to(device)
+    try:
+        yield
+    finally:
+        if park:
+            net.to("cpu")
+            accel.empty_cache(device)
 
 
 def _text(tokenizer, prompt: str, messages, completion: str) -> str:  # noqa: D103
@@ -39,15 +58,16 @@ def _text(tokenizer, prompt: str, messages, completion: str) -> str:  # noqa: D1
     return prompt + completion
 
 
-def score_texts(model: str, texts: list[str], *, batch_size: int, device: str = "cpu") -> list[float]:
+def score_texts(model: str, texts: list[str], *, batch_size: int, device: str = "cpu", dtype: str = "float32",
+                park: bool = False) -> list[float]:
     """The checkpoint's single logit at each text's last non-pad token, right-padded batches of `batch_size`, on
-    `device` (`cpu` or `auto`, `resolve_rm_device`)."""
+    `device` (`resolve_rm_device`) in `dtype`; with `park` the model waits in host memory between calls."""
     import torch
 
-    net, tokenizer = _load(model, device)
-    where = next(net.parameters()).device
+    net, tokenizer = _load(model, dtype)
     out: list[float] = []
-    with torch.no_grad():
+    with _placed(net, resolve_rm_device(device), park=park), torch.no_grad():
+        where = next(net.parameters()).device
         for start in range(0, len(texts), batch_size):
             batch = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
                               add_special_tokens=False)
@@ -58,15 +78,17 @@ def score_texts(model: str, texts: list[str], *, batch_size: int, device: str = 
 
 
 def reward_model(prompts, completions, *, model: str, batch_size: int = 16, device: str = "cpu",
-                 prompt_messages: list | None = None, **_columns) -> list[float]:
+                 dtype: str = "float32", park: bool = False, prompt_messages: list | None = None,
+                 **_columns) -> list[float]:
     """Score r_j = head(h_j[last non-pad token]) of prompt j + completion j (the checkpoint's single logit), batches
     of `batch_size`, right-padded so a sequence's score does not depend on what it is batched with, on `device`
-    (`cpu`, or `auto`: the training device). Written as a
+    (`cpu`, or `auto`: the training device) in `dtype`. In training, `rewards.resolve.reward_fns_for` passes the
+    trainer's device for `auto`, the compute dtype `model.dtype` and `park` (`config.reward_models`). Written as a
     `rewards.functions` entry `{model: PATH}` (or `{name: reward_model, kwargs: {model: PATH}}`)."""
-    _, tokenizer = _load(model, device)
+    _, tokenizer = _load(model, dtype)
     messages = prompt_messages or [None] * len(prompts)
     texts = [_text(tokenizer, p, m, c) for p, m, c in zip(prompts, messages, completions, strict=True)]
-    return score_texts(model, texts, batch_size=batch_size, device=device)
+    return score_texts(model, texts, batch_size=batch_size, device=device, dtype=dtype, park=park)
 
 
 def served_reward_model(prompts, completions, *, url: str, tokenizer: str | None = None, batch_size: int = 64,

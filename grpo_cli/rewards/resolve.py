@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_cli.config.errors import UserError
+from grpo_cli.config.reward_models import REWARD_MODEL
 from grpo_cli.rewards.builtin import BUILTIN_REWARDS
 
 
@@ -90,12 +91,36 @@ def metric_labels(functions) -> list[str]:
     return out
 
 
-def build_reward_fns(functions) -> list[RewardFn]:
-    """Resolve every `rewards.functions` entry (fails before training starts)."""
-    return [RewardFn(f.name, resolve(f.name), f.weight, dict(f.kwargs), label, f.kind,
+def build_reward_fns(functions, *, device=None, dtype: str | None = None, park: bool = False) -> list[RewardFn]:
+    """Resolve every `rewards.functions` entry (fails before training starts). A local reward model
+    (`reward_model`) is placed as the run says (`_placed_kwargs`); without `device`/`dtype` its own settings stay."""
+    return [RewardFn(f.name, resolve(f.name), f.weight,
+                     _placed_kwargs(dict(f.kwargs), device=device, dtype=dtype, park=park)
+                     if f.name == REWARD_MODEL else dict(f.kwargs), label, f.kind,
                      {"workers": f.workers, "timeout_s": f.timeout_s, "memory_mb": f.memory_mb,
                       "on_error": f.on_error} if getattr(f, "isolation", "inline") == "process" else None)
             for f, label in zip(functions, metric_labels(functions), strict=True)]
+
+
+def _placed_kwargs(kwargs: dict, *, device, dtype: str | None, park: bool) -> dict:
+    """A reward model's kwargs in a run: `device: auto` becomes the trainer's resolved `device` (as a name, which a
+    process worker can take too), the model loads in `dtype` (the compute dtype) unless it names its own, and
+    `park` keeps it in host memory between scorings (`config.reward_models.parks_reward_models`)."""
+    if device is not None and kwargs.get("device", "cpu") == "auto":
+        kwargs["device"] = str(device)
+    if dtype is not None:
+        kwargs.setdefault("dtype", dtype)
+    kwargs.setdefault("park", park)
+    return kwargs
+
+
+def reward_fns_for(cfg, device) -> list[RewardFn]:
+    """The run's reward functions, a local reward model on the training `device` the trainer resolved (for
+    `device: auto`), in the compute dtype `model.dtype`, parked in host memory while a colocated engine generates."""
+    from grpo_cli.config.reward_models import parks_reward_models
+
+    return build_reward_fns(cfg.rewards.functions, device=device, dtype=cfg.model.dtype,
+                            park=parks_reward_models(cfg))
 
 
 def _check_output(rf: RewardFn, values, n: int, completions: list[str]) -> list[float]:
