@@ -12,7 +12,7 @@ from grpo_cli.data.sources import load_rows
 from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 from grpo_cli.runtime.dist import DistInfo, barrier, broadcast_object, init_from_env, shutdown
 from grpo_cli.runtime.quiet import quiet_hf_stack
-from grpo_cli.rewards.resolve import build_reward_fns
+from grpo_cli.rewards.resolve import reward_fns_for
 from grpo_cli.rollout.base import EngineContext
 from grpo_cli.rollout.factory import make_engine, sampling_params
 from grpo_cli.train import checkpoint as ckpt
@@ -30,7 +30,7 @@ from grpo_cli.train.supervise.watchdog import StallWatchdog
 def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trainer:
     """Load data, rewards, policy and engine for this process, on its resolved `device`."""
     model_path = resolve_model_path(cfg.model.name_or_path)
-    reward_fns = build_reward_fns(cfg.rewards.functions)
+    reward_fns = reward_fns_for(cfg, device)  # a reward model with `device: auto` follows the training device
     policy = load_policy(cfg, model_path, device=device, info=info)
     rows = load_rows(cfg.data.source, seed=cfg.train.seed)
     schemas = None
