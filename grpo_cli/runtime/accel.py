@@ -53,6 +53,22 @@ def empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def peak_memory_mb(device: torch.device) -> dict[str, float]:
+    """The peaks of this process's CUDA caching allocator on `device` since the last `reset_peak_memory`, in MiB:
+    `allocated` (tensors) and `reserved` (what the allocator holds from the driver, what nvidia-smi sees of it);
+    {} on a device without one (the CPU's figure is the process's peak RSS)."""
+    if not is_cuda(device):
+        return {}
+    return {"allocated": torch.cuda.max_memory_allocated(device) / 2**20,
+            "reserved": torch.cuda.max_memory_reserved(device) / 2**20}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Restart the peaks `peak_memory_mb` reads from what is in use now."""
+    if is_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def wants_pinned(source: torch.device, target: torch.device) -> bool:
     """Whether a copy from `source` to `target` lands in pinned host memory (a device → host transfer)."""
     return torch.device(target).type == "cpu" and is_cuda(source)

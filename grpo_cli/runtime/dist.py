@@ -108,14 +108,22 @@ def all_reduce_sum(value: float, info: DistInfo) -> float:
     return float(t)
 
 
+PEAK_PREFIX = "memory/"
+"""Metrics that are peaks (memory): the rank closest to running out is what matters, so ranks give their max."""
+
+
 def mean_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Average every scalar metric over ranks (same keys on every rank)."""
+    """Average every scalar metric over ranks (same keys on every rank), except peaks (`PEAK_PREFIX`): their max
+    over ranks. One all-gather of every rank's values."""
     if info.world_size == 1:
         return metrics
     keys = sorted(metrics)
     t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return {k: float(v) / info.world_size for k, v in zip(keys, t, strict=True)}
+    gathered = [torch.empty_like(t) for _ in range(info.world_size)]
+    dist.all_gather(gathered, t)
+    ranks = torch.stack(gathered)
+    mean, peak = ranks.mean(dim=0), ranks.max(dim=0).values
+    return {k: float(peak[i] if k.startswith(PEAK_PREFIX) else mean[i]) for i, k in enumerate(keys)}
 
 
 def barrier(info: DistInfo) -> None:

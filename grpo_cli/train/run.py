@@ -22,6 +22,7 @@ from grpo_cli.train.pipeline import RolloutPipeline
 from grpo_cli.train.policy import eos_token_ids, load_policy
 from grpo_cli.train.supervise.run_dir import RunDir, default_output_dir
 from grpo_cli.train.supervise.signals import SignalFlag
+from grpo_cli.train.supervise.timing import PhaseTimer
 from grpo_cli.models.tiny import resolve_model_path
 from grpo_cli.train.supervise.trackers import close_trackers, log_trackers, open_trackers
 from grpo_cli.train.supervise.watchdog import StallWatchdog
@@ -58,7 +59,7 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
 
         engine = wrap_rollout(engine, cfg, policy.tokenizer)
     offload = policy.backend.offloader()
-    trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload)
+    trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload, timer=PhaseTimer(device))
     if not engine.shares_policy_weights:
         from grpo_cli.train.weights.weight_sync import sync_weights
 
@@ -212,6 +213,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
                "skipped_steps": state.skipped_steps, "output_dir": str(path), "interrupted": flag.signum is not None,
                "world_size": info.world_size, "backend": trainer.policy.backend.name}
     if run_dir is not None:
+        summary.update(run_dir.peaks)  # memory/*: the run's largest per-step peaks
         run_dir.write_summary(summary)
     shutdown(info)
     return summary

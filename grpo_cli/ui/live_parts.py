@@ -1,4 +1,5 @@
-"""Pieces of the live training view: progress line, sparkline, phase-time bar, sample panel (rich renderables)."""
+"""Pieces of the live training view: progress line, sparkline, phase-time bar, memory line, sample panel (rich
+renderables)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ PHASES = ("generate", "reward", "logprobs", "train", "sync", "offload")
 PHASE_COLORS = {"generate": "green", "reward": "magenta", "logprobs": "blue", "train": "yellow", "sync": "cyan",
                 "offload": "white"}
 BLOCKS = "▁▂▃▄▅▆▇█"
+GPU_ALLOCATED, GPU_RESERVED = "memory/cuda_peak_allocated_mb", "memory/cuda_peak_reserved_mb"
+RSS = "memory/peak_rss_mb"
 
 
 def fmt(value: float | None, spec: str = ".3f") -> str:
@@ -89,6 +92,30 @@ def phase_bar(metrics: dict[str, float], *, width: int = 30) -> Text:
     for p, t in times.items():
         text.append(f"{p} ", style=PHASE_COLORS[p]).append(f"{duration(t)}  ")
     return text
+
+
+def memory_line(metrics: dict[str, float]) -> Text | None:
+    """`memory GPU peak 1234 MB allocated, 2345 MB reserved (by phase: train 1234, generate 800)  RSS 3456 MB`: the
+    step's CUDA allocator peaks (the largest over ranks), each phase's, the process's peak RSS; None without any."""
+    parts = []
+    if GPU_ALLOCATED in metrics:
+        gpu = (f"GPU peak {fmt(metrics[GPU_ALLOCATED], '.0f')} MB allocated, "
+               f"{fmt(metrics.get(GPU_RESERVED), '.0f')} MB reserved")
+        phases = sorted(((k.removeprefix(GPU_ALLOCATED + "/"), v) for k, v in metrics.items()
+                         if k.startswith(GPU_ALLOCATED + "/")), key=lambda kv: -kv[1])
+        if phases:
+            gpu += " (by phase: " + ", ".join(f"{p} {fmt(v, '.0f')}" for p, v in phases) + ")"
+        parts.append(gpu)
+    if RSS in metrics:
+        parts.append(f"RSS {fmt(metrics[RSS], '.0f')} MB")
+    return Text("memory ", style="bold").append("  ".join(parts)) if parts else None
+
+
+def memory_plain(metrics: dict[str, float]) -> str:
+    """` gpu_mem=1234/2345MB` (peak allocated/reserved) on CUDA, else ` rss=3456MB`, else ``."""
+    if GPU_ALLOCATED in metrics:
+        return f" gpu_mem={fmt(metrics[GPU_ALLOCATED], '.0f')}/{fmt(metrics.get(GPU_RESERVED), '.0f')}MB"
+    return f" rss={fmt(metrics[RSS], '.0f')}MB" if RSS in metrics else ""
 
 
 def sample_panel(sample: dict | None, *, step: int, max_chars: int = 240) -> Panel:

@@ -12,7 +12,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from grpo_cli.ui.live_parts import duration, fmt, phase_bar, progress_line, sample_panel, trend_line
+from grpo_cli.ui.live_parts import (duration, fmt, memory_line, memory_plain, phase_bar, progress_line, sample_panel,
+                                    trend_line)
 from grpo_cli.ui.terminal import TerminalStream, stdout_stream
 
 EVAL_KEY = "eval/reward/mean"
@@ -43,8 +44,8 @@ def plain_line(step: int, total: int, metrics: dict[str, float], eta: float | No
     evals = f" eval={fmt(m[EVAL_KEY])}" if EVAL_KEY in m else ""
     return (f"step {step}/{total} reward={fmt(m.get('reward/mean'))} std={fmt(m.get('reward/std'))}{evals} "
             f"loss={fmt(m.get('loss'), '.4f')} kl={fmt(m.get('kl'), '.4f')} "
-            f"tok/s={fmt(m.get('tokens_per_second'), '.0f')} {_phase_text(m)}{_async_text(m)}{_sampling_text(m)} "
-            f"eta={fmt(eta, '.0f')}s")
+            f"tok/s={fmt(m.get('tokens_per_second'), '.0f')} {_phase_text(m)}{_async_text(m)}{_sampling_text(m)}"
+            f"{memory_plain(m)} eta={fmt(eta, '.0f')}s")
 
 
 class ProgressView:
@@ -115,6 +116,8 @@ class ProgressView:
                           f"length {fmt(m.get('completions/mean_length'), '.1f')}  "
                           f"tok/s {fmt(m.get('tokens_per_second'), '.0f')}{_async_text(m)}{_sampling_text(m)}"))
         parts.append(phase_bar(m))
+        if (memory := memory_line(m)) is not None:
+            parts.append(memory)
         alarm = Text("alarm  ", style="bold")
         parts.append(alarm.append(self.last_alarm, style="bold red") if self.last_alarm
                      else alarm.append("none", style="dim"))

@@ -22,10 +22,13 @@ SUMMARY_METRICS = (  # (key, label, format); rows appear only for metrics the ru
     ("rollout_correction/k3_kl", "mismatch k3_kl", ".2e"), ("rollout_correction/is_weight_mean", "IS weight mean", ".3f"),
     ("rollout_correction/ess", "IS ess", ".3f"), ("tokens_per_second", "tokens/s", ".0f"),
     ("time/step", "step time (s)", ".2f"), ("memory/peak_rss_mb", "peak RSS (MB)", ".0f"),
+    ("memory/cuda_peak_allocated_mb", "GPU cuda_peak_allocated (MB)", ".0f"),
+    ("memory/cuda_peak_reserved_mb", "GPU cuda_peak_reserved (MB)", ".0f"),
     ("eval/reward/mean", "eval reward (held-out)", ".3f"), ("eval/pass@1", "eval pass@1", ".3f"),
 )
 MISMATCH_METRICS = ("k3_kl", "kl", "chi2_token", "is_weight_mean", "ess", "log_ppl_abs_diff")
 NOT_PHASES = ("time/step",)  # totals, not phases
+PHASE_PEAK = "memory/cuda_peak_allocated_mb"  # + "/<phase>": a phase's CUDA allocator peak
 
 
 @dataclass
@@ -144,6 +147,10 @@ def summarize(run: Run) -> dict:
     whole = sum(totals.values())
     phases = {p.removeprefix("time/"): {"total_s": t, "share": t / whole if whole else math.nan,
                                         "mean_s": _mean(run.values(p))} for p, t in totals.items()}
+    for name, p in phases.items():  # CUDA runs: each phase's largest allocator peak over the steps
+        peaks = _finite(run.values(f"{PHASE_PEAK}/{name}"))
+        if peaks:
+            p["peak_allocated_mb"] = max(peaks)
     times = _finite(run.values("time"))
     return {"run_dir": str(run.path), "preset": run.config.get("preset"), "status": run.status,
             "steps_logged": len(run.rows), "last_step": run.steps[-1] if run.rows else None,
@@ -183,10 +190,12 @@ def render_summary(info: dict, console: Console) -> None:
     console.print(table)
     if info["phases"]:
         phases = Table(title="time per phase", title_justify="left")
-        for col in ("phase", "total s", "share", "mean s/step"):
+        peaks = any("peak_allocated_mb" in p for p in info["phases"].values())
+        for col in ("phase", "total s", "share", "mean s/step") + (("GPU peak MB",) if peaks else ()):
             phases.add_column(col, justify="left" if col == "phase" else "right", style="cyan" if col == "phase" else None)
         for name, p in sorted(info["phases"].items(), key=lambda kv: -kv[1]["total_s"]):
-            phases.add_row(name, _fmt(p["total_s"], ".1f"), _fmt(100 * p["share"], ".1f") + "%", _fmt(p["mean_s"], ".3f"))
+            phases.add_row(name, _fmt(p["total_s"], ".1f"), _fmt(100 * p["share"], ".1f") + "%", _fmt(p["mean_s"], ".3f"),
+                           *((_fmt(p.get("peak_allocated_mb"), ".0f"),) if peaks else ()))
         console.print(phases)
 
 

@@ -1,4 +1,5 @@
-"""Phase timers and memory readings for the step breakdown."""
+"""Phase timers and memory readings for the step breakdown: seconds per phase, the device allocator's peaks per step
+and per phase (CUDA; `runtime.accel` reads them), the process's peak RSS."""
 
 from __future__ import annotations
 
@@ -8,30 +9,79 @@ import sys
 import time
 from collections import defaultdict
 
+import torch
+
+from grpo_cli.runtime.accel import peak_memory_mb, reset_peak_memory
+
+
+class PeakMemory:
+    """The device allocator's peaks since the last `pop`: `memory/cuda_peak_allocated_mb` and `_reserved_mb` of the
+    whole span, `memory/cuda_peak_allocated_mb/<phase>` of each phase; nothing on a device without an allocator to
+    read (CPU). The peaks are read and restarted at every phase boundary, so a phase's figure is its own and the
+    span's is the largest of all readings (what ran between phases included)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peaks: dict[str, float] = {}
+        self.phases: dict[str, float] = {}
+        self.open: list[str] = []
+        reset_peak_memory(device)  # model loading is not the first step's
+
+    def mark(self) -> None:
+        """Fold the peaks since the last mark into the span's and every open phase's, then restart them."""
+        peaks = peak_memory_mb(self.device)
+        if not peaks:
+            return
+        for kind, mb in peaks.items():
+            self.peaks[kind] = max(self.peaks.get(kind, 0.0), mb)
+        for name in self.open:
+            self.phases[name] = max(self.phases.get(name, 0.0), peaks["allocated"])
+        reset_peak_memory(self.device)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.mark()
+        self.open.append(name)
+        try:
+            yield
+        finally:
+            self.mark()
+            self.open.remove(name)
+
+    def pop(self) -> dict[str, float]:
+        self.mark()
+        out = {f"memory/cuda_peak_{kind}_mb": mb for kind, mb in self.peaks.items()}
+        out.update({f"memory/cuda_peak_allocated_mb/{name}": mb for name, mb in self.phases.items()})
+        self.peaks, self.phases = {}, {}
+        return out
+
 
 class PhaseTimer:
-    """Accumulates wall seconds per named phase; `current` names the running phase (for stall reports)."""
+    """Accumulates wall seconds per named phase, and the allocator's peaks of `device` (`PeakMemory`; none on
+    CPU); `current` names the running phase (for stall reports)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.current: str | None = None
         self.started_at: float = time.monotonic()
+        self.memory = PeakMemory(torch.device(device))
 
     @contextlib.contextmanager
     def phase(self, name: str):
         self.current, self.started_at = name, time.monotonic()
         start = time.perf_counter()
         try:
-            yield
+            with self.memory.phase(name):
+                yield
         finally:
             self.seconds[name] += time.perf_counter() - start
             self.current = None
 
     def pop(self) -> dict[str, float]:
-        """`time/<phase>` metrics since the last pop."""
+        """`time/<phase>` and `memory/cuda_peak_*` metrics since the last pop."""
         out = {f"time/{k}": v for k, v in self.seconds.items()}
         self.seconds = defaultdict(float)
-        return out
+        return {**out, **self.memory.pop()}
 
 
 def peak_rss_mb() -> float:
