@@ -18,7 +18,8 @@ def serve_rollout(
              "`python -m sglang.launch_server` (SGLang's native API).")] = "hf",
     host: Annotated[str, typer.Option(help="Interface to listen on; beyond loopback, set a token.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port; 0 picks a free one (the URL is printed).")] = 8000,
-    tensor_parallel_size: Annotated[int, typer.Option(min=1, help="vllm/sglang tensor-parallel size.")] = 1,
+    tensor_parallel_size: Annotated[int, typer.Option(min=1, help="sglang tensor-parallel size (hf and vllm serve "
+                                                                  "one device per server: 1).")] = 1,
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.01, max=1.0,
                                                           help="vllm/sglang share of device memory.")] = 0.5,
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], typer.Option(

@@ -83,9 +83,27 @@ def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def check_options(opts: ServeOptions) -> None:
+    """Refuse, before anything loads, what the chosen engine cannot serve (a ServeError: the CLI exits 2)."""
+    tp = opts.tensor_parallel_size
+    if opts.engine == "hf" and tp != 1:
+        raise ServeError("--engine hf runs on one device: use --tensor-parallel-size 1 (or --engine sglang)")
+    if opts.engine == "vllm" and tp != 1:
+        # The served engine is VLLMEngine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its weight reloads hand
+        # vLLM a lazy tensor iterator and functions to run on the model, which vLLM's multi-process executor (the
+        # only way one process drives TP workers) cannot send to its workers.
+        raise ServeError(
+            f"--engine vllm --tensor-parallel-size {tp}: grpo serve-rollout runs vLLM in its own process, one device "
+            "per server (its in-place weight reloads cannot reach the workers of vLLM's multi-process executor). "
+            f"For a tensor-parallel rollout server use `grpo serve-rollout --engine sglang --tensor-parallel-size {tp}` "
+            "(trainer: rollout.engine=sglang, rollout.mode=server), or start one --engine vllm server per GPU "
+            "(--tensor-parallel-size 1) and list every URL in rollout.server.urls: generation is split over them.")
+
+
 def build(opts: ServeOptions, *, vllm_engine=None) -> Served:
     """What `opts` serves. `vllm_engine`: a `VLLMEngine` already running `opts.model`, served instead of a new
     one (tests share one engine between colocate and server checks)."""
+    check_options(opts)
     cfg = read_model_config(opts.model)
     eos_ids, pad_id = _special_ids(opts.model, cfg)
     text = cfg.get("text_config") or {}
@@ -109,8 +127,6 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
     from grpo_cli.rollout.hf import HFEngine
     from grpo_cli.rollout.weight_names import accepted_shapes
 
-    if opts.tensor_parallel_size != 1:
-        raise ServeError("--engine hf runs on one device: use --tensor-parallel-size 1 (or --engine vllm)")
     from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 
     model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=getattr(torch, dtype))

@@ -79,6 +79,9 @@ def run_reward_server(opts: ServeOptions) -> None:
 
 def run_server(opts: ServeOptions) -> None:
     """Serve until SIGINT/SIGTERM. Raises ServeError for user errors (bad model, port in use, missing package)."""
+    from grpo_cli.server.engines import check_options
+
+    check_options(opts)
     if opts.engine == "sglang":
         return run_sglang(opts)
     sock = bind(opts.host, opts.port)
