@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,12 +275,14 @@ class SGLangEngine:
         the cache is flushed and the version set on the last bucket only (SGLang does both per call, when asked:
         `scheduler_components/weight_updater.py` update_weights_from_tensor). On sglang >= 0.5.21 the buckets run
         inside a weight-update session on each server (that file refuses them outside one)."""
+        from grpo_cli.server.codec import size_buckets
+
         sessions: list[str] = []
         try:
             for url in self.urls:
                 if self._begin_session(url):
                     sessions.append(url)
-            for k, (bucket, last) in enumerate(tensor_buckets(named_tensors, self.chunk_bytes)):
+            for k, (bucket, last) in enumerate(size_buckets(named_tensors, chunk_bytes=self.chunk_bytes)):
                 for url in self.urls:
                     self._post_bucket(url, bucket, k, last, version)
                 bucket.clear()  # the generator fills the next bucket while the loop still names this list
@@ -343,21 +345,6 @@ class SGLangEngine:
         self._drop_loaded_folder()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
-
-
-def tensor_buckets(named_tensors: Iterable, chunk_bytes: int) -> Iterator[tuple[list, bool]]:
-    """(tensors, is_last) of ~`chunk_bytes` each (a bigger tensor alone), read lazily: a bucket is yielded when the
-    next tensor would overflow it, so the last one is known. No tensor at all gives one empty last bucket (it still
-    flushes the cache and sets the version)."""
-    bucket, size = [], 0
-    for name, t in named_tensors:
-        t = t.detach()
-        if bucket and size + t.nbytes > chunk_bytes:
-            yield bucket, False
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += t.nbytes
-    yield bucket, True
 
 
 def _parse_output(out: dict) -> tuple[list[int], str, list[float]]:

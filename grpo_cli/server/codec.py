@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -79,6 +79,26 @@ def _prepare(name: str, t: torch.Tensor, seen: set[int]) -> torch.Tensor:
         t = t.clone()
     seen.add(t.data_ptr())
     return t
+
+
+def size_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int,
+                 prepare: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
+                 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """(tensors, is_last) of ~`chunk_bytes` each (a bigger tensor gets a bucket of its own), each tensor passed
+    through `prepare`, read lazily: a bucket is yielded when the next tensor would overflow it, so the last is known
+    and what is held is one bucket plus that tensor (the caller clears a bucket it sent: the loop variable still
+    names it while the next one fills). No tensor at all gives one empty last bucket. The NCCL and SGLang tensor
+    transports send these; the HTTP frames are cut the same way (`_batches`)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        t = prepare(tensor)
+        if bucket and size + t.nbytes > chunk_bytes:
+            yield bucket, False
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += t.nbytes
+    yield bucket, True
 
 
 def _batches(named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int,

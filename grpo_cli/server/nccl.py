@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import torch
 
 from grpo_cli.rollout.base import RolloutError
-from grpo_cli.server.codec import DTYPES
+from grpo_cli.server.codec import DTYPES, size_buckets
 from grpo_cli.server.transport import RolloutServerDown
 
 _CODES = {v: k for k, v in DTYPES.items()}
@@ -73,7 +73,7 @@ def _abort(pg) -> None:
     """Abort the group's pending work (NCCL: its communicators, so the watchdog has nothing left to time out)."""
     try:
         pg.abort()
-    except RuntimeError:  # a backend without abort: its pending work fails at the group's timeout instead
+    except Exception:  # noqa: BLE001 - best effort: without abort, pending work fails at the group's timeout
         pass
 
 
@@ -104,23 +104,6 @@ class NcclReceiver:
 
     def close(self) -> None:
         _abort(self.pg)
-
-
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int,
-            device: torch.device) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """(tensors on `device`, is_last) of ~`chunk_bytes` each (a bigger tensor gets a bucket of its own), read lazily
-    from `named_tensors`: a bucket is yielded when the next tensor would overflow it, so the last is known and held
-    is one bucket plus that tensor. An empty stream gives one empty last bucket (the server still commits)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        t = tensor.detach().to(device).contiguous()
-        if bucket and size + t.nbytes > chunk_bytes:
-            yield bucket, False
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += t.nbytes
-    yield bucket, True
 
 
 def _advertised_host(server_url: str) -> str:
@@ -174,8 +157,8 @@ class NcclSender:
         connects again at the next update): broadcasts no server receives are left behind."""
         self.last_buckets = []
         try:
-            for index, (bucket, last) in enumerate(buckets(named_tensors, chunk_bytes=chunk_bytes,
-                                                           device=self.device)):
+            for index, (bucket, last) in enumerate(size_buckets(named_tensors, chunk_bytes=chunk_bytes,
+                                                                prepare=self._on_device)):
                 replies = self._send_bucket(bucket, index, last, version)
                 self.last_buckets.append(sum(t.nbytes for _, t in bucket))
                 bucket.clear()  # the generator reads the next bucket while the loop still names this list
@@ -186,6 +169,9 @@ class NcclSender:
             self.close()
             raise
         return sum(self.last_buckets)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(self.device).contiguous()
 
     def _send_bucket(self, bucket, index: int, last: bool, version: int) -> list[dict]:
         body = {"names": [n for n, _ in bucket], "dtypes": [_CODES[t.dtype] for _, t in bucket],
