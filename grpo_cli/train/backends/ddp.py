@@ -33,7 +33,9 @@ class DDPBackend(TrainingBackend):
         if self.info.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.model = DistributedDataParallel(self.module)
+            # Gradients as views into DDP's reduce buckets: one copy of them per rank (what `grpo plan` counts),
+            # not the gradients plus the buckets. Nothing here needs `.grad` to own its storage (offload parks a copy).
+            self.model = DistributedDataParallel(self.module, gradient_as_bucket_view=True)
         self.optimizer = make_adamw(cfg, list(self.module.parameters()))
         self.scheduler = make_scheduler(cfg, self.optimizer)
 
