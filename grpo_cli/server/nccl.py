@@ -153,8 +153,9 @@ class NcclSender:
         return cls(http, urls, pg, device, timeout_s)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, chunk_bytes: int) -> int:
-        """Stream `named_tensors` bucket by bucket; returns the bytes sent. Any failure aborts the group (the caller
-        connects again at the next update): broadcasts no server receives are left behind."""
+        """Stream `named_tensors` bucket by bucket; returns the bytes sent. Any failure aborts the group, and with it
+        the broadcasts no server will receive (NCCL; gloo's fail at the group's timeout); the caller joins the servers
+        again at the next update."""
         self.last_buckets = []
         try:
             for index, (bucket, last) in enumerate(size_buckets(named_tensors, chunk_bytes=chunk_bytes,
