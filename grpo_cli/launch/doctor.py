@@ -128,7 +128,26 @@ def _torch_checks() -> list[Check]:
                         else f"no NCCL ({'no CUDA' if not cuda else 'torch built without it'}): weight sync goes over "
                         "HTTP/gloo", None if nccl else "CUDA GPUs and a torch build with NCCL (for the NCCL fast path)"))
     checks.append(Check("torch.gloo", dist.is_available() and dist.is_gloo_available(), "gloo backend (CPU groups)"))
-    return checks
+    return [*checks, _torch_version_check(torch.__version__)]
+
+
+def _torch_version_check(version: str) -> Check:
+    """The installed torch against grpo-cli's range (pyproject.toml's `dependencies`, `pinned_versions(None)`): older
+    releases lack `torch.distributed.fsdp.fully_shard` (fsdp2) and the private FSDP2 layouts fsdp2 reads. A
+    pre-release or local build of X.Y (a nightly; NVIDIA's containers ship 2.6.0a0+...) counts as X.Y."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    spec = pinned_versions(None).get("torch", "")
+    try:
+        ok = SpecifierSet(spec).contains(Version(version).base_version)
+    except InvalidVersion:
+        ok = False
+    if ok:
+        return Check("torch.version", True, f"{version}, within grpo-cli's torch{spec}")
+    return Check("torch.version", False, f"{version} is outside grpo-cli's torch{spec}: distributed.backend fsdp2 "
+                 "(torch.distributed.fsdp.fully_shard) and other untested paths may fail",
+                 f'{_pip()} install "torch{spec}"')
 
 
 def _hf_checks() -> list[Check]:
@@ -251,22 +270,23 @@ def _optional_engine_checks(*, import_deepspeed: bool) -> list[Check]:
     return out
 
 
-def pinned_versions(extra: str) -> dict[str, str]:
-    """Distribution → version specifier that grpo-cli's `extra` pins: from the checkout's pyproject.toml when
-    running from one (the installed metadata of an editable install can predate an extra), else from the
-    installed grpo-cli's metadata."""
+def pinned_versions(extra: str | None) -> dict[str, str]:
+    """Distribution → version specifier that grpo-cli's `extra` pins (None: its own dependencies, e.g. the torch
+    floor): from the checkout's pyproject.toml when running from one (the installed metadata of an editable install
+    can predate an extra), else from the installed grpo-cli's metadata."""
     from packaging.requirements import Requirement
 
     tree, specs = _source_tree(), []
     if tree is not None:
         import tomllib
 
-        specs = tomllib.loads((tree / "pyproject.toml").read_text())["project"].get(
+        project = tomllib.loads((tree / "pyproject.toml").read_text())["project"]
+        specs = project.get("dependencies", []) if extra is None else project.get(
             "optional-dependencies", {}).get(extra, [])
     else:
         try:
-            specs = [r for r in md.requires("grpo-cli") or [] if Requirement(r).marker
-                     and Requirement(r).marker.evaluate({"extra": extra})]
+            specs = [r for r in md.requires("grpo-cli") or [] if (Requirement(r).marker is None if extra is None else
+                     Requirement(r).marker and Requirement(r).marker.evaluate({"extra": extra}))]
         except md.PackageNotFoundError:
             specs = []
     return {Requirement(r).name: str(Requirement(r).specifier) for r in specs}

@@ -40,7 +40,7 @@ class DoctorReport:
 # Mode -> (checks that must pass, checks whose failure only limits it). A required id absent from the run (vllm
 # probes when vllm does not import) counts as failed; "x.*" stands for every check id starting with "x.".
 _HF = ("torch.import", "transformers.import", "accelerate.import")
-_HF_OPT = ("deps.transformers.*", "deps.accelerate.*", "env.cpu_torch_extras")
+_HF_OPT = ("torch.version", "deps.transformers.*", "deps.accelerate.*", "env.cpu_torch_extras")
 MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "hf-colocate": (_HF, _HF_OPT),
     "vllm-colocate": ((*_HF, "vllm.import", "vllm.version", "vllm.logprobs_mode", "vllm.weight_load", "vllm.sleep_api"),
