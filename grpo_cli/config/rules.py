@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from grpo_cli.config.rules_offload import check_offload
+
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
 
@@ -128,19 +130,15 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             f"distributed.machine_rank={d.machine_rank} must be below distributed.num_machines={d.num_machines} "
             f"(valid: 0..{d.num_machines - 1})."
         )
-    if any(d.offload.model_dump().values()) and cfg.rollout.mode != "colocate":
-        raise ValueError(
-            "distributed.offload moves training state off the device while a colocated engine generates; "
-            f"with rollout.mode '{cfg.rollout.mode}' nothing shares the device, so turn the offload flags off."
-        )
     sharded = d.backend == "fsdp2" or (d.backend == "deepspeed" and d.deepspeed.zero_stage == 3)
     if sharded and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
         raise ValueError(
             f"rollout.engine 'hf' in colocate mode generates with the policy's own parameters, which "
-            f"distributed.backend '{d.backend}' shards across processes (each holds 1/N); use rollout.engine=vllm "
+            f"distributed.backend '{d.backend}' shards across processes (each holds 1/N; in one process they are "
+            "still sharded tensors, which the hf engine's decode step cannot read); use rollout.engine=vllm "
             "(colocated, synced from the shards), rollout.mode=server or async, or distributed.backend=ddp."
         )
-    _check_offload_of_shared_weights(cfg)
+    check_offload(cfg)
     if cfg.model.cpu_linear == "onednn" and (d.backend != "ddp" or cfg.model.dtype != "float32"):
         raise ValueError(
             f"model.cpu_linear 'onednn' runs plain float32 linear layers on CPU, but distributed.backend is "
@@ -154,43 +152,6 @@ def _check_distributed(cfg: GRPOConfig) -> None:
         )
     if d.deepspeed.offload_params and d.deepspeed.zero_stage != 3:
         raise ValueError("distributed.deepspeed.offload_params needs zero_stage 3; set zero_stage=3 or turn it off.")
-    if d.backend == "deepspeed" and d.deepspeed.zero_stage == 3 and d.offload.optimizer \
-            and not d.deepspeed.offload_optimizer:
-        raise ValueError(
-            "distributed.offload.optimizer with ZeRO-3: DeepSpeed's offload_states moves ZeRO-3 optimizer state only "
-            "for its CUDA FusedAdam, and grpo-cli steps torch AdamW. Set distributed.deepspeed.offload_optimizer=true "
-            "(the optimizer state then stays in host memory, nothing to move) or distributed.offload.optimizer=false."
-        )
-    # DeepSpeed 0.19.8 (`DeepSpeedEngine._do_optimizer_sanity_check`) wraps the optimizer in BF16_Optimizer, which has
-    # no offload_states, exactly for ZeRO-1 + bf16 + fp32 gradient accumulation (config/deepspeed.reduce_dtypes: a
-    # bf16 model with reduce_dtype float32) without a CPU offload_optimizer; ZeRO-2/3 and fp16 get its ZeRO optimizer.
-    on = [k for k, v in d.offload.model_dump().items() if v]
-    if d.backend == "deepspeed" and d.deepspeed.zero_stage == 1 and cfg.model.dtype == "bfloat16" \
-            and d.reduce_dtype == "float32" and not d.deepspeed.offload_optimizer and on:
-        raise ValueError(
-            f"distributed.offload ({', '.join(on)}) cannot move the training state of DeepSpeed ZeRO-1 with "
-            "model.dtype bfloat16 and distributed.reduce_dtype float32: DeepSpeed then steps through its "
-            "BF16_Optimizer, which has no offload_states (the run would crash at the first generation). Use "
-            "distributed.deepspeed.zero_stage=2 (the optimizer state stays partitioned as under ZeRO-1, the "
-            "gradients too), or model.dtype=float32, or turn the distributed.offload flags off."
-        )
-
-
-def _check_offload_of_shared_weights(cfg: GRPOConfig) -> None:
-    """The colocated hf engine generates with the policy's own parameters (`rollout/factory.make_hf_engine`: unless
-    `rollout.dtype` asks for a copy in another dtype than the weights', or megatron leaves it none to share), so
-    `distributed.offload.params` would move them to the host just before generation: generation ran on the CPU,
-    silently. Refused on every device: on CPU the offload does nothing, and a config is rehearsed on CPU for a GPU."""
-    d, r = cfg.distributed, cfg.rollout
-    weights = "float32" if cfg.model.master_weights == "float32" else cfg.model.dtype
-    shares = r.dtype in ("auto", weights) and d.backend != "megatron"
-    if d.offload.params and r.engine == "hf" and r.mode == "colocate" and shares:
-        raise ValueError(
-            "distributed.offload.params moves the policy's parameters to host memory while the engine generates, "
-            "but rollout.engine 'hf' in colocate mode generates with those very parameters, so generation would run "
-            "on the CPU. Set distributed.offload.params=false (distributed.offload.optimizer and .grads still free "
-            "the GPU for generation), or use rollout.engine=vllm, which holds its own copy of the weights."
-        )
 
 
 def _check_sharding(cfg: GRPOConfig) -> None:
