@@ -74,7 +74,7 @@ def merged_copy(folder: Path, cfg: GRPOConfig, scratch: Path) -> Path:
 def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
     """Build the policy and the engine the run used (one process) and run the evaluation once."""
     from grpo_cli.eval.runner import Evaluator
-    from grpo_cli.runtime.dist import DistInfo
+    from grpo_cli.runtime.dist import DistInfo, release_own_group
     from grpo_cli.runtime.quiet import quiet_hf_stack
     from grpo_cli.rewards.resolve import reward_fns_for
     from grpo_cli.rollout.base import EngineContext
@@ -104,6 +104,7 @@ def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
         return evaluator.run(generate)
     finally:
         engine.close()
+        release_own_group()  # the 1-rank group a sharded backend made to load the policy in this process
 
 
 def run_eval(target: Path, *, data: str | None, out: Path | None, overrides: list[str]) -> dict:

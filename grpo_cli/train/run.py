@@ -10,7 +10,7 @@ from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
 from grpo_cli.data.sources import load_rows
 from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
-from grpo_cli.runtime.dist import DistInfo, barrier, broadcast_object, init_from_env, shutdown
+from grpo_cli.runtime.dist import DistInfo, barrier, broadcast_object, init_from_env, release_own_group, shutdown
 from grpo_cli.runtime.quiet import quiet_hf_stack
 from grpo_cli.rewards.resolve import reward_fns_for
 from grpo_cli.rollout.base import EngineContext
@@ -208,6 +208,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
         trainer.engine.close()
         if run_dir is not None:
             run_dir.close()
+        release_own_group()  # a one-process job's 1-rank group, also when the run failed (a launched job's: shutdown)
     first, last = reward_rise(state.reward_history)
     summary = {"steps": state.step, "reward_first_10pct": first, "reward_last_10pct": last,
                "skipped_steps": state.skipped_steps, "output_dir": str(path), "interrupted": flag.signum is not None,

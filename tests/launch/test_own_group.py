@@ -136,3 +136,32 @@ def test_fsdp2_builds_and_steps_in_one_process(no_group, monkeypatch, tiny_check
     assert any(not torch.equal(before[n], p.full_tensor()) for n, p in policy.module.named_parameters())
     gdist.shutdown(gdist.DistInfo())
     assert not dist.is_initialized()
+
+
+_FAILED_RUN = """
+import sys, torch.distributed as dist
+import grpo_cli.train.run as run
+from grpo_cli.config.load import build_config
+
+def boom(*args, **kwargs):
+    assert dist.is_initialized()  # the backend made its 1-rank group
+    raise RuntimeError("boom")
+
+run.run_loop = boom
+cfg = build_config(overrides=["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=2", "train.steps=1",
+                              "model.name_or_path=" + sys.argv[1], "eval.every_steps=0"])
+try:
+    run.run_training(cfg, output_dir=sys.argv[2])
+except RuntimeError as exc:
+    print("raised", exc)
+print("group left", dist.is_initialized(), flush=True)
+"""
+
+
+def test_a_failed_one_process_run_destroys_its_group(tmp_path, tiny_checkpoint):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    out = subprocess.run([sys.executable, "-c", _FAILED_RUN, tiny_checkpoint, str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=180, env=clean_env())
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "raised boom" in out.stdout and "group left False" in out.stdout, out.stdout[-2000:]
