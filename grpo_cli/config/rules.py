@@ -29,6 +29,30 @@ def _check_batch(cfg: GRPOConfig) -> None:
             f"trains per step (prompts_per_step/processes x generations_per_prompt); valid values: "
             f"{_divisors(per_rank)}."
         )
+    if t.micro_batch_tokens is not None:
+        _check_token_budget(cfg)
+
+
+def _check_token_budget(cfg: GRPOConfig) -> None:
+    budget, longest = cfg.train.micro_batch_tokens, cfg.data.max_prompt_length + cfg.rollout.max_completion_length
+    if budget < longest:
+        raise ValueError(
+            f"train.micro_batch_tokens={budget} is smaller than the longest sequence a step can hold "
+            f"(data.max_prompt_length + rollout.max_completion_length = {longest}): such a row would run alone, "
+            f"past the budget meant to bound a micro-batch's memory; use at least {longest} (see `grpo plan`)."
+        )
+    if cfg.distributed.backend == "megatron":
+        raise ValueError(
+            "train.micro_batch_tokens is not available with distributed.backend 'megatron': its pipeline schedule "
+            "runs micro-batches of train.micro_batch_size rows; remove train.micro_batch_tokens or use ddp, fsdp2 "
+            "or deepspeed."
+        )
+    if cfg.algorithm.aggregation == "token_mean_local":
+        raise ValueError(
+            "train.micro_batch_tokens cannot be used with algorithm.aggregation 'token_mean_local': that loss "
+            "divides by each micro-batch's own token count, so it would change with how rows are grouped; use "
+            "'token_mean' (the step's token count) or remove train.micro_batch_tokens."
+        )
 
 
 def _check_rollout(cfg: GRPOConfig) -> None:

@@ -190,6 +190,13 @@ class TrainConfig(Section):
     """Completions sampled per prompt (the group size G); at least 2."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward pass on one process; gradient accumulation covers the rest."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Cut micro-batches by positions instead of `micro_batch_size`: each process sorts its rows by length and
+    groups them so that rows × (longest prompt + longest completion) of a micro-batch stays within this many
+    positions, each micro-batch cut to its own padding: short completions share a pass and padding stops costing
+    compute. The loss does not depend on the grouping (its normalisers count the whole step). A row longer than
+    the budget runs alone; every process runs as many micro-batches as the one that needs most. `grpo plan`
+    suggests a value. Not with the megatron backend or the `token_mean_local` aggregation."""
     learning_rate: float = Field(1e-6, gt=0)
     """Peak AdamW learning rate."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -36,6 +37,20 @@ class TrainBatch:
             f.name: getattr(self, f.name)[start:stop] for f in fields(self) if getattr(self, f.name) is not None
         })
 
+    def select(self, index: list[int]) -> TrainBatch:
+        """Micro-batch of the rows `index` (in that order), cut to their own padding: the prompt columns that are
+        padding in every selected row and the completion columns after the longest selected completion go (position
+        ids are cumsum(mask) − 1, so the kept tokens' logits do not change)."""
+        at = torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
+        mb = replace(self, **{f.name: v[at] for f in fields(self) if (v := getattr(self, f.name)) is not None})
+        prompt_len, steps = mb.input_ids.shape[1] - mb.num_completion_tokens, mb.num_completion_tokens
+        prompt, width = _row_lengths(mb.attention_mask, prompt_len)
+        first, keep = prompt_len - int(prompt.max()), max(1, int(width.max()))
+        cut = {f.name: v[:, :keep] for f in fields(mb) if (v := getattr(mb, f.name)) is not None
+               and f.name not in ("input_ids", "attention_mask") and v.dim() == 2 and v.shape[1] == steps}
+        return replace(mb, input_ids=mb.input_ids[:, first : prompt_len + keep],
+                       attention_mask=mb.attention_mask[:, first : prompt_len + keep], **cut)
+
     def to(self, device: torch.device) -> TrainBatch:
         return replace(self, **{
             f.name: getattr(self, f.name).to(device) for f in fields(self) if getattr(self, f.name) is not None
@@ -65,6 +80,71 @@ def build_batch(rollout: RolloutBatch, *, group_size: int, pad_token_id: int) ->
     return TrainBatch(ids, attn, cmask, sampler_logprobs=sampler, truncated=truncated)
 
 
+def _row_lengths(attention_mask: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) prompt tokens (the left-padded prompt's unmasked positions) and completion widths of each row."""
+    from grpo_cli.rollout.packing import completion_widths
+
+    return attention_mask[:, :prompt_len].sum(dim=1), completion_widths(attention_mask[:, prompt_len:])
+
+
+def token_groups(prompt: list[int], width: list[int], budget: int) -> list[list[int]]:
+    """Rows grouped longest first so that each group's padded size — rows × (longest prompt + longest completion
+    in it) — stays within `budget` positions; a row longer than the budget gets a group of its own. Sorting
+    first keeps rows of like length together, so the padding left after `TrainBatch.select` is small."""
+    order = sorted(range(len(prompt)), key=lambda b: (-(prompt[b] + width[b]), b))
+    groups: list[list[int]] = []
+    top_p = top_w = 0
+    for b in order:
+        p, w = max(top_p, prompt[b]), max(top_w, max(1, width[b]))
+        if groups and groups[-1] and (len(groups[-1]) + 1) * (p + w) <= budget:
+            groups[-1].append(b)
+            top_p, top_w = p, w
+        else:
+            groups.append([b])
+            top_p, top_w = prompt[b], max(1, width[b])
+    return groups
+
+
+def split_to(groups: list[list[int]], count: int) -> list[list[int]]:
+    """`groups` split until there are `count` of them (every rank must run the same number of micro-batches: each
+    one's forward gathers sharded weights, its backward may reduce gradients): the group with the most rows is
+    halved, its longer rows first, which keeps every group within the budget it was cut to."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        k = max(range(len(groups)), key=lambda i: len(groups[i]))
+        if len(groups[k]) < 2:
+            raise ValueError(f"{sum(map(len, groups))} rows cannot make {count} micro-batches")
+        half = len(groups[k]) // 2
+        groups[k : k + 1] = [groups[k][:half], groups[k][half:]]
+    return groups
+
+
+def micro_batch_rows(batch: TrainBatch, *, micro_batch_size: int, micro_batch_tokens: int | None,
+                     agree: Callable[[int], int] | None = None) -> list[list[int]]:
+    """The rows of each micro-batch: consecutive runs of `micro_batch_size` rows, or with `micro_batch_tokens` the
+    `token_groups` of that budget, split to `agree(count)` micro-batches (the ranks' largest count) when given."""
+    if micro_batch_tokens is None:
+        return [list(range(i, min(i + micro_batch_size, len(batch)))) for i in range(0, len(batch), micro_batch_size)]
+    prompt, width = _row_lengths(batch.attention_mask, batch.input_ids.shape[1] - batch.num_completion_tokens)
+    groups = token_groups(prompt.tolist(), width.tolist(), micro_batch_tokens)
+    return split_to(groups, agree(len(groups))) if agree is not None else groups
+
+
+def take(batch: TrainBatch, rows: list[int], *, micro_batch_tokens: int | None) -> TrainBatch:
+    """Micro-batch `rows` of `batch`: a slice as cut by `micro_batch_size`, `select`ed (own padding only) under a
+    token budget."""
+    return batch.rows(rows[0], rows[-1] + 1) if micro_batch_tokens is None else batch.select(rows)
+
+
+def scatter_rows(parts: list[torch.Tensor], groups: list[list[int]], steps: int) -> torch.Tensor:
+    """(B, steps) from each micro-batch's (b, t ≤ steps) rows back in the batch's row order, 0 after column t."""
+    first = parts[0]
+    out = first.new_zeros((sum(map(len, groups)), steps))
+    for part, rows in zip(parts, groups, strict=True):
+        out[torch.tensor(rows, device=first.device), : part.shape[1]] = part
+    return out
+
+
 def forward_logprobs(model, mb: TrainBatch, *, temperature: float) -> torch.Tensor:
     """Completion-token logprobs (b, T) of a micro-batch, in fp32."""
     from grpo_cli.rollout.scoring import completion_logprobs
@@ -75,7 +155,14 @@ def forward_logprobs(model, mb: TrainBatch, *, temperature: float) -> torch.Tens
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: TrainBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
-    """No-grad logprobs (B, T) of the whole batch, micro-batch by micro-batch (old-policy or reference pass)."""
-    return torch.cat([forward_logprobs(model, batch.rows(i, i + micro_batch_size), temperature=temperature)
-                      for i in range(0, len(batch), micro_batch_size)])
+def batch_logprobs(model, batch: TrainBatch, *, micro_batch_size: int, temperature: float,
+                   micro_batch_tokens: int | None = None, agree: Callable[[int], int] | None = None) -> torch.Tensor:
+    """No-grad logprobs (B, T) of the whole batch, micro-batch by micro-batch (old-policy or reference pass); the
+    micro-batches as `micro_batch_rows` cuts them, the result in the batch's row order."""
+    if micro_batch_tokens is None:
+        return torch.cat([forward_logprobs(model, batch.rows(i, i + micro_batch_size), temperature=temperature)
+                          for i in range(0, len(batch), micro_batch_size)])
+    groups = micro_batch_rows(batch, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+                              agree=agree)
+    parts = [forward_logprobs(model, batch.select(rows), temperature=temperature) for rows in groups]
+    return scatter_rows(parts, groups, batch.num_completion_tokens)

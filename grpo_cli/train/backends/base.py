@@ -147,7 +147,20 @@ class TrainingBackend:
         from grpo_cli.train.batch import batch_logprobs
 
         with self.compute_context(), (self.reference() if reference else contextlib.nullcontext(self.model)) as m:
-            return batch_logprobs(m, batch, micro_batch_size=micro_batch_size, temperature=temperature)
+            return batch_logprobs(m, batch, micro_batch_size=micro_batch_size, temperature=temperature,
+                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens, agree=self.agree_count)
+
+    def agree_count(self, count: int) -> int:
+        """The largest micro-batch count of any rank (one all-reduce): under `train.micro_batch_tokens` each rank
+        cuts its own rows, and every rank must run as many micro-batches as the others (each forward may gather
+        sharded weights, each backward reduce gradients)."""
+        if self.info.world_size == 1:
+            return count
+        import torch.distributed as dist
+
+        t = torch.tensor([count], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
 
     def forward_backward(self, batch: TrainBatch, *, micro_batch_size: int, temperature: float, entropy_grad: bool,
                          loss_fn: LossFn) -> list[dict[str, torch.Tensor]]:
@@ -155,12 +168,15 @@ class TrainingBackend:
         each micro-batch's metrics. Raises `NonFiniteStep` (gradients zeroed) on a non-finite loss. Backends that
         cannot run a micro-batch at a time (pipeline parallel) override the whole of it."""
         from grpo_cli.rollout.scoring import completion_logprobs_entropy
+        from grpo_cli.train.batch import micro_batch_rows, take
 
-        starts = list(range(0, len(batch), micro_batch_size))
+        tokens = self.cfg.train.micro_batch_tokens
+        groups = micro_batch_rows(batch, micro_batch_size=micro_batch_size, micro_batch_tokens=tokens,
+                                  agree=self.agree_count)
         out = []
-        for k, start in enumerate(starts):
-            mb = batch.rows(start, start + micro_batch_size)
-            with self.accumulation_context(last=k == len(starts) - 1):
+        for k, rows in enumerate(groups):
+            mb = take(batch, rows, micro_batch_tokens=tokens)
+            with self.accumulation_context(last=k == len(groups) - 1):
                 with self.compute_context():
                     logprobs, entropy = completion_logprobs_entropy(
                         self.model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
