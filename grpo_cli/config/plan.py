@@ -161,6 +161,14 @@ def engine_bytes(cfg: GRPOConfig) -> int:
     return BYTES[cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype]
 
 
+def hf_generation_copy(cfg: GRPOConfig) -> bool:
+    """Whether the hf engine keeps a copy of the weights in `model.dtype` for generation (`rollout.hf.GenerationCopy`):
+    it shares the policy of a ddp run whose float32 masters compute in bf16/fp16 under autocast (not LoRA)."""
+    return (cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate" and cfg.rollout.dtype == "auto"
+            and cfg.distributed.backend == "ddp" and cfg.model.master_weights == "float32"
+            and cfg.model.dtype in ("bfloat16", "float16") and cfg.model.lora is None)
+
+
 def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     """Bytes per GPU for each item of the training and generation phases (rough; activations are an estimate).
     With megatron, the hf engine holds a whole copy of the model in `rollout.dtype` on every rank
@@ -179,6 +187,8 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
         cfg.train.micro_batch_size * seq * shape.hidden * shape.layers * wbytes * factor
     if megatron and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
         out["hf_engine_copy"] = p * engine_bytes(cfg)
+    if hf_generation_copy(cfg):
+        out["hf_generation_copy"] = p * BYTES[cfg.model.dtype]
     if rm := reward_model_bytes(cfg, on_device=True):
         out["reward_model"] = rm  # config.reward_models: parked in host memory except while scoring, or resident
     if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate":
@@ -334,7 +344,7 @@ def _gpu_notes(cfg: GRPOConfig) -> dict[str, str]:
                                f"{d.megatron.recompute}; + float32 logits/tp",
                 "hf_engine_copy": "the hf engine's own whole model on every rank (rollout.dtype); vLLM splits "
                                   "it by its TP"}
-    notes = {}
+    notes = {"hf_generation_copy": "the hf engine decodes a copy of the weights in model.dtype, refreshed each step"}
     if d.backend == "deepspeed" and d.deepspeed.offload_optimizer:
         notes["optimizer"] = "on the host (deepspeed.offload_optimizer)"
         if d.deepspeed.zero_stage >= 2:

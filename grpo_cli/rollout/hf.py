@@ -3,6 +3,8 @@ sampler logprobs."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 from collections.abc import Iterable
 
@@ -30,15 +32,33 @@ class HFEngine:
         self.shares_policy_weights = shares_policy_weights
         self.weight_version = 0
         self._kept = None  # the last call's rows' KV (`keep_cache`), for `continue_rows`
+        self._copy: GenerationCopy | None = None  # the weights in autocast's dtype (`generation_model`)
 
     def _run(self, fn, *args, **kwargs) -> Decoded:
-        was_training = self.model.training
-        self.model.eval()
+        model, context = self.generation_model()
+        was_training = model.training
+        model.eval()
         try:
-            return fn(self.model, *args, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                      compile_step=self.compile_step, **kwargs)
+            with context:
+                return fn(model, *args, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                          compile_step=self.compile_step, **kwargs)
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
+
+    def generation_model(self):
+        """(model to decode with, context to decode in). Under autocast over float32 weights (ddp's mixed precision,
+        which the trainer enters around generation), a copy of the weights in autocast's dtype, refreshed whenever
+        the policy's weights changed since the last call, decoded with autocast off: in one dtype the decode takes
+        the preallocated cache and the lean step (`decode.new_cache`), where autocast's mixed dtypes fell back to
+        the growing cache and the full forward. Otherwise the model itself, in the caller's context."""
+        dtype = autocast_dtype(self.model) if self.shares_policy_weights else None
+        if dtype is None or not copyable(self.model):
+            return self.model, contextlib.nullcontext()
+        if self._copy is None or self._copy.dtype != dtype:
+            self._copy = None  # drop the old copy before building one in another dtype
+            self._copy = GenerationCopy(self.model, dtype)
+        self._copy.refresh()
+        return self._copy.model, torch.autocast(next(self.model.parameters()).device.type, enabled=False)
 
     def _batch(self, out: Decoded, prompt_ids: list[list[int]], start: float) -> RolloutBatch:
         completions, reasons, sampler = _trim(out)
@@ -91,6 +111,54 @@ class HFEngine:
     def close(self) -> None:
         self.model = None
         self._kept = None
+        self._copy = None
+
+
+def autocast_dtype(model) -> torch.dtype | None:
+    """The dtype autocast computes `model`'s matmuls in when autocast is on for its device and that differs from
+    its weights' dtype; None otherwise."""
+    weight = next(model.parameters())
+    kind = weight.device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    dtype = torch.get_autocast_dtype(kind)
+    return dtype if dtype != weight.dtype else None
+
+
+def copyable(model) -> bool:
+    """Whether `GenerationCopy` can mirror `model` parameter by parameter: plain tensors (not DTensor shards) and no
+    PEFT wrapper (whose adapters would have to be merged again after every step)."""
+    return not hasattr(model, "get_base_model") and all(
+        type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
+
+
+class GenerationCopy:
+    """The policy's module with every parameter held in `dtype` (buffers, e.g. RoPE's float32 frequencies, as they
+    are): `grpo plan`'s `hf_generation_copy` row, P · 2 bytes in bf16. Built without a float32 copy of the weights
+    (the parameters are swapped in `deepcopy`'s memo). `refresh` copies the policy's weights in when any of them
+    was written in place since (an optimizer step, a checkpoint load: each bumps the tensor's version counter)."""
+
+    def __init__(self, model, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        sources = list(model.parameters())
+        memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in sources}
+        self.pairs = [(p, memo[id(p)]) for p in sources]
+        self.model = copy.deepcopy(model, memo).eval()
+        self.versions = self._versions()
+
+    def _versions(self) -> list[int]:
+        return [p._version for p, _ in self.pairs]
+
+    @torch.no_grad()
+    def refresh(self) -> bool:
+        """Copy the policy's weights in if they changed since the last copy; returns whether it copied."""
+        versions = self._versions()
+        if versions == self.versions:
+            return False
+        for source, target in self.pairs:
+            target.copy_(source)
+        self.versions = versions
+        return True
 
 
 def require_compilable(model, *, setting: str = "rollout.compile") -> None:

@@ -115,3 +115,17 @@ def test_engine_and_offload_host_rows():
                                                         "distributed.offload.grads=true"])
     # ddp, fp32 masters: AdamW's moments (8 B) and the gradients (4 B) move while generating
     assert _host(ddp)["offload_while_generating"] == pytest.approx(1.5e9 * (8 + 4))
+
+
+def test_hf_generation_copy_is_counted_under_bf16_autocast_only():
+    """ddp with float32 masters computing in bf16: the hf engine decodes a bf16 copy of the weights (2 B/parameter,
+    resident for the run); no copy when the weights are already in the compute dtype, or with LoRA."""
+    cfg = build_config("tiny-cpu", None, ["model.dtype=bfloat16"])
+    p = model_shape(cfg.model.name_or_path).params
+    mem = memory_plan(cfg, None)
+    assert mem["hf_generation_copy"] == pytest.approx(p * 2)
+    assert peak_bytes(cfg, mem) >= mem["hf_generation_copy"] + mem["weights"]
+    assert "hf_generation_copy" in render_plan(cfg, gpu_mem=None)
+    for extra in (["model.master_weights=compute_dtype"], [], ["rollout.engine=vllm"]):
+        other = build_config("tiny-cpu", None, (["model.dtype=bfloat16"] if extra else []) + extra)
+        assert "hf_generation_copy" not in memory_plan(other, None)
