@@ -11,6 +11,7 @@ from grpo_cli.config.model_shape import (  # noqa: F401  (re-exported: `grpo pla
     ModelShape, local_model_config, model_shape, num_experts)
 from grpo_cli.config.plan_megatron import (  # noqa: F401
     BYTES, megatron_activation_bytes, megatron_layout, megatron_state_bytes)
+from grpo_cli.config.plan_tokens import activation_bytes_per_position, micro_batch_positions, token_budget_lines
 from grpo_cli.config.reward_models import parks_reward_models, reward_model_bytes
 from typing import TYPE_CHECKING
 
@@ -181,10 +182,8 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     if cfg.algorithm.kl.beta > 0:
         world = cfg.distributed.num_processes * cfg.distributed.num_machines
         out["reference"] = out["weights"] if megatron else p * wbytes / (world if sharding(cfg)["weights"] else 1)
-    seq = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
-    factor = {True: 2, "selective": 10}.get(cfg.model.gradient_checkpointing, 16)
     out["activations"] = megatron_activation_bytes(cfg, shape, batch_plan(cfg)) if megatron else \
-        cfg.train.micro_batch_size * seq * shape.hidden * shape.layers * wbytes * factor
+        micro_batch_positions(cfg) * activation_bytes_per_position(cfg, shape)
     if megatron and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
         out["hf_engine_copy"] = p * engine_bytes(cfg)
     if hf_generation_copy(cfg):
@@ -395,4 +394,6 @@ def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None, host_mem: float | Non
         lines.append("# async rollouts (Ray)")
         lines += [f"  {k:28s} {v}" for k, v in async_plan(cfg).items()]
     mem = memory_plan(cfg, gpu_mem)
+    if cfg.distributed.backend != "megatron":
+        lines += token_budget_lines(cfg, mem, gpu_mem and gpu_mem * (1 - GPU_HEADROOM), peak=peak_bytes)
     return "\n".join(lines + _render_memory(cfg, mem, gpu_mem) + _render_host(cfg, mem, host_mem))

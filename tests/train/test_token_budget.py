@@ -159,3 +159,27 @@ def test_the_cli_refuses_a_budget_below_the_longest_sequence():
     result = CliRunner().invoke(app, ["train", *args, "--dry-run"])
     assert result.exit_code == 2, result.output
     assert "train.micro_batch_tokens=10" in " ".join(result.output.split())
+
+
+def test_plan_sizes_the_budget():
+    """The activations row counts the budget's positions; the largest budget that fits is the last multiple of 256
+    positions whose peak fits `--gpu-mem` less the headroom."""
+    from grpo_cli.config.plan import GPU_HEADROOM, GIB, memory_plan, peak_bytes, render_plan
+    from grpo_cli.config.plan_tokens import GRANULE, activation_bytes_per_position
+    from grpo_cli.config.model_shape import model_shape
+
+    rows = build_config(overrides=BASE)
+    budget = build_config(overrides=[*BASE, "train.micro_batch_tokens=1024"])
+    per = activation_bytes_per_position(budget, model_shape(budget.model.name_or_path))
+    assert memory_plan(rows, None)["activations"] == 8 * 28 * per  # micro_batch_size x longest sequence
+    assert memory_plan(budget, None)["activations"] == 1024 * per
+    gpu = 0.05 * GIB
+    text = render_plan(budget, gpu_mem=gpu)
+    assert "micro_batch_tokens           1024" in text and "same_memory_as_rows          224 " in text
+    largest = int(text.split("largest_that_fits")[1].split()[0])
+    mem = memory_plan(budget, gpu)
+
+    def fits(n):
+        return peak_bytes(budget, mem | {"activations": n * per}) <= gpu * (1 - GPU_HEADROOM)
+
+    assert largest % GRANULE == 0 and fits(largest) and not fits(largest + GRANULE)
