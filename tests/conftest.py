@@ -40,3 +40,18 @@ def _no_leaked_launch_env():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-rank gloo process group for the test (an existing 1-rank default group is used as it is)."""
+    import torch.distributed as dist
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        pytest.skip("a process group of several ranks is already open in this process")
+    yield
+    if made:
+        dist.destroy_process_group()

@@ -46,12 +46,11 @@ def main(ckpt: str, out: str, device_name: str) -> None:
         "train.generations_per_prompt=4"])
     policy = load_policy(cfg, ckpt, device=device, info=DistInfo())
     g = torch.Generator().manual_seed(0)
-    rows, prompt, completion = 4, 8, 8
-    ids = torch.randint(6, policy.module.config.vocab_size, (rows, prompt + completion), generator=g)
-    mask = torch.ones(rows, completion)
-    batch = TrainBatch(ids, torch.ones_like(ids), mask, advantages=torch.randn(rows, generator=g),
-                       sampler_logprobs=-torch.rand(rows, completion, generator=g))
-    optimizer_step(policy, batch, cfg, num_items=float(mask.sum()), num_sequences=rows)
+    ids = torch.randint(6, policy.module.config.vocab_size, (4, 16), generator=g)  # 4 rows: 8 prompt + 8 completion
+    mask = torch.ones(4, 8)
+    batch = TrainBatch(ids, torch.ones_like(ids), mask, advantages=torch.randn(4, generator=g),
+                       sampler_logprobs=-torch.rand(4, 8, generator=g))
+    optimizer_step(policy, batch, cfg, num_items=float(mask.sum()), num_sequences=4)
     if device.type == "cpu":
         os.environ[FORCE_ENV] = "1"
     offloader = policy.backend.offloader()
@@ -61,7 +60,7 @@ def main(ckpt: str, out: str, device_name: str) -> None:
               "moved_bytes": sum(offloader.moved_bytes.values()), "off_device": on_device(offloader, policy)}
     offloader.reload()
     result["allocated_reloaded"] = allocated(device)
-    optimizer_step(policy, batch, cfg, num_items=float(mask.sum()), num_sequences=rows)  # still trains after it
+    optimizer_step(policy, batch, cfg, num_items=float(mask.sum()), num_sequences=4)  # still trains after it
     with open(out, "w") as f:
         json.dump(result, f)
 

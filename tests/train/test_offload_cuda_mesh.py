@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -15,19 +14,6 @@ from torch.distributed.tensor import DTensor
 from grpo_cli.train.weights import offload as offload_mod
 from grpo_cli.train.weights.offload import TrainingStateOffload
 from grpo_cli.train.weights.offload_meter import moved_bytes
-
-
-@pytest.fixture
-def one_rank_group():
-    """A 1-rank gloo process group for the test (an existing 1-rank default group is used as it is)."""
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    elif dist.get_world_size() != 1:
-        pytest.skip("a process group of several ranks is already open in this process")
-    yield
-    if made:
-        dist.destroy_process_group()
 
 
 def _fsdp2_trained():

@@ -23,19 +23,6 @@ GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gat
 
 
 @pytest.fixture
-def one_rank_group():
-    """A 1-rank gloo process group for the test (an existing 1-rank default group is used as it is)."""
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    elif dist.get_world_size() != 1:
-        pytest.skip("a process group of several ranks is already open in this process")
-    yield
-    if made:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def gathers(monkeypatch):
     """Every all-gather's input (dtype, bytes, device type), in order."""
     seen: list[tuple[torch.dtype, int, str]] = []
