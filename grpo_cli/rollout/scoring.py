@@ -1,14 +1,17 @@
 """Per-token logprobs of given sequences under a transformers causal LM (trainer and hf engine share it).
 
-The batch is [left-padded prompt | right-padded completion]. When the rows share prompts (the G completions of a
-group) or carry much right padding, they run as packed rows (`rollout.packing`): one copy of each prompt followed by
-its completions, a 4D mask keeping completions apart — the same logits in one pass over fewer positions.
+The batch is [left-padded prompt | right-padded completion]; the output layer runs a chunk of positions at a
+time (`algo.chunked_logprobs`), so the (B, T, V) logits are never built whole. When the rows share prompts (the G
+completions of a group) or carry much right padding, they run as packed rows (`rollout.packing`): one copy of each
+prompt followed by its completions, a 4D mask keeping completions apart — the same logits in one pass over fewer
+positions.
 """
 
 from __future__ import annotations
 
 import torch
 
+from grpo_cli.algo.chunked_logprobs import chunked_logprobs
 from grpo_cli.algo.entropy import token_entropy
 from grpo_cli.rollout.attention import LAYOUT_ATTR
 from grpo_cli.rollout.attention import NAME as ATTENTION
@@ -45,9 +48,69 @@ def _packable(model) -> int | None:
     return getattr(config, "hidden_size", None)
 
 
-def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: int, hidden_size: int):
-    """Logits (B, T, V) predicting each completion token from a packed forward pass, or None when packing would
-    not cut the estimated cost by MIN_SAVING.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config fields of architectures whose forward changes the output layer's result (Gemma 2/3's soft cap, Cohere's
+and Granite's scales): those keep the full-logits path."""
+
+
+class _HeadStats:
+    """Stands in for the output layer's `forward` during one model call: from the hidden states it receives, the
+    positions that predict completion tokens (`select`, set by the caller) go through `algo.chunked_logprobs`, which
+    calls the layer's own forward per chunk, and the call returns (B, T, k) = logprob (and entropy) in place of the
+    logits. Running inside the model's forward keeps every backend's weight handling: FSDP2's root weights are
+    unsharded there, ZeRO-3's hooks gather the layer's weight around the call and for its backward, a PEFT wrapper
+    (`modules_to_save`, LoRA on the head) dispatches as usual, and tied embeddings are the same module's weight."""
+
+    def __init__(self, layer: torch.nn.Module, targets: torch.Tensor, *, vocab: int, temperature: float,
+                 with_entropy: bool, entropy_grad: bool) -> None:
+        self.layer, self.targets, self.vocab, self.temperature = layer, targets, vocab, temperature
+        self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
+        self.project = layer.forward  # as it runs now, instance-level wrappers (accelerate hooks) included
+        self.select = None
+        self.result: torch.Tensor | None = None
+        self._saved = None
+
+    @classmethod
+    def install(cls, model, targets: torch.Tensor, **options) -> _HeadStats | None:
+        """A stand-in for `model`'s output layer (not yet entered), or None when the model has none or transforms
+        its logits after it."""
+        hf = getattr(model, "module", model)
+        config = hf.config.get_text_config(decoder=True)
+        if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+            return None
+        layer = hf.get_output_embeddings()
+        if not isinstance(layer, torch.nn.Module):
+            return None
+        return cls(layer, targets, vocab=config.vocab_size, **options)
+
+    def __enter__(self) -> _HeadStats:
+        self._saved = self.layer.__dict__.get("forward")
+        self.layer.forward = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is None:
+            del self.layer.forward
+        else:
+            self.layer.forward = self._saved
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.select(hidden)
+        rows, cols, width = h.shape
+        logprobs, entropy = chunked_logprobs(
+            h.reshape(rows * cols, width), self.targets.reshape(-1), project=self.project,
+            temperature=self.temperature, vocab=self.vocab, with_entropy=self.with_entropy,
+            entropy_grad=self.entropy_grad)
+        parts = [logprobs] if entropy is None else [logprobs, entropy]
+        # a fresh tensor, not a view: FSDP2 hooks its pre-backward onto the root's outputs
+        self.result = torch.stack([part.reshape(rows, cols) for part in parts], dim=-1)
+        return self.result
+
+
+def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: int, hidden_size: int,
+                   head: _HeadStats | None):
+    """Logits (B, T, V) predicting each completion token from a packed forward pass (with `head`: its per-token
+    statistics (B, T, k) instead), or None when packing would not cut the estimated cost by MIN_SAVING.
 
     With `grpo_sdpa` attention the batch runs as one row of every group in turn (`packed_attention` keeps each
     completion to its prompt and own tokens: work per token p + W, and no padding between groups), with logits
@@ -75,14 +138,17 @@ def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: i
     dtype = next(model.parameters()).dtype
     if getattr(model, "module", model).config._attn_implementation == "eager":  # additive float mask
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    if head is not None:
+        head.select = lambda hidden: hidden[packing.row[:, None], at]
     logits = model(input_ids=input_ids.reshape(-1)[src], attention_mask=mask,
                    position_ids=position_ids.reshape(-1)[src], use_cache=False, logits_to_keep=keep).logits
-    return logits[packing.row[:, None], at]
+    return logits if head is not None else logits[packing.row[:, None], at]
 
 
 def _completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int,
-                       temperature: float) -> torch.Tensor:
-    """Logits (B, T, V) / temperature predicting the last T = logits_to_keep tokens of `input_ids` (B, S).
+                       temperature: float, head: _HeadStats | None = None) -> torch.Tensor:
+    """Logits (B, T, V) / temperature predicting the last T = logits_to_keep tokens of `input_ids` (B, S); with
+    `head` installed on the model's output layer, the statistics (B, T, k) it computes from the same positions.
 
     Position ids are (cumsum(mask) − 1) clamped at 0, as in generation. Rows run packed (`_packed_logits`) when the
     model allows it and it pays, else as one padded batch; both compute the same logits.
@@ -92,13 +158,18 @@ def _completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     hidden_size = _packable(model) if prompt_len > 0 else None
     logits = None
     if hidden_size is not None:
-        logits = _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len, hidden_size)
+        logits = _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len, hidden_size, head)
     if logits is None:
+        if head is not None:
+            head.select = lambda hidden: hidden[:, :-1]
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             use_cache=False, logits_to_keep=logits_to_keep + 1,
-        ).logits[:, :-1]
-    return logits / temperature if temperature != 1.0 else logits
+        ).logits
+        if head is not None:
+            return logits
+        logits = logits[:, :-1]
+    return logits / temperature if temperature != 1.0 and head is None else logits
 
 
 def _valid_positions(attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
@@ -107,15 +178,36 @@ def _valid_positions(attention_mask: torch.Tensor, logits_to_keep: int) -> torch
     return torch.arange(logits_to_keep, device=widths.device) < widths[:, None]
 
 
+def _completion_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int,
+                      temperature: float, with_entropy: bool, entropy_grad: bool):
+    """(logprobs, entropy or None), each (B, T), through `algo.chunked_logprobs` inside the model's forward (the
+    (B, T, V) logits never whole), or None for a model whose output layer cannot be stood in for."""
+    head = _HeadStats.install(model, input_ids[:, input_ids.shape[1] - logits_to_keep :], temperature=temperature,
+                              with_entropy=with_entropy, entropy_grad=entropy_grad)
+    if head is None:
+        return None
+    with head:
+        out = _completion_logits(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
+                                 temperature=temperature, head=head)
+    if head.result is None or out.shape != head.result.shape or not torch.equal(out, head.result):
+        return None  # the model changed the output layer's result (a logit transform): the full-logits path
+    return out[..., 0], (out[..., 1] if with_entropy else None)
+
+
 def completion_logprobs(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int, temperature: float
 ) -> torch.Tensor:
     """Logprobs (B, T = logits_to_keep) of the last T tokens of `input_ids` (B, S), each given the tokens before it,
     from logits divided by `temperature` (matching the sampler's processed logprobs); 0 after a row's last
-    unmasked position."""
-    logits = _completion_logits(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
-                                temperature=temperature)
-    logprobs = selective_log_softmax(logits, input_ids[:, input_ids.shape[1] - logits_to_keep :])
+    unmasked position. The logits are built a chunk of positions at a time (`algo.chunked_logprobs`)."""
+    stats = _completion_stats(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
+                              temperature=temperature, with_entropy=False, entropy_grad=False)
+    if stats is not None:
+        logprobs = stats[0]
+    else:
+        logits = _completion_logits(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
+                                    temperature=temperature)
+        logprobs = selective_log_softmax(logits, input_ids[:, input_ids.shape[1] - logits_to_keep :])
     return logprobs * _valid_positions(attention_mask, logits_to_keep)
 
 
@@ -124,11 +216,16 @@ def completion_logprobs_entropy(
     entropy_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`completion_logprobs` and the entropy (B, T) of the tempered policy at the same positions, from the same
-    logits (no second forward, no second (B, T, V) buffer); 0 after a row's last unmasked position. The entropy
+    logits chunk (no second forward, no (B, T, V) buffer); 0 after a row's last unmasked position. The entropy
     carries a gradient only with `entropy_grad` (the entropy bonus)."""
+    valid = _valid_positions(attention_mask, logits_to_keep)
+    stats = _completion_stats(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
+                              temperature=temperature, with_entropy=True, entropy_grad=entropy_grad)
+    if stats is not None:
+        entropy = stats[1] if entropy_grad else stats[1].detach()
+        return stats[0] * valid, entropy * valid
     logits = _completion_logits(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
                                 temperature=temperature)
-    valid = _valid_positions(attention_mask, logits_to_keep)
     logprobs = selective_log_softmax(logits, input_ids[:, input_ids.shape[1] - logits_to_keep :])
     entropy = token_entropy(logits if entropy_grad else logits.detach())
     return logprobs * valid, entropy * valid
