@@ -113,7 +113,9 @@ class MegatronBackend(TrainingBackend):
         merged, span = gather_group(batch, self._model_parallel_group())
         loss = partial(schedule.logprob_report, vocab_size=self.vocab_size, temperature=temperature)
         reports = schedule.from_last_stage(
-            schedule.run_schedule(chunks, schedule.micro_batches(merged, micro_batch_size), loss, forward_only=True))
+            schedule.run_schedule(chunks, schedule.micro_batches(merged, micro_batch_size), loss, forward_only=True,
+                                  head=dict(vocab_size=self.vocab_size, temperature=temperature, with_entropy=False,
+                                            entropy_grad=False)))
         full = torch.cat([r["logprobs"] for r in reports])
         return full[span.start:span.stop, :span.width].to(batch.input_ids.device)
 
@@ -128,7 +130,8 @@ class MegatronBackend(TrainingBackend):
                        entropy_grad=entropy_grad, loss_fn=loss_fn)
         reports = schedule.from_last_stage(
             schedule.run_schedule(self.chunks, schedule.micro_batches(merged, micro_batch_size), loss,
-                                  forward_only=False))
+                                  forward_only=False, head=dict(vocab_size=self.vocab_size, temperature=temperature,
+                                                                with_entropy=True, entropy_grad=entropy_grad)))
         if not all(r.pop("__finite__") for r in reports):
             self.zero_grad()
             raise NonFiniteStep("non-finite loss")

@@ -4,14 +4,17 @@ ranks (each holds a slice of the vocabulary), in float32, from logits divided by
 
 Rows arrive as [left-padded prompt | right-padded completion]; `right_aligned` moves each row's tokens to the front,
 so positions 0..n−1 and a plain causal mask give every real token the context and position ids it has under the
-Hugging Face forward (cumsum of the mask) — no per-row attention mask is needed."""
+Hugging Face forward (cumsum of the mask) — no per-row attention mask is needed. `VocabParallelHead` computes them
+inside the model's forward a chunk of positions at a time, so no rank holds the (B, S, V/tp) logits whole."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from grpo_cli.algo.chunked_logprobs import chunk_rows
 from grpo_cli.rollout.packing import completion_widths
 
 
@@ -78,3 +81,72 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
     expected = tp_sum(weighted) / (total if entropy_grad else total.detach())
     entropy = (lse if entropy_grad else lse.detach()) - expected
     return logprobs, entropy
+
+
+class VocabParallelHead:
+    """Stands in for `GPTModel.output_layer`'s forward during one micro-batch's forward: the hidden states at the
+    columns predicting completion tokens go through the layer a chunk of positions at a time (`algo.chunked_logprobs`'
+    chunk size, over this rank's V/tp columns), each chunk reduced by `vocab_parallel_logprobs` and its logits freed;
+    under grad, non-reentrant checkpointing recomputes a chunk's logits in backward (every tensor-parallel rank
+    recomputes the same chunks, so the recomputed all-reduces pair up). The model then returns (B, T, 2) = (logprob,
+    entropy) instead of (B, S, V/tp) logits. Sequence parallelism (the layer gathers the sequence itself) and
+    multi-token prediction keep the full-logits path."""
+
+    def __init__(self, layer: torch.nn.Module, aligned: Aligned, *, vocab_size: int, temperature: float,
+                 with_entropy: bool, entropy_grad: bool) -> None:
+        self.layer, self.aligned, self.vocab_size, self.temperature = layer, aligned, vocab_size, temperature
+        self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
+        self.project = layer.forward
+        self._saved = None
+
+    @classmethod
+    def install(cls, model: torch.nn.Module, aligned: Aligned, **options) -> VocabParallelHead | None:
+        """A stand-in for the output layer of `model` (a Megatron chunk, possibly wrapped), or None on a stage without
+        one or where the full-logits path stays."""
+        for module in model.modules():
+            layer = getattr(module, "output_layer", None)
+            if layer is None or not getattr(module, "post_process", False):
+                continue
+            if getattr(layer, "sequence_parallel", False) or getattr(module, "mtp_process", False):
+                return None
+            return cls(layer, aligned, **options)
+        return None
+
+    def __enter__(self) -> VocabParallelHead:
+        self._saved = self.layer.__dict__.get("forward")
+        self.layer.forward = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is None:
+            del self.layer.forward
+        else:
+            self.layer.forward = self._saved
+
+    def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None):
+        logits, _ = self.project(hidden[:, None, :], weight=weight)  # (n, 1, V/tp): the layer's (s, b, h) layout
+        logprobs, entropy = vocab_parallel_logprobs(
+            logits[:, 0], targets, vocab_size=self.vocab_size, temperature=self.temperature,
+            with_entropy=self.with_entropy, entropy_grad=self.entropy_grad)
+        return logprobs, entropy if entropy is not None else torch.zeros_like(logprobs)
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        """hidden (S, B, H) → ((T, B, k), None), which `GPTModel` transposes to (B, T, k)."""
+        rows_first = hidden.transpose(0, 1)
+        at = self.aligned.predict_at.unsqueeze(-1).expand(-1, -1, rows_first.shape[-1])
+        picked = rows_first.gather(1, at)  # (B, T, H)
+        batch, width, size = picked.shape
+        flat, targets = picked.reshape(batch * width, size), self.aligned.targets.reshape(-1)
+        step = chunk_rows(self.layer.output_size_per_partition)
+        parts = []
+        for start in range(0, flat.shape[0], step):
+            args = (flat[start : start + step], targets[start : start + step], weight)
+            parts.append(checkpoint(self._chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                         else self._chunk(*args))
+        keep = 2 if self.with_entropy else 1
+        stats = torch.stack([torch.cat([p[i] for p in parts]).reshape(batch, width) for i in range(keep)], dim=-1)
+        return stats.transpose(0, 1), None
+
+    def split(self, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs, entropy or None), each (B, T), from what the model returned with this head installed."""
+        return output[..., 0], (output[..., 1] if self.with_entropy else None)
