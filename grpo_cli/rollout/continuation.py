@@ -68,7 +68,7 @@ def stash_rows(cache, rows: list[int], mask: torch.Tensor, width: int, lengths: 
     kept[:, width:] = (torch.arange(total - width, device=device)[None, :] < (n - 1)[:, None]).to(kept.dtype)
 
     def cut(t: torch.Tensor) -> torch.Tensor:
-        return t[:, :, :total] if whole else t.index_select(0, which)[:, :, :total]
+        return t[: len(rows), :, :total] if whole else t.index_select(0, which)[:, :, :total]  # rows past: padding
 
     batch = KeptBatch([cut(layer.keys) for layer in cache.layers], [cut(layer.values) for layer in cache.layers],
                       kept)

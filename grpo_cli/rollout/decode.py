@@ -5,6 +5,7 @@ new tokens (a multi-turn rollout's next turn) without re-reading what they hold.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,9 @@ import torch
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.continuation import KeptRows, RowKV, chunk_inputs, continuable, seed_cache, stash_rows
 from grpo_cli.rollout.decode_step import compiled_decode_sample, decode_sample, decoder_parts, plan_decode, preallocated
-from grpo_cli.rollout.sampling import draw_noise, process_logits, sample_tokens
+from grpo_cli.rollout.sampling import process_logits, sample_tokens
+from grpo_cli.rollout.static_step import StaticStep
+from grpo_cli.runtime.accel import is_cuda
 
 COMPACT_FRACTION = 0.25
 """Drop finished rows from the batch (one copy of the KV cache) once they are at least this share of the active
@@ -55,7 +58,8 @@ def new_cache(model, *, max_len: int):
 
     config = model.config.get_text_config(decoder=True)
     # Under autocast (bf16 compute over float32 weights) keys leave RoPE in float32 while values stay bf16; a
-    # static cache takes one dtype from the first keys, so the growing cache is used there.
+    # static cache takes one dtype from the first keys, so the growing cache is used there. The hf engine avoids
+    # the case: it decodes a copy of the weights in autocast's dtype with autocast off (`hf.GenerationCopy`).
     autocast = torch.is_autocast_enabled(next(model.parameters()).device.type)
     if getattr(model, "_can_compile_fullgraph", False) and not autocast:
         return StaticCache(config=config, max_cache_len=max_len)
@@ -162,6 +166,7 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
     `decode_step.decode_sample` (the same modules and math without transformers' per-call machinery, and the draw;
     under `torch.compile` with `compile_step`), others the model's forward. Each step's token is drawn from
     `process_logits` of the fp32 logits and its logprob recorded (`sample_tokens`); a row stops after a stop token.
+    The lean step runs at static shapes (`static_step.StaticStep`: rows padded to a bucket, CUDA graphs on CUDA).
     Without a seed, the generator's seed is drawn from torch's global RNG.
     With `keep`, `Decoded.kept` holds each row's KV for `decode_continue`.
     """
@@ -195,11 +200,13 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
     kept: list | None = [None] * batch if keep and continuable(cache) else None
     parts = decoder_parts(model) if preallocated(cache, width + steps) else None
     plan = None if parts is None else plan_decode(parts, max_positions=width + steps)
-    if plan is not None:
-        rows.bias = step_bias(rows.mask, width)
-        lean_step = compiled_decode_sample() if compile_step else decode_sample
     knobs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-    vocab = logits.shape[-1]
+    static = None
+    if plan is not None:  # the slot is a tensor where the step is compiled or captured (CUDA graphs)
+        rows.bias = step_bias(rows.mask, width)
+        lean_step = functools.partial(compiled_decode_sample() if compile_step else decode_sample, **knobs)
+        static = StaticStep(lean_step, plan, cache, vocab=logits.shape[-1], tensor_slot=compile_step or is_cuda(
+            device), prepare=_mark_dynamic if compile_step else None)
     tokens, logprobs = sample_tokens(process_logits(logits, **knobs), generator)
     for t in range(steps):
         out.tokens[rows.origin, t], out.logprobs[rows.origin, t] = tokens, logprobs
@@ -214,18 +221,16 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
         if finished >= max(1.0, COMPACT_FRACTION * len(rows.origin)):
             _stash(kept, cache, rows, rows.done.nonzero().squeeze(1), out, width)
             active = (~rows.done).nonzero().squeeze(1)
-            select_rows(cache, active)
+            if static is not None:
+                static.compact(active)  # in place, into the next smaller bucket
+            else:
+                select_rows(cache, active)
             rows.keep(active)
             tokens = tokens.index_select(0, active)
         tokens = tokens.masked_fill(rows.done, pad_token_id)
-        if plan is not None:  # Llama-family model on a preallocated cache: the lean one-token forward and draw
-            slot = torch.tensor([width + t], device=device) if compile_step else width + t
+        if static is not None:  # Llama-family model on a preallocated cache: the lean one-token forward and draw
             rows.bias[..., width + t] = 0.0
-            args = (plan, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], tokens,
-                    rows.next_pos, slot, rows.bias, draw_noise((len(tokens), vocab), generator))
-            if compile_step:
-                _mark_dynamic(*args)
-            tokens, logprobs = lean_step(*args, **knobs)
+            tokens, logprobs = static(tokens, rows.next_pos, width + t, rows.bias, generator)
         else:
             logits = model(input_ids=tokens[:, None], attention_mask=rows.mask[:, : width + t + 1],
                            position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]

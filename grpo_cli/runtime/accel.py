@@ -102,3 +102,34 @@ def set_rng_states(states: dict, device: torch.device) -> None:
     torch.set_rng_state(states["torch"])
     if is_cuda(device) and "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"], device)
+
+
+class StepGraph:
+    """`fn()` (a step reading and writing fixed tensors, e.g. the static-shape decode step) as a CUDA graph: on a
+    CUDA `device`, warmed up on a side stream (a compiled `fn` compiles there), captured once, then every call
+    replays it and returns the outputs of the capture, rewritten in place; elsewhere every call calls `fn`. Graphs of
+    one decode share `pool` (`pool()` of the first), so their intermediates take one pool's memory, not one each.
+    `device` None: never captured."""
+
+    def __init__(self, fn, device: torch.device | None, *, pool=None, warmup: int = 2) -> None:
+        self.fn, self.graph, self.out = fn, None, None
+        if device is None or not is_cuda(device):
+            return
+        side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(warmup):  # the step is idempotent: it writes the same keys/values to the same slot
+                fn()
+        main.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn()
+
+    def pool(self):
+        return None if self.graph is None else self.graph.pool()
+
+    def __call__(self):
+        if self.graph is None:
+            return self.fn()
+        self.graph.replay()
+        return self.out
