@@ -9,9 +9,11 @@ grpo-cli's per-phase times and peak RSS, plus the ratio grpo-cli / TRL. A scalin
 length and G grow) follows unless `--no-scaling`.
 
 Run: `python -m benchmarks.compare [--quick] [--size 5m|tiny|small|50m] [--prompts P --gens G --tokens T]
-[--repeats N] [--steps N] [--vllm] [--dtype bfloat16]`. Sizes: `5m` is a Llama with the word-level tokenizer (vocab
-68); `tiny` (0.3M), `small` (18.9M) and `50m` (49.3M) are random-init Qwen2 models (tied embeddings, K/V heads
-half the query heads except 50m's) with the character tokenizer (vocab 101). The micro-batch defaults to P·G (one micro-batch per optimizer step, as TRL is configured).
+[--repeats N] [--steps N] [--vllm] [--dtype bfloat16] [--vocab N]`. Sizes: `5m` is a Llama with the word-level
+tokenizer (vocab 68), `2l` the same with 2 layers; `tiny` (0.3M), `small` (18.9M) and `50m` (49.3M) are random-init
+Qwen2 models (tied embeddings, K/V heads half the query heads except 50m's) with the character tokenizer (vocab 101).
+`--vocab N` (word-level sizes) pads the tokenizer with filler words to N entries and builds the model with that
+vocabulary (issue 37's case: `--size 2l --vocab 151936`, Qwen's vocabulary), so every sampled id decodes. The micro-batch defaults to P·G (one micro-batch per optimizer step, as TRL is configured).
 Results: `benchmarks/results/compare[-quick].json`. Timings on a shared 2-core CPU are noisy.
 """
 
@@ -33,6 +35,7 @@ RESULTS_DIR = Path(__file__).parent / "results"
 MARK = "BENCH_RESULT "
 SIZES = {
     "5m": dict(hidden_size=256, num_layers=8),
+    "2l": dict(hidden_size=256, num_layers=2),
     "tiny": dict(hidden_size=128, num_layers=2, arch="qwen2", chars=True),
     "small": dict(hidden_size=512, num_layers=8, arch="qwen2", chars=True),
     "50m": dict(hidden_size=640, num_layers=12, arch="qwen2", kv_heads=20, chars=True),
@@ -229,12 +232,15 @@ def machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version(), "versions": vers}
 
 
-def build_checkpoint(size: str, root: Path) -> tuple[str, int]:
+def build_checkpoint(size: str, root: Path, vocab: int | None = None) -> tuple[str, int]:
+    """The `size` model at `root` (built once), with `vocab` entries when given (word-level sizes only)."""
     from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = root / (f"bench-{size}-qwen2c" if SIZES[size].get("chars") else f"bench-{size}")
+    if vocab is not None:
+        path = path.with_name(f"{path.name}-v{vocab}")
     if not (path / "grpo_cli_tiny.json").exists():
-        build_tiny_checkpoint(path, head_dim=32, **SIZES[size])
+        build_tiny_checkpoint(path, head_dim=32, vocab_size=vocab, **SIZES[size])
     import torch  # noqa: F401
     from safetensors import safe_open
 
@@ -295,6 +301,9 @@ def main() -> None:
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="1 repeat, 3 steps, small scaling table")
     ap.add_argument("--size", default="5m", choices=sorted(SIZES))
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="vocabulary of the model: the word-level tokenizer padded with filler words to N entries "
+                         "(word-level sizes: 5m, 2l)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--gens", "--G", dest="G", type=int, default=8, help="generations per prompt")
     ap.add_argument("--tokens", "--max-len", dest="max_len", type=int, default=16, help="max completion length")
@@ -324,9 +333,11 @@ def main() -> None:
         return
     if a.quick:
         a.steps, a.repeats = min(a.steps, 3), 1
+    if a.vocab is not None and SIZES[a.size].get("chars"):
+        ap.error(f"--vocab pads the word-level tokenizer; --size {a.size} uses the character one (use 5m or 2l)")
     root = Path(os.environ.get("GRPO_BENCH_CACHE", Path(tempfile.gettempdir()) / "grpo-bench"))
     root.mkdir(parents=True, exist_ok=True)
-    ckpt, params = build_checkpoint(a.size, root)
+    ckpt, params = build_checkpoint(a.size, root, a.vocab)
     base = dict(ckpt=ckpt, prompts=a.prompts, G=a.G, max_len=a.max_len, micro_batch=a.micro_batch or a.prompts * a.G,
                 steps=a.steps, lr=a.lr, dtype=a.dtype, grpo_set=a.grpo_set,
                 gradient_checkpointing=a.gradient_checkpointing)
@@ -405,7 +416,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
            "model": {"size": a.size, "params": params, **SIZES[a.size], "head_dim": 32,
-                     "vocab": 101 if SIZES[a.size].get("chars") else 68},
+                     "vocab": a.vocab or (101 if SIZES[a.size].get("chars") else 68)},
            "settings": {k: v for k, v in base.items() if k != "ckpt"} | {"repeats": a.repeats, "temperature": 1.0,
                                                                           "beta": 0.0, "reward": "-abs(4 - words)",
                                                                           "variants": variants,

@@ -58,10 +58,12 @@ CHARS = ["Ġ"] + [chr(c) for c in range(33, 127)]
 tokenizers (Qwen2's, which transformers substitutes for a qwen2 checkpoint) spell it."""
 
 
-def build_tokenizer(path: Path, *, chars: bool = False, tools: bool = False):
+def build_tokenizer(path: Path, *, chars: bool = False, tools: bool = False, vocab_size: int | None = None):
     """Write a fast tokenizer with a chat template: word-level (whitespace split, space-joined decode), or with
     `chars` one token per printable ASCII character (decode concatenates); the chat roles are special tokens.
-    `tools` (word-level): the tool role, the words of a calculator call and `TOOLS_TEMPLATE`."""
+    `tools` (word-level): the tool role, the words of a calculator call and `TOOLS_TEMPLATE`. `vocab_size`
+    (word-level): filler words `w0`, `w1`, … up to that many entries, so a model of a real vocabulary's size
+    decodes every id it samples."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -74,6 +76,10 @@ def build_tokenizer(path: Path, *, chars: bool = False, tools: bool = False):
     else:
         special = SPECIAL + (TOOL_SPECIAL if tools else [])
         vocab = special + WORDS + ([w for w in TOOL_WORDS if w not in WORDS] if tools else [])
+        if vocab_size is not None:
+            if vocab_size < len(vocab):
+                raise ValueError(f"vocab_size {vocab_size} is below the word-level tokenizer's {len(vocab)} words")
+            vocab += [f"w{i}" for i in range(vocab_size - len(vocab))]
         core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
         core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         core.add_special_tokens(special)
@@ -121,15 +127,17 @@ def _config(arch: str, *, vocab: int, hidden_size: int, num_layers: int, head_di
 def build_tiny_checkpoint(
     path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, head_dim: int = 32, seed: int = 0,
     arch: str = "llama", kv_heads: int | None = None, chars: bool = False, tools: bool = False,
+    vocab_size: int | None = None,
 ) -> Path:
     """Build a random-init model of `arch` (fp32, head_dim 32 so vLLM accepts it) and its tokenizer at `path`;
-    `kv_heads` overrides the architecture's K/V head count, `chars` picks the character-level tokenizer."""
+    `kv_heads` overrides the architecture's K/V head count, `chars` picks the character-level tokenizer,
+    `vocab_size` pads the word-level one with filler words to that many entries (the model's vocabulary)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(path, chars=chars, tools=tools)
+    tok = build_tokenizer(path, chars=chars, tools=tools, vocab_size=vocab_size)
     config = _config(arch, vocab=len(tok), hidden_size=hidden_size, num_layers=num_layers, head_dim=head_dim,
                      eos=tok.eos_token_id, pad=tok.pad_token_id)
     if kv_heads is not None:

@@ -197,3 +197,18 @@ def test_peak_memory_does_not_grow_with_the_vocabulary_beyond_one_chunk(monkeypa
         full_logits_path(m)
         full_small, full_large = (forward_backward_peak(v, ids, mask) for v in (small_vocab, large_vocab))
     assert full_large - full_small > 2 * gradients + 8 * chunk, (full_small, full_large)  # the test can tell
+
+
+def test_word_level_tokenizer_padded_to_a_vocabulary(tmp_path):
+    """`build_tokenizer(vocab_size=N)` (benchmarks/compare.py `--vocab N`): N entries, every id decodes to a word
+    that encodes back to the same id; below the base words it refuses."""
+    from grpo_cli.models.tiny import build_tokenizer
+
+    tok = build_tokenizer(tmp_path / "tok", vocab_size=500)
+    assert len(tok) == 500
+    ids = [7, 100, 499]
+    text = tok.decode(ids)
+    assert text.split()[-1] == tok.convert_ids_to_tokens(499) and text.split()[-1].startswith("w")
+    assert tok(text, add_special_tokens=False)["input_ids"] == ids
+    with pytest.raises(ValueError, match="vocab_size 10"):
+        build_tokenizer(tmp_path / "small", vocab_size=10)
