@@ -44,26 +44,81 @@ def _stats(hidden: Tensor, ids: Tensor, project: Callable[[Tensor], Tensor], tem
     return logprob, -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
 
 
-def chunked_logprobs(hidden: Tensor, ids: Tensor, *, project: Callable[[Tensor], Tensor], temperature: float,
-                     vocab: int, with_entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+def _linear_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """z = h Wᵀ / τ in float32 (the matmul in the autocast dtype where autocast is on, as the layer computes it)."""
+    z = torch.nn.functional.linear(hidden, weight).float()
+    return z / temperature if temperature != 1.0 else z
+
+
+class _LinearChunk(torch.autograd.Function):
+    """(logprob, entropy) of one chunk through a plain weight W (V, H), the formulas above by hand: the forward keeps
+    h, lse and the entropy only; the backward rebuilds z under the forward's autocast state, turns it into ∂/∂z in
+    place and returns ∂/∂h and ∂/∂W: one (n, V) float32 buffer plus its exp, no per-op autograd buffers."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, with_entropy: bool,
+                entropy_grad: bool) -> tuple[Tensor, Tensor]:
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        z = _linear_logits(hidden, weight, temperature)
+        lse = torch.logsumexp(z, dim=-1)
+        logprob = z.gather(-1, ids[:, None]).squeeze(-1) - lse
+        entropy = torch.zeros_like(lse)
+        if with_entropy:
+            logp = z.sub_(lse[:, None])
+            p = logp.exp()
+            entropy = -p.mul_(logp).masked_fill_(p == 0, 0.0).sum(-1)  # 0·log 0 = 0: banned logits add no NaN
+        ctx.save_for_backward(hidden, weight, ids, lse, entropy)
+        ctx.temperature, ctx.entropy_grad = temperature, with_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, g_logprob: Tensor, g_entropy: Tensor):
+        hidden, weight, ids, lse, entropy = ctx.saved_tensors
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            logp = _linear_logits(hidden, weight, ctx.temperature).sub_(lse[:, None])
+            p = logp.exp()
+            if ctx.entropy_grad:  # −p (g_lp + g_H (log p + H)), 0 where p is 0
+                grad = logp.add_(entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logprob[:, None]).mul_(p).neg_()
+                grad.masked_fill_(p == 0, 0.0)
+            else:
+                grad = p.mul_(-g_logprob[:, None])
+            grad.scatter_add_(-1, ids[:, None], g_logprob[:, None].to(grad.dtype))  # + g_lp · onehot(id)
+            if ctx.temperature != 1.0:
+                grad.div_(ctx.temperature)
+            grad = grad if enabled else grad.to(weight.dtype)  # a chunk-sized cast, never a (V, H) one
+            grad_hidden = torch.matmul(grad, weight)
+            grad_weight = torch.matmul(grad.t(), hidden.to(grad.dtype))
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
+
+
+def chunked_logprobs(hidden: Tensor, ids: Tensor, *, project: Callable[[Tensor], Tensor], weight: Tensor | None,
+                     temperature: float, vocab: int, with_entropy: bool,
+                     entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
     """Logprobs (N,) of `ids` (N,) and the entropy (N,) (None unless `with_entropy`) of softmax(project(h) / τ) at
     every row of `hidden` (N, H), float32, `chunk_rows(vocab)` rows at a time.
 
-    `project` maps hidden rows (n, H) to logits (n, V): the model's output layer called as a module (so sharded or
-    wrapped weights are gathered the way that module gathers them). With grad enabled each chunk runs under
-    non-reentrant activation checkpointing: the forward keeps only the chunk's hidden rows, and the backward
-    recomputes the chunk's logits, so at most one chunk's (n, V) tensors are alive. The entropy carries a gradient
-    only with `entropy_grad`.
+    With `weight` (the plain (V, H) matrix `project` multiplies by, readable now and in backward) each chunk is one
+    `_LinearChunk`. Without it, `project` maps hidden rows (n, H) to logits (n, V): the model's output layer called
+    as a module (so sharded or wrapped weights are gathered the way that module gathers them), each chunk under
+    non-reentrant activation checkpointing: the forward keeps only the chunk's hidden rows and the backward
+    recomputes the chunk's logits. Either way at most one chunk's (n, V) tensors are alive. The entropy carries a
+    gradient only with `entropy_grad`.
     """
     rows = chunk_rows(vocab)
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], rows):
-        args = (hidden[start : start + rows], ids[start : start + rows], project, temperature, with_entropy,
-                entropy_grad)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_stats, *args, use_reentrant=False)
+        h, chunk_ids = hidden[start : start + rows], ids[start : start + rows]
+        if weight is not None:
+            lp, ent = _LinearChunk.apply(h, weight, chunk_ids, temperature, with_entropy, entropy_grad)
+        elif torch.is_grad_enabled():
+            lp, ent = checkpoint(_stats, h, chunk_ids, project, temperature, with_entropy, entropy_grad,
+                                 use_reentrant=False)
         else:
-            lp, ent = _stats(*args)
+            lp, ent = _stats(h, chunk_ids, project, temperature, with_entropy, entropy_grad)
         logprobs.append(lp)
         entropies.append(ent)
     if not logprobs:  # no rows: the (0,) results, still on the graph's dtype and device

@@ -15,6 +15,7 @@ from grpo_cli.algo.chunked_logprobs import chunked_logprobs
 from grpo_cli.algo.entropy import token_entropy
 from grpo_cli.rollout.attention import LAYOUT_ATTR
 from grpo_cli.rollout.attention import NAME as ATTENTION
+from grpo_cli.rollout.decode_step import LINEAR_FN_ATTR
 from grpo_cli.rollout.packing import attention_cost, completion_widths, packed_mask, plan_packing
 
 MIN_SAVING = 0.1
@@ -94,13 +95,26 @@ class _HeadStats:
         else:
             self.layer.forward = self._saved
 
+    def _plain_weight(self) -> torch.Tensor | None:
+        """The layer's (V, H) weight when the layer is y = h Wᵀ on a tensor that is whole now and in backward (ddp,
+        ZeRO-1/2, FSDP2 inside the root's forward; tied or not): `chunked_logprobs`' hand-written backward. None for
+        anything else (a bias, a PEFT wrapper, a ZeRO-3 partition gathered only around the call, another wrapper's
+        forward; cpu_linear's is the same y = h Wᵀ), which the layer's own forward projects."""
+        layer = self.layer
+        if type(layer) is not torch.nn.Linear or layer.bias is not None:
+            return None
+        if self._saved is not None and getattr(layer, LINEAR_FN_ATTR, None) is None:
+            return None
+        weight = layer.weight
+        return None if hasattr(weight, "ds_id") or hasattr(weight, "placements") else weight
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.select(hidden)
         rows, cols, width = h.shape
         logprobs, entropy = chunked_logprobs(
             h.reshape(rows * cols, width), self.targets.reshape(-1), project=self.project,
-            temperature=self.temperature, vocab=self.vocab, with_entropy=self.with_entropy,
-            entropy_grad=self.entropy_grad)
+            weight=self._plain_weight(), temperature=self.temperature, vocab=self.vocab,
+            with_entropy=self.with_entropy, entropy_grad=self.entropy_grad)
         parts = [logprobs] if entropy is None else [logprobs, entropy]
         # a fresh tensor, not a view: FSDP2 hooks its pre-backward onto the root's outputs
         self.result = torch.stack([part.reshape(rows, cols) for part in parts], dim=-1)

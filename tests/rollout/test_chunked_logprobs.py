@@ -76,11 +76,44 @@ def load(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").train()
 
 
+def spy_on_weight(monkeypatch, *, module_call: bool) -> list:
+    """What `_HeadStats` hands `chunked_logprobs` as the plain weight; `module_call` forces the layer's own forward
+    under checkpointing (the path of PEFT wrappers and ZeRO-3)."""
+    seen, real = [], scoring._HeadStats._plain_weight
+
+    def spy(self):
+        seen.append(None if module_call else real(self))
+        return seen[-1]
+
+    monkeypatch.setattr(scoring._HeadStats, "_plain_weight", spy)
+    return seen
+
+
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_untied_head_equals_full_logits(tiny_checkpoint, monkeypatch, packed, temperature):
+@pytest.mark.parametrize("module_call", [False, True])
+def test_untied_head_equals_full_logits(tiny_checkpoint, monkeypatch, packed, temperature, module_call):
     model = load(tiny_checkpoint)
+    seen = spy_on_weight(monkeypatch, module_call=module_call)
     assert_equal_paths(model, *batch(model.config.vocab_size), monkeypatch, temperature=temperature, packed=packed)
+    assert seen and all((w is None) == module_call for w in seen)  # the hand-written backward, or checkpointing
+
+
+def test_bf16_autocast_follows_the_full_logits_path(tiny_checkpoint, monkeypatch):
+    """bf16 compute over float32 weights (ddp's `model.dtype: bfloat16`): the hand-written backward rebuilds the
+    logits under the forward's autocast, so values and gradients agree with the full path to bf16 rounding."""
+    model = load(tiny_checkpoint)
+    ids, mask = batch(model.config.vocab_size)
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 5 * model.config.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = run(model, ids, mask, temperature=0.7, entropy=True)
+        with monkeypatch.context() as m:
+            full_logits_path(m)
+            ref = run(model, ids, mask, temperature=0.7, entropy=True)
+    torch.testing.assert_close(fast[0], ref[0], rtol=0, atol=2e-2)
+    torch.testing.assert_close(fast[1], ref[1], rtol=0, atol=2e-2)
+    for name, g in ref[2].items():
+        assert (fast[2][name] - g).abs().max() <= 3e-2 * max(1.0, g.abs().max().item()), name
 
 
 def test_logprobs_alone_equal_full_logits(tiny_checkpoint, monkeypatch):
@@ -106,7 +139,9 @@ def test_lora_with_the_head_in_modules_to_save(tiny_checkpoint, monkeypatch):
     model = get_peft_model(load(tiny_checkpoint), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                             modules_to_save=["lm_head"], init_lora_weights=False))
     ids, mask = batch(model.config.vocab_size)
+    seen = spy_on_weight(monkeypatch, module_call=False)
     assert_equal_paths(model, ids, mask, monkeypatch)
+    assert seen and all(w is None for w in seen)  # PEFT's wrapper projects as a module
     with torch.no_grad(), model.disable_adapter():
         base = completion_logprobs(model, ids, mask, logits_to_keep=T, temperature=1.0)
         full_logits_path(monkeypatch)
@@ -136,7 +171,7 @@ def test_a_logit_transform_keeps_the_full_logits_path(tiny_checkpoint, monkeypat
 
 def test_empty_rows_give_empty_results():
     lp, h = chunked.chunked_logprobs(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), project=lambda x: x,
-                                     temperature=1.0, vocab=4, with_entropy=True, entropy_grad=False)
+                                     weight=None, temperature=1.0, vocab=4, with_entropy=True, entropy_grad=False)
     assert lp.shape == h.shape == (0,)
 
 
@@ -180,11 +215,14 @@ def forward_backward_peak(vocab: int, ids, mask) -> int:
     return peak_bytes(step)
 
 
-def test_peak_memory_does_not_grow_with_the_vocabulary_beyond_one_chunk(monkeypatch):
+@pytest.mark.parametrize("module_call", [False, True])
+def test_peak_memory_does_not_grow_with_the_vocabulary_beyond_one_chunk(monkeypatch, module_call):
     """192 completion positions, vocabulary 1,024 → 16,384: the full-logits path's peak grows by several whole
-    (B, T, V) float32 tensors (measured ~86 MB, each 12 MB); the chunked path's by no more than the gradients of the
-    vocabulary-sized parameters (embedding and head, 2 MB each) and a few chunks of 32 positions (2 MB each)."""
+    (B, T, V) float32 tensors (measured ~86 MB, each 12 MB); the chunked path's (hand-written backward, or the
+    layer's forward under checkpointing) by no more than the gradients of the vocabulary-sized parameters
+    (embedding and head, 2 MB each) and a few chunks of 32 positions (2 MB each)."""
     small_vocab, large_vocab, rows = 1024, 16384, 32
+    spy_on_weight(monkeypatch, module_call=module_call)
     monkeypatch.setattr(scoring, "MIN_SAVING", 2.0)  # plain rows: the same positions at both sizes
     monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", rows * large_vocab)
     ids, mask = batch(small_vocab, rows=16, prompt=4)

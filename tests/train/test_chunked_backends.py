@@ -1,0 +1,36 @@
+"""The chunked output layer on the sharding backends the CPU runs (one process each, `chunked_backends_worker.py`):
+fsdp2 (the output projection, tied to the embedding, is sharded in the root group and unsharded only inside the
+root's forward and backward: the hand-written backward on that weight) and DeepSpeed ZeRO-3 (the untied head
+partitioned, gathered by its module hooks: the layer's forward, recomputed under checkpointing in backward) give the logprobs, entropy and every gradient of the full-logits path (float32, 1e-6).
+ddp in one process is the plain module: tests/rollout/test_chunked_logprobs.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist_env import clean_env
+
+WORKER = str(Path(__file__).with_name("chunked_backends_worker.py"))
+
+
+@pytest.mark.parametrize("backend, arch", [("fsdp2", "qwen2"), ("zero3", "llama")])
+def test_sharded_backends_equal_the_full_logits_path(tmp_path, backend, arch):
+    from grpo_cli.models.tiny import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(tmp_path / arch, arch=arch)  # ZeRO-3's partition loader reads untied heads
+    out = tmp_path / "out.json"
+    run = subprocess.run([sys.executable, WORKER, str(ckpt), backend, str(out)], capture_output=True, text=True,
+                         timeout=240, env=clean_env(OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    assert report["chunk_rows"] == [4] and report["tied"] == (arch == "qwen2")  # several chunks per pass
+    # fsdp2: the root's unsharded weight, hand-written backward; ZeRO-3: the layer's forward, checkpointed
+    assert report["plain_weight"] == [backend == "fsdp2"], report["plain_weight"]
+    assert report["logprobs_diff"] <= 1e-6 and report["entropy_diff"] <= 1e-6, report
+    assert all(report["grad_nonzero"].values()), report["grad_nonzero"]
+    worst = max(report["grad_rel_diff"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= 1e-6, worst
