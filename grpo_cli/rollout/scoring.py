@@ -56,9 +56,9 @@ and Granite's scales): those keep the full-logits path."""
 
 class _HeadStats:
     """Stands in for the output layer's `forward` during one model call: from the hidden states it receives, the
-    positions that predict completion tokens (`select`, set by the caller) go through `algo.chunked_logprobs`, which
-    calls the layer's own forward per chunk, and the call returns (B, T, k) = logprob (and entropy) in place of the
-    logits. Running inside the model's forward keeps every backend's weight handling: FSDP2's root weights are
+    positions that predict completion tokens (`select`, set by the caller) go through `algo.chunked_logprobs` (on
+    the layer's plain weight with its hand-written backward, else through the layer's own forward per chunk), and
+    the call returns (B, T, k) = logprob (and entropy) in place of the logits. Running inside the model's forward keeps every backend's weight handling: FSDP2's root weights are
     unsharded there, ZeRO-3's hooks gather the layer's weight around the call and for its backward, a PEFT wrapper
     (`modules_to_save`, LoRA on the head) dispatches as usual, and tied embeddings are the same module's weight."""
 
