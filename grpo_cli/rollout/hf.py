@@ -34,8 +34,8 @@ class HFEngine:
         self._kept = None  # the last call's rows' KV (`keep_cache`), for `continue_rows`
         self._copy: GenerationCopy | None = None  # the weights in autocast's dtype (`generation_model`)
 
-    def _run(self, fn, *args, **kwargs) -> Decoded:
-        model, context = self.generation_model()
+    def _run(self, fn, *args, refresh: bool = True, **kwargs) -> Decoded:
+        model, context = self.generation_model(refresh=refresh)
         was_training = model.training
         model.eval()
         try:
@@ -45,19 +45,23 @@ class HFEngine:
         finally:
             model.train(was_training)
 
-    def generation_model(self):
+    def generation_model(self, *, refresh: bool = True):
         """(model to decode with, context to decode in). Under autocast over float32 weights (ddp's mixed precision,
-        which the trainer enters around generation), a copy of the weights in autocast's dtype, refreshed whenever
-        the policy's weights changed since the last call, decoded with autocast off: in one dtype the decode takes
-        the preallocated cache and the lean step (`decode.new_cache`), where autocast's mixed dtypes fell back to
-        the growing cache and the full forward. Otherwise the model itself, in the caller's context."""
+        which the trainer enters around generation), a copy of the weights in autocast's dtype, decoded with autocast
+        off: in one dtype the decode takes the preallocated cache and the lean step (`decode.new_cache`), where
+        autocast's mixed dtypes fell back to the growing cache and the full forward. The copy is refreshed from the
+        policy at every `generate` (`refresh`), so it holds the weights of the last optimizer step whatever the
+        optimizer (a fused AdamW's step bumps no tensor version counter, so nothing cheaper says they changed); a
+        multi-turn continuation keeps the weights its kept KV came from. Otherwise the model itself, in the caller's
+        context."""
         dtype = autocast_dtype(self.model) if self.shares_policy_weights else None
         if dtype is None or not copyable(self.model):
             return self.model, contextlib.nullcontext()
         if self._copy is None or self._copy.dtype != dtype:
             self._copy = None  # drop the old copy before building one in another dtype
             self._copy = GenerationCopy(self.model, dtype)
-        self._copy.refresh()
+        elif refresh:
+            self._copy.refresh()
         return self._copy.model, torch.autocast(next(self.model.parameters()).device.type, enabled=False)
 
     def _batch(self, out: Decoded, prompt_ids: list[list[int]], start: float) -> RolloutBatch:
@@ -85,7 +89,8 @@ class HFEngine:
         start = time.perf_counter()
         kept = [self._kept[r] for r in rows]
         self._kept = None
-        return self._batch(self._run(decode_continue, kept, new_ids, sampling), [[] for _ in rows], start)
+        return self._batch(self._run(decode_continue, kept, new_ids, sampling, refresh=False), [[] for _ in rows],
+                           start)
 
     def drop_cache(self) -> None:
         self._kept = None
@@ -135,8 +140,7 @@ def copyable(model) -> bool:
 class GenerationCopy:
     """The policy's module with every parameter held in `dtype` (buffers, e.g. RoPE's float32 frequencies, as they
     are): `grpo plan`'s `hf_generation_copy` row, P · 2 bytes in bf16. Built without a float32 copy of the weights
-    (the parameters are swapped in `deepcopy`'s memo). `refresh` copies the policy's weights in when any of them
-    was written in place since (an optimizer step, a checkpoint load: each bumps the tensor's version counter)."""
+    (the parameters are swapped in `deepcopy`'s memo); `refresh` copies the policy's weights in (cast)."""
 
     def __init__(self, model, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -144,21 +148,11 @@ class GenerationCopy:
         memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in sources}
         self.pairs = [(p, memo[id(p)]) for p in sources]
         self.model = copy.deepcopy(model, memo).eval()
-        self.versions = self._versions()
-
-    def _versions(self) -> list[int]:
-        return [p._version for p, _ in self.pairs]
 
     @torch.no_grad()
-    def refresh(self) -> bool:
-        """Copy the policy's weights in if they changed since the last copy; returns whether it copied."""
-        versions = self._versions()
-        if versions == self.versions:
-            return False
+    def refresh(self) -> None:
         for source, target in self.pairs:
             target.copy_(source)
-        self.versions = versions
-        return True
 
 
 def require_compilable(model, *, setting: str = "rollout.compile") -> None:

@@ -46,13 +46,14 @@ def test_autocast_generation_runs_the_lean_step_on_a_bf16_copy(model, monkeypatc
     assert batch.completion_ids == [row[:n] for row, n in zip(out.tokens.tolist(), lengths, strict=True)]
 
 
-def test_the_copy_follows_the_optimizer_step(model):
+@pytest.mark.parametrize("kind", ["foreach", "fused"])  # a fused step bumps no version counter
+def test_the_copy_follows_the_optimizer_step(model, kind):
     engine = HFEngine(model, eos_token_ids=[1], pad_token_id=0, shares_policy_weights=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         engine.generate(PROMPTS, SAMPLING)
     gen_copy = engine._copy
-    assert isinstance(gen_copy, GenerationCopy) and not gen_copy.refresh()  # nothing changed: no copy
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    assert isinstance(gen_copy, GenerationCopy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
     ids = torch.tensor([[3, 4, 5, 6]])
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
