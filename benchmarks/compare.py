@@ -159,11 +159,11 @@ def worker_main(system: str, settings: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- driver
-def run_worker(system: str, s: dict, timeout: float) -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    if system == "grpo-vllm":
-        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [sys.executable, "-m", "benchmarks.compare", "--worker", system, "--settings", json.dumps(s)]
+def run_module_worker(module: str, name: str, s: dict, timeout: float, **env_extra: str) -> dict:
+    """`python -m MODULE --worker NAME --settings JSON` in a fresh process: its `MARK` line as a dict, with the
+    process's wall time (`wall_s`), or `{"error": ...}` after a timeout or a failure (the benchmarks' one runner)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", **env_extra)
+    cmd = [sys.executable, "-m", module, "--worker", name, "--settings", json.dumps(s)]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
@@ -177,6 +177,10 @@ def run_worker(system: str, s: dict, timeout: float) -> dict:
             return res
     return {"error": f"exit {p.returncode}: " + (p.stderr or p.stdout)[-1500:]}
 
+
+def run_worker(system: str, s: dict, timeout: float) -> dict:
+    vllm = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1") if system == "grpo-vllm" else {}
+    return run_module_worker("benchmarks.compare", system, s, timeout, **vllm)
 
 WARMUP_STEPS = 2
 """Steps left out of a run's medians (the issue's method: "median step after the first two"); a compiled run

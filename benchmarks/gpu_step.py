@@ -21,16 +21,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.compare import fmt_table, machine_info, peak_rss_mb
+from benchmarks.compare import MARK, fmt_table, machine_info, peak_rss_mb, run_module_worker
 
 RESULTS_DIR = Path(__file__).parent / "results"
-MARK = "BENCH_RESULT "
 SIZES = {"151m": dict(hidden_size=1024, num_layers=16, arch="qwen2", chars=True),
          "tiny": dict(hidden_size=64, num_layers=2, arch="qwen2", chars=True)}
 TARGET_CHARS = 20
@@ -146,17 +143,7 @@ def worker_main(system: str, settings: str) -> None:
 
 
 def run_worker(system: str, s: dict, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.gpu_step", "--worker", system, "--settings", json.dumps(s)]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                           cwd=Path(__file__).resolve().parent.parent)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout:.0f}s"}
-    for line in p.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    return {"error": f"exit {p.returncode}: " + (p.stderr or p.stdout)[-1500:]}
+    return run_module_worker("benchmarks.gpu_step", system, s, timeout)
 
 
 def _median(values: list[float], skip: int = WARMUP_STEPS) -> float | None:

@@ -18,12 +18,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.compare import MARK, RESULTS_DIR, SIZES, build_checkpoint, fmt_table, machine_info, peak_rss_mb
+from benchmarks.compare import (MARK, RESULTS_DIR, SIZES, build_checkpoint, fmt_table, machine_info, peak_rss_mb,
+                                run_module_worker)
 
 VARIANTS = ("rows", "tokens")
 
@@ -83,17 +83,7 @@ def worker(variant: str, s: dict) -> dict:
 
 
 def run_worker(variant: str, s: dict, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.token_budget", "--worker", variant, "--settings", json.dumps(s)]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                           cwd=Path(__file__).resolve().parent.parent)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout:.0f}s"}
-    for line in p.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    return {"error": f"exit {p.returncode}: " + (p.stderr or p.stdout)[-1500:]}
+    return run_module_worker("benchmarks.token_budget", variant, s, timeout)
 
 
 def main() -> None:
