@@ -54,7 +54,28 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 and Granite's scales): those keep the full-logits path."""
 
 
-class _HeadStats:
+class ForwardStandIn:
+    """A callable that replaces `layer.forward` on the instance inside `with` (restoring what the instance had, or
+    the class's forward) so the model's own forward calls it; `project` is the layer's forward as it was (instance
+    wrappers such as accelerate's hooks included). The chunked output layers of the trainer (`_HeadStats`) and of
+    megatron (`VocabParallelHead`) are such stand-ins."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer, self.project, self._saved = layer, layer.forward, None
+
+    def __enter__(self):
+        self._saved = self.layer.__dict__.get("forward")
+        self.layer.forward = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is None:
+            del self.layer.forward
+        else:
+            self.layer.forward = self._saved
+
+
+class _HeadStats(ForwardStandIn):
     """Stands in for the output layer's `forward` during one model call: from the hidden states it receives, the
     positions that predict completion tokens (`select`, set by the caller) go through `algo.chunked_logprobs` (on
     the layer's plain weight with its hand-written backward, else through the layer's own forward per chunk), and
@@ -64,12 +85,11 @@ class _HeadStats:
 
     def __init__(self, layer: torch.nn.Module, targets: torch.Tensor, *, vocab: int, temperature: float,
                  with_entropy: bool, entropy_grad: bool) -> None:
-        self.layer, self.targets, self.vocab, self.temperature = layer, targets, vocab, temperature
+        super().__init__(layer)
+        self.targets, self.vocab, self.temperature = targets, vocab, temperature
         self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
-        self.project = layer.forward  # as it runs now, instance-level wrappers (accelerate hooks) included
         self.select = None
         self.result: torch.Tensor | None = None
-        self._saved = None
 
     @classmethod
     def install(cls, model, targets: torch.Tensor, **options) -> _HeadStats | None:
@@ -83,17 +103,6 @@ class _HeadStats:
         if not isinstance(layer, torch.nn.Module):
             return None
         return cls(layer, targets, vocab=config.vocab_size, **options)
-
-    def __enter__(self) -> _HeadStats:
-        self._saved = self.layer.__dict__.get("forward")
-        self.layer.forward = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._saved is None:
-            del self.layer.forward
-        else:
-            self.layer.forward = self._saved
 
     def _plain_weight(self) -> torch.Tensor | None:
         """The layer's (V, H) weight when the layer is y = h Wᵀ on a tensor that is whole now and in backward (ddp,

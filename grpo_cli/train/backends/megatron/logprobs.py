@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_cli.algo.chunked_logprobs import chunk_rows
 from grpo_cli.rollout.packing import completion_widths
+from grpo_cli.rollout.scoring import ForwardStandIn
 
 
 @dataclass
@@ -83,7 +84,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
     return logprobs, entropy
 
 
-class VocabParallelHead:
+class VocabParallelHead(ForwardStandIn):
     """Stands in for `GPTModel.output_layer`'s forward during one micro-batch's forward: the hidden states at the
     columns predicting completion tokens go through the layer a chunk of positions at a time (`algo.chunked_logprobs`'
     chunk size, over this rank's V/tp columns), each chunk reduced by `vocab_parallel_logprobs` and its logits freed;
@@ -94,10 +95,9 @@ class VocabParallelHead:
 
     def __init__(self, layer: torch.nn.Module, aligned: Aligned, *, vocab_size: int, temperature: float,
                  with_entropy: bool, entropy_grad: bool) -> None:
-        self.layer, self.aligned, self.vocab_size, self.temperature = layer, aligned, vocab_size, temperature
+        super().__init__(layer)
+        self.aligned, self.vocab_size, self.temperature = aligned, vocab_size, temperature
         self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
-        self.project = layer.forward
-        self._saved = None
 
     @classmethod
     def install(cls, model: torch.nn.Module, aligned: Aligned, **options) -> VocabParallelHead | None:
@@ -111,17 +111,6 @@ class VocabParallelHead:
                 return None
             return cls(layer, aligned, **options)
         return None
-
-    def __enter__(self) -> VocabParallelHead:
-        self._saved = self.layer.__dict__.get("forward")
-        self.layer.forward = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._saved is None:
-            del self.layer.forward
-        else:
-            self.layer.forward = self._saved
 
     def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None):
         logits, _ = self.project(hidden[:, None, :], weight=weight)  # (n, 1, V/tp): the layer's (s, b, h) layout
