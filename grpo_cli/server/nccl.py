@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import torch
 
 from grpo_cli.rollout.base import RolloutError
+from grpo_cli.runtime import accel
 from grpo_cli.server.codec import DTYPES, size_buckets
 from grpo_cli.server.transport import RolloutServerDown
 
@@ -57,11 +58,6 @@ def _group(host: str, port: int, world_size: int, rank: int, timeout_s: float, d
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s)
     return ProcessGroupNCCL(store, rank, world_size, opts)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _handshake(pg, device) -> None:
@@ -99,7 +95,7 @@ class NcclReceiver:
             t = torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
             self.pg.broadcast(t, 0).wait()
             out.append((name, t))
-        _synchronize(self.device)
+        accel.synchronize(self.device)
         return out
 
     def close(self) -> None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+from dist_env import free_port
 from served_app import app_in_thread
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
@@ -155,3 +157,24 @@ def test_a_server_that_stops_answering_mid_sync_raises_server_down_within_the_ti
     finally:
         release.set()
         eng.close()
+
+
+def test_on_cuda_the_transport_is_this_gpu_over_nccl_with_the_group_timeout(monkeypatch):
+    """The CUDA branches, driven on CPU: the current GPU is the transport device, and the group is NCCL's with the
+    timeout the trainer's HTTP wait relies on (torch's NCCL classes and CUDA queries replaced by recorders)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert nccl.transport_device() == torch.device("cuda", 3)
+    made = []
+
+    class FakeNCCL:
+        class Options:
+            _timeout = None
+
+        def __init__(self, store, rank, world, opts):
+            made.append((rank, world, opts._timeout))
+
+    monkeypatch.setattr(torch.distributed, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    port = free_port()
+    nccl._group("127.0.0.1", port, 1, 0, 7.0, torch.device("cuda", 3))
+    assert made == [(0, 1, timedelta(seconds=7.0))]
