@@ -120,8 +120,9 @@ class _HeadStats(ForwardStandIn):
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.select(hidden)
         rows, cols, width = h.shape
+        # the targets follow the hidden states (FSDP2's root forward moves its inputs to the mesh's device)
         logprobs, entropy = chunked_logprobs(
-            h.reshape(rows * cols, width), self.targets.reshape(-1), project=self.project,
+            h.reshape(rows * cols, width), self.targets.to(h.device).reshape(-1), project=self.project,
             weight=self._plain_weight(), temperature=self.temperature, vocab=self.vocab,
             with_entropy=self.with_entropy, entropy_grad=self.entropy_grad)
         parts = [logprobs] if entropy is None else [logprobs, entropy]

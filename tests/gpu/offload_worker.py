@@ -49,7 +49,7 @@ def main(ckpt: str, out: str, device_name: str) -> None:
     ids = torch.randint(6, policy.module.config.vocab_size, (4, 16), generator=g)  # 4 rows: 8 prompt + 8 completion
     mask = torch.ones(4, 8)
     batch = TrainBatch(ids, torch.ones_like(ids), mask, advantages=torch.randn(4, generator=g),
-                       sampler_logprobs=-torch.rand(4, 8, generator=g))
+                       sampler_logprobs=-torch.rand(4, 8, generator=g)).to(device)  # as the loop does
     optimizer_step(policy, batch, cfg, num_items=float(mask.sum()), num_sequences=4)
     if device.type == "cpu":
         os.environ[FORCE_ENV] = "1"
