@@ -149,7 +149,7 @@ def train_proxy(model, prompts: list[list[int]], completions: list[list[int]], m
     right-padded completion; loss on the masked-in completion tokens), no optimizer step."""
     import torch
 
-    from grpo_cli.rollout.scoring import completion_logprobs
+    from grpo_cli.models.logprobs import completion_logprobs
 
     width_p, width_c = max(map(len, prompts)), max(map(len, completions))
     b = len(completions)
@@ -199,7 +199,7 @@ def main() -> None:
     from grpo_cli.config.agent import AgentConfig
     from grpo_cli.data.tasks import arith_task
     from grpo_cli.rollout.base import SamplingParams
-    from grpo_cli.rollout.hf import HFEngine
+    from grpo_cli.rollout.hf.engine import HFEngine
 
     path = model_path(args.hidden, args.layers)
     tok = AutoTokenizer.from_pretrained(path)
@@ -222,7 +222,7 @@ def main() -> None:
     engines = {} if args.no_hf else {
         "hf": HFEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id, shares_policy_weights=True)}
     if args.vllm:
-        from grpo_cli.rollout.vllm_engine import VLLMEngine
+        from grpo_cli.rollout.vllm.engine import VLLMEngine
 
         start = time.perf_counter()
         engines["vllm"] = IgnoreEos(VLLMEngine(

@@ -59,7 +59,7 @@ def timed_generate(device: str) -> list[dict]:
     """Record every hf-engine `generate` call: seconds (synchronised) and the longest completion (decode steps)."""
     import torch
 
-    from grpo_cli.rollout import hf
+    from grpo_cli.rollout.hf import engine as hf
 
     calls: list[dict] = []
     real = hf.HFEngine.generate

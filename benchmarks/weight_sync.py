@@ -58,7 +58,7 @@ def measure(name: str, model: Path, repeats: int, chunk_mb: int, transport: str)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.rollout.server_client import ServerEngine
+    from grpo_cli.rollout.remote.client import ServerEngine
 
     proc, url = start_server(model)
     try:

@@ -1,2 +1,2 @@
-"""Held-out evaluation: during training (`eval.every_steps`) with the run's own engine, and `grpo eval`. The
-middle layer, beside train: imports train, rollout, rewards, data, algo, config, runtime."""
+"""`grpo eval`: a saved checkpoint evaluated held-out with an engine of its own. A command, beside launch and
+diagnose: imports train (the evaluation the loop runs, `train.evaluation`), rollout, rewards, data, config, runtime."""

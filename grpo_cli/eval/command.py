@@ -73,7 +73,7 @@ def merged_copy(folder: Path, cfg: GRPOConfig, scratch: Path) -> Path:
 
 def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
     """Build the policy and the engine the run used (one process) and run the evaluation once."""
-    from grpo_cli.eval.runner import Evaluator
+    from grpo_cli.train.evaluation import Evaluator
     from grpo_cli.runtime.dist import DistInfo, release_own_group
     from grpo_cli.runtime.quiet import quiet_hf_stack
     from grpo_cli.rewards.resolve import reward_fns_for
@@ -117,7 +117,7 @@ def run_eval(target: Path, *, data: str | None, out: Path | None, overrides: lis
             merged = merged_copy(folder, cfg, Path(scratch))
             cfg = validate_tree(deep_merge(cfg.model_dump(mode="json"), {"model": {"name_or_path": str(merged)}}))
         metrics = evaluate_folder(cfg)
-    from grpo_cli.eval.runner import eval_sampling, eval_source
+    from grpo_cli.train.evaluation import eval_sampling, eval_source
 
     report = {"model": str(folder), "data": eval_source(cfg), "num_prompts": cfg.eval.num_prompts,
               "generations_per_prompt": cfg.eval.generations_per_prompt, "seed": eval_sampling(cfg).seed,

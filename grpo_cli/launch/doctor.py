@@ -20,7 +20,7 @@ import typing
 from pathlib import Path
 
 from grpo_cli.launch.doctor_verdict import MODES, Check, DoctorReport, judge
-from grpo_cli.rollout.vllm_support import version_status
+from grpo_cli.rollout.vllm.support import version_status
 
 PACKAGES = {  # shown name -> distribution names to try (vllm's CPU build is a different distribution)
     "torch": ("torch",), "transformers": ("transformers",), "accelerate": ("accelerate",),

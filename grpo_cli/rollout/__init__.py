@@ -1,3 +1,5 @@
-"""Rollout engines behind one protocol (`base.RolloutEngine`): hf, vllm, the server and SGLang clients, the
-Ray actors of async mode; `factory` picks one. The middle layer: imports server (wire format), algo, config,
-runtime; never train."""
+"""Rollout engines behind one contract (`base.RolloutEngine`), one folder per engine family: `hf/` (grpo-cli's own
+decode loop over the transformers model), `vllm/` (vLLM in the training process), `remote/` (the HTTP client of
+`grpo serve-rollout`), `sglang/` (an SGLang server's client), `ray/` (the actors of async mode); `factory` picks one.
+The trainer's own logprob code lives in `models/`. Imports algo, config, data, models, runtime; never train, server,
+eval or agent."""

@@ -29,19 +29,19 @@ def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, device=None
     address with the other ranks (async mode)."""
     r = cfg.rollout
     if r.mode == "async":
-        from grpo_cli.rollout.ray_engine import AsyncRolloutEngine
+        from grpo_cli.rollout.ray.engine import AsyncRolloutEngine
 
         return AsyncRolloutEngine.from_config(cfg, ctx, broadcast=broadcast)
     if r.mode == "server":
         if r.engine == "sglang":
-            from grpo_cli.rollout.sglang_client import SGLangEngine
+            from grpo_cli.rollout.sglang.client import SGLangEngine
 
             return SGLangEngine.from_config(cfg, ctx)
-        from grpo_cli.rollout.server_client import ServerEngine
+        from grpo_cli.rollout.remote.client import ServerEngine
 
         return ServerEngine.from_config(cfg, ctx)
     if r.engine == "vllm":
-        from grpo_cli.rollout.vllm_engine import VLLMEngine
+        from grpo_cli.rollout.vllm.engine import VLLMEngine
 
         return VLLMEngine.from_config(cfg, ctx)
     return make_hf_engine(cfg, ctx, policy=policy, device=device)
@@ -53,14 +53,14 @@ def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy, device=None) 
     its own copy of the checkpoint; weight sync keeps a copy up to date."""
     import torch
 
-    from grpo_cli.rollout.hf import HFEngine
+    from grpo_cli.rollout.hf.engine import HFEngine
 
     if policy is None:
-        from grpo_cli.rollout.hf_copy import hf_copy_engine
+        from grpo_cli.rollout.hf.generation_copy import hf_copy_engine
 
         return hf_copy_engine(cfg, ctx, device=device)
     if cfg.rollout.compile:
-        from grpo_cli.rollout.hf import require_compilable
+        from grpo_cli.rollout.hf.engine import require_compilable
 
         require_compilable(policy)
     dtype = cfg.rollout.dtype

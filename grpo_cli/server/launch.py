@@ -123,7 +123,7 @@ def run_sglang(opts: ServeOptions, *, ready_timeout_s: float = 1800.0) -> None:
     if importlib.util.find_spec("sglang") is None:
         raise ServeError("--engine sglang needs the sglang package (pip install 'grpo-cli[sglang]', CUDA only); "
                          "or start an SGLang server yourself and point rollout.server.urls at it")
-    from grpo_cli.rollout.sglang_client import MIN_VERSION, parse_version
+    from grpo_cli.rollout.sglang.client import MIN_VERSION, parse_version
 
     installed = importlib.metadata.version("sglang")
     if (parse_version(installed) or MIN_VERSION) < MIN_VERSION:

@@ -82,7 +82,7 @@ def build_batch(rollout: RolloutBatch, *, group_size: int, pad_token_id: int) ->
 
 def _row_lengths(attention_mask: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B,) prompt tokens (the left-padded prompt's unmasked positions) and completion widths of each row."""
-    from grpo_cli.rollout.packing import completion_widths
+    from grpo_cli.models.packing import completion_widths
 
     return attention_mask[:, :prompt_len].sum(dim=1), completion_widths(attention_mask[:, prompt_len:])
 
@@ -147,7 +147,7 @@ def scatter_rows(parts: list[torch.Tensor], groups: list[list[int]], steps: int)
 
 def forward_logprobs(model, mb: TrainBatch, *, temperature: float) -> torch.Tensor:
     """Completion-token logprobs (b, T) of a micro-batch, in fp32."""
-    from grpo_cli.rollout.scoring import completion_logprobs
+    from grpo_cli.models.logprobs import completion_logprobs
 
     return completion_logprobs(
         model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens, temperature=temperature

@@ -54,7 +54,7 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     if cfg.rollout.mode == "async":
         share_cores(cfg, device)
     engine = make_engine(cfg, ctx, policy=hf_module, device=device, broadcast=lambda obj: broadcast_object(obj, info))
-    if cfg.rollout.mode != "async":  # async: each Ray actor wraps its own engine (rollout/ray_actor.py)
+    if cfg.rollout.mode != "async":  # async: each Ray actor wraps its own engine (rollout/ray/actor.py)
         from grpo_cli.agent.wrap import wrap_rollout
 
         engine = wrap_rollout(engine, cfg, policy.tokenizer)
@@ -73,7 +73,7 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
 
         trainer.sync = sync
     if cfg.eval.every_steps:
-        from grpo_cli.eval.runner import training_hook
+        from grpo_cli.train.evaluation import training_hook
 
         trainer.evaluate = training_hook(trainer)
     if cfg.rollout.mode == "async":

@@ -16,7 +16,7 @@ def vllm_report(request, tiny_checkpoint):
     import torch
 
     from grpo_cli.rollout.base import EngineContext
-    from grpo_cli.rollout.vllm_engine import VLLMEngine
+    from grpo_cli.rollout.vllm.engine import VLLMEngine
     from grpo_cli.diagnose.command import diagnose
     from grpo_cli.train.policy import load_tokenizer
 

@@ -9,7 +9,7 @@ import torch
 
 from grpo_cli.config.schema import EvalConfig
 from grpo_cli.data.sources import DataError, load_rows
-from grpo_cli.eval.metrics import local_sums, reduce_means
+from grpo_cli.train.eval_metrics import local_sums, reduce_means
 from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.runtime.dist import DistInfo
 

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.vllm_engine import VLLMEngine
+from grpo_cli.rollout.vllm.engine import VLLMEngine
 from grpo_cli.train.weights.weight_sync import sync_weights
 
 PROMPTS = [[3, 4, 6, 7, 8, 5], [3, 4, 9, 10, 5]]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_cli.rollout.attention import NAME, attention_implementation
+from grpo_cli.models.attention import NAME, attention_implementation
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.hf import HFEngine
-from grpo_cli.rollout.scoring import completion_logprobs
+from grpo_cli.rollout.hf.engine import HFEngine
+from grpo_cli.models.logprobs import completion_logprobs
 from grpo_cli.train.batch import build_batch
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from grpo_cli.algo import chunked_logprobs as chunked
-from grpo_cli.rollout import scoring
-from grpo_cli.rollout.scoring import completion_logprobs, completion_logprobs_entropy
+from grpo_cli.models import logprobs as scoring
+from grpo_cli.models.logprobs import completion_logprobs, completion_logprobs_entropy
 
 T = 12
 

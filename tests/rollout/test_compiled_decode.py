@@ -10,10 +10,10 @@ import torch
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import build_config
 from grpo_cli.runtime import compiler
-from grpo_cli.rollout import decode as decode_mod
-from grpo_cli.rollout.attention import attention_implementation
+from grpo_cli.rollout.hf import decode as decode_mod
+from grpo_cli.models.attention import attention_implementation
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.decode import decode, decode_continue
+from grpo_cli.rollout.hf.decode import decode, decode_continue
 
 pytestmark = pytest.mark.skipif(compiler.compiler_problem(torch.device("cpu")) is not None,
                                 reason="inductor cannot build CPU kernels here")
@@ -80,7 +80,7 @@ def test_compiled_step_keeps_the_onednn_linear_of_routed_layers(tmp_path_factory
 def test_a_step_torch_compile_cannot_build_runs_eagerly(tmp_path_factory, monkeypatch):
     from torch._dynamo.exc import BackendCompilerFailed
 
-    from grpo_cli.rollout import decode_step
+    from grpo_cli.rollout.hf import decode_step
 
     def broken(*args, **kwargs):
         raise BackendCompilerFailed(lambda *a: None, RuntimeError("lowering failed"), None)
@@ -112,7 +112,7 @@ def test_missing_compiler_is_named(monkeypatch):
 
 
 def test_compile_is_refused_for_a_model_that_decodes_through_its_full_forward(tmp_path_factory):
-    from grpo_cli.rollout.hf import require_compilable
+    from grpo_cli.rollout.hf.engine import require_compilable
 
     require_compilable(load(tmp_path_factory, "qwen2"))
     with pytest.raises(UserError, match=r"rollout\.compile .*GemmaForCausalLM decodes through its full forward"):

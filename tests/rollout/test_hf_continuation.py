@@ -12,8 +12,8 @@ import torch
 from grpo_cli.agent.rollout import wrap_engine
 from grpo_cli.config.agent import AgentConfig
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.hf import HFEngine
-from grpo_cli.rollout.scoring import score_sequences
+from grpo_cli.rollout.hf.engine import HFEngine
+from grpo_cli.models.logprobs import score_sequences
 
 TOOLS = str(Path(__file__).parents[1] / "agent" / "tools_for_tests.py")
 PROMPTS = [[3, 4, 6, 7, 8, 5], [3, 9, 10, 5], [3, 4, 11, 12, 13, 14, 15, 5]]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_cli.rollout import decode as decode_mod
+from grpo_cli.rollout.hf import decode as decode_mod
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.hf import HFEngine
-from grpo_cli.rollout.sampling import process_logits, sample_tokens
-from grpo_cli.rollout.scoring import completion_logprobs
+from grpo_cli.rollout.hf.engine import HFEngine
+from grpo_cli.rollout.hf.sampling import process_logits, sample_tokens
+from grpo_cli.models.logprobs import completion_logprobs
 from grpo_cli.train.batch import build_batch
 
 PROMPTS = [[3, 5, 7, 9, 11], [4, 6], [8, 9, 10, 11, 12, 13, 14], [20]]  # different lengths: left padding matters

@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-from grpo_cli.rollout import decode as decode_mod
+from grpo_cli.rollout.hf import decode as decode_mod
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.decode import decode
-from grpo_cli.rollout.hf import GenerationCopy, HFEngine
+from grpo_cli.rollout.hf.decode import decode
+from grpo_cli.rollout.hf.engine import GenerationCopy, HFEngine
 
 PROMPTS = [[3, 5, 7, 9, 11], [4, 6], [8, 9, 10, 11, 12, 13, 14], [20]]
 SAMPLING = SamplingParams(n=2, max_tokens=8, temperature=0.9, seed=3)

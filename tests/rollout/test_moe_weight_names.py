@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from grpo_cli.rollout.hf import HFEngine
+from grpo_cli.rollout.hf.engine import HFEngine
 from grpo_cli.train.weights.hf_module import stream_named_tensors
 
 
@@ -56,8 +56,8 @@ def test_vllm_cpu_takes_moe_weight_updates(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from grpo_cli.models.tiny import build_tiny_checkpoint, checkpoint_tensors
-    from grpo_cli.rollout.scoring import score_sequences
-    from grpo_cli.rollout.vllm_engine import VLLMEngine
+    from grpo_cli.models.logprobs import score_sequences
+    from grpo_cli.rollout.vllm.engine import VLLMEngine
 
     path = build_tiny_checkpoint(tmp_path, arch="qwen3_moe", hidden_size=128)
     engine = VLLMEngine(str(path), dtype="float32", max_model_len=64, max_num_seqs=8, sleep_level=2,

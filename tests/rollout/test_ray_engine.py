@@ -15,7 +15,7 @@ import torch
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.base import EngineContext
-from grpo_cli.rollout.actor_batches import merge_batches, split_evenly
+from grpo_cli.rollout.ray.batches import merge_batches, split_evenly
 
 ray = pytest.importorskip("ray")
 
@@ -42,7 +42,7 @@ def _ctx(tiny_checkpoint: str) -> EngineContext:
 @pytest.fixture(scope="module")
 def manager(tiny_checkpoint):
     """Two hf actors (1 CPU each) on a local Ray cluster started by the manager itself."""
-    from grpo_cli.rollout.ray_engine import AsyncRolloutEngine
+    from grpo_cli.rollout.ray.engine import AsyncRolloutEngine
 
     engine = AsyncRolloutEngine(_cfg(tiny_checkpoint, 2), _ctx(tiny_checkpoint))
     yield engine
@@ -51,7 +51,7 @@ def manager(tiny_checkpoint):
 
 
 def _local_engine(tiny_checkpoint: str):
-    from grpo_cli.rollout.hf import HFEngine
+    from grpo_cli.rollout.hf.engine import HFEngine
     from transformers import AutoModelForCausalLM
 
     ctx = _ctx(tiny_checkpoint)
@@ -100,7 +100,7 @@ def test_actors_are_placed_on_the_placement_group(manager):
 def test_actor_samples_what_the_local_engine_samples(manager, tiny_checkpoint):
     """Actor i uses seed + i·stride on its consecutive chunk of prompts: the merged batch equals local
     generation chunk by chunk (same weights, same seeds), prompt order kept."""
-    from grpo_cli.rollout.ray_engine import ACTOR_SEED_STRIDE
+    from grpo_cli.rollout.ray.engine import ACTOR_SEED_STRIDE
 
     model, local = _local_engine(tiny_checkpoint)
     manager.update_weights(iter(model.state_dict().items()), manager.weight_version + 1)
@@ -161,7 +161,7 @@ def test_byte_buckets_cap_and_order():
 # ---- item 13: the local cluster sees only the rollout GPUs ---------------------------------------------------
 
 def test_trainer_gpu_ids_follow_cuda_visible_devices():
-    from grpo_cli.rollout.ray_engine import trainer_gpu_ids
+    from grpo_cli.rollout.ray.engine import trainer_gpu_ids
 
     assert trainer_gpu_ids({"CUDA_VISIBLE_DEVICES": "GPU-a1, GPU-b2"}) == ["GPU-a1", "GPU-b2"]
     assert trainer_gpu_ids({"CUDA_VISIBLE_DEVICES": ""}, device_count=8) == []
@@ -169,7 +169,7 @@ def test_trainer_gpu_ids_follow_cuda_visible_devices():
 
 
 def test_rollout_gpu_ids_are_the_ones_after_the_training_gpus():
-    from grpo_cli.rollout.ray_engine import rollout_gpu_ids
+    from grpo_cli.rollout.ray.engine import rollout_gpu_ids
 
     assert rollout_gpu_ids([str(i) for i in range(8)], num_processes=4, rollout_gpus=4) == ["4", "5", "6", "7"]
     assert rollout_gpu_ids(["3", "2", "1", "0"], num_processes=2, rollout_gpus=1) == ["1"]
@@ -195,7 +195,7 @@ class _FakeRay:
 
 
 def _start_local(monkeypatch, cfg, ctx):
-    from grpo_cli.rollout import ray_engine
+    from grpo_cli.rollout.ray import engine as ray_engine
 
     fake = _FakeRay()
     monkeypatch.setattr(ray_engine, "import_ray", lambda: fake)
@@ -254,7 +254,7 @@ def test_async_refuses_tensor_parallel_actors_and_a_local_cluster_over_machines(
 
 def test_sequences_per_actor_is_the_actor_share():
     from grpo_cli.config.load import build_config
-    from grpo_cli.rollout.ray_actor import sequences_per_actor
+    from grpo_cli.rollout.ray.actor import sequences_per_actor
 
     assert sequences_per_actor(build_config("qwen-7b-async")) == 64 // 4 * 8
     two = build_config("qwen-7b-async", overrides=["distributed.num_processes=2", "rollout.ray.num_actors=4",
@@ -265,8 +265,8 @@ def test_sequences_per_actor_is_the_actor_share():
 def test_actor_vllm_engine_defaults_to_its_share(monkeypatch, tiny_checkpoint):
     """vLLM's own default sizes for a rank's whole share (an actor's context has world size 1): the actor passes
     its share of the step instead."""
-    from grpo_cli.rollout import vllm_engine
-    from grpo_cli.rollout.ray_actor import build_actor_engine
+    from grpo_cli.rollout.vllm import engine as vllm_engine
+    from grpo_cli.rollout.ray.actor import build_actor_engine
 
     seen = {}
     monkeypatch.setattr(vllm_engine.VLLMEngine, "from_config",
@@ -285,8 +285,8 @@ def test_actor_hf_engine_device(monkeypatch, tiny_checkpoint, device, available,
     the branch a GPU run takes), else on the CPU."""
     import torch
 
-    from grpo_cli.rollout import hf_copy
-    from grpo_cli.rollout.ray_actor import build_actor_engine
+    from grpo_cli.rollout.hf import generation_copy as hf_copy
+    from grpo_cli.rollout.ray.actor import build_actor_engine
 
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
@@ -305,7 +305,7 @@ def test_async_presets_size_vllm_per_actor(name):
     80 GiB GPU (qwen-7b-async had 0.3: ~8 GiB for 17.5 GiB of KV, so vLLM preempted)."""
     from grpo_cli.config.load import build_config
     from grpo_cli.config.plan import BYTES, model_shape
-    from grpo_cli.rollout.ray_actor import sequences_per_actor
+    from grpo_cli.rollout.ray.actor import sequences_per_actor
 
     cfg = build_config(name)
     v, share = cfg.rollout.vllm, sequences_per_actor(cfg)

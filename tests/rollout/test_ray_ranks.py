@@ -29,7 +29,7 @@ SAMPLING = SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=5)
 @pytest.fixture(scope="module")
 def ranks(tiny_checkpoint):
     """(rank 0 engine, rank 1 engine, CUDA_VISIBLE_DEVICES of this process after the cluster started)."""
-    from grpo_cli.rollout.ray_engine import AsyncRolloutEngine
+    from grpo_cli.rollout.ray.engine import AsyncRolloutEngine
     from grpo_cli.train.policy import eos_token_ids, load_tokenizer
     from transformers import AutoModelForCausalLM
 
@@ -79,7 +79,7 @@ def _perturbed(tiny_checkpoint: str, seed: int):
 
 def _check_sampled_with(model, batch, tiny_checkpoint):
     """The batch's sampler logprobs are `model`'s logprobs of the sampled tokens."""
-    from grpo_cli.rollout.hf import HFEngine
+    from grpo_cli.rollout.hf.engine import HFEngine
 
     local = HFEngine(model, eos_token_ids=[], pad_token_id=0, shares_policy_weights=False)
     seqs = [batch.prompt_ids[j // SAMPLING.n] + batch.completion_ids[j] for j in range(len(batch.completion_ids))]
@@ -130,7 +130,7 @@ def test_board_take_waits_for_the_post_and_keeps_the_buffers_alive(ranks):
     """A rank that asks before rank 0 posted waits (the board is an async actor: the post still gets in); the refs
     posted nested in the arguments keep their buffers alive after the poster dropped its own, and the board lets go
     of them once every follower took them."""
-    from grpo_cli.rollout.ray_actor import WeightBoard
+    from grpo_cli.rollout.ray.actor import WeightBoard
 
     board = ray.remote(num_cpus=0)(WeightBoard).remote(2)
     early = [board.take.remote(1), board.take.remote(1)]

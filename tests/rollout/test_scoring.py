@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from grpo_cli.rollout import scoring
-from grpo_cli.rollout.packing import packed_mask, plan_packing
-from grpo_cli.rollout.scoring import completion_logprobs, completion_logprobs_entropy
+from grpo_cli.models import logprobs as scoring
+from grpo_cli.models.packing import packed_mask, plan_packing
+from grpo_cli.models.logprobs import completion_logprobs, completion_logprobs_entropy
 
 T = 12
 
@@ -19,7 +19,7 @@ def load(tiny_checkpoint, attn: str):
     """`grpo_sdpa` is what the trainer loads for `model.attn_implementation: sdpa` (structured packed attention)."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.rollout.attention import attention_implementation
+    from grpo_cli.models.attention import attention_implementation
 
     attn = attention_implementation("sdpa") if attn == "grpo_sdpa" else attn
     return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32, attn_implementation=attn).train()

@@ -15,7 +15,7 @@ from torch.multiprocessing import reductions
 
 from grpo_cli.runtime import accel
 from grpo_cli.rollout.base import RolloutError
-from grpo_cli.rollout.sglang_payload import CUDA_DEVICE_ARG, sglang_serializer, uuid_reduction
+from grpo_cli.rollout.sglang.payload import CUDA_DEVICE_ARG, sglang_serializer, uuid_reduction
 
 # The globals such a payload needs, all in SGLang 0.5.23's SafeUnpickler.ALLOWED_GLOBALS (srt/utils/common.py):
 # anything else (e.g. a grpo_cli function) is "Blocked unsafe global" on the server.

@@ -10,12 +10,12 @@ import contextlib
 import pytest
 import torch
 
-from grpo_cli.rollout import decode as decode_mod
-from grpo_cli.rollout import decode_step
-from grpo_cli.rollout.attention import attention_implementation
+from grpo_cli.rollout.hf import decode as decode_mod
+from grpo_cli.rollout.hf import decode_step
+from grpo_cli.models.attention import attention_implementation
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.decode import decode
-from grpo_cli.rollout.static_step import bucket_size
+from grpo_cli.rollout.hf.decode import decode
+from grpo_cli.rollout.hf.static_step import bucket_size
 from grpo_cli.runtime import accel
 
 PROMPTS = [[3, 5, 7, 9, 11], [4, 6], [8, 9, 10, 11, 12, 13, 14], [20]]
@@ -194,7 +194,7 @@ def test_a_step_cuda_cannot_capture_runs_uncaptured(model, monkeypatch):
             return None
 
     monkeypatch.setattr(decode_mod, "is_cuda", lambda device: True)
-    from grpo_cli.rollout import static_step
+    from grpo_cli.rollout.hf import static_step
 
     monkeypatch.setattr(static_step, "StepGraph", Refused)
     with pytest.warns(RuntimeWarning, match="could not be captured as a CUDA graph"):

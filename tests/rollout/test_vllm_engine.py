@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.scoring import completion_logprobs, score_sequences
+from grpo_cli.models.logprobs import completion_logprobs, score_sequences
 
 pytestmark = pytest.mark.vllm
 PROMPTS = [[3, 4, 6, 7, 8, 5], [3, 4, 9, 10, 5], [3, 4, 11, 5]]
@@ -18,7 +18,7 @@ STOP_IDS = [1, *range(20, 25)]  # many stop tokens, so that both finish reasons 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
     pytest.importorskip("vllm")
-    from grpo_cli.rollout.vllm_engine import VLLMEngine
+    from grpo_cli.rollout.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(tiny_checkpoint, dtype="float32", max_model_len=64, max_num_seqs=32, sleep_level=2,
                      kv_cache_space_gib=1.0, eos_token_ids=STOP_IDS)

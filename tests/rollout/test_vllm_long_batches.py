@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 
 def test_seeded_prompts_over_the_step_budget_and_multi_turn_blocks(tiny_checkpoint):
     pytest.importorskip("vllm")
-    from grpo_cli.rollout.vllm_engine import CPU_MULTI_TURN_BLOCK_SIZE, VLLMEngine
+    from grpo_cli.rollout.vllm.engine import CPU_MULTI_TURN_BLOCK_SIZE, VLLMEngine
 
     engine = VLLMEngine(tiny_checkpoint, dtype="float32", max_model_len=200, max_num_seqs=128,
                         kv_cache_space_gib=1.0, multi_turn=True)
@@ -44,7 +44,7 @@ def test_engine_settings_from_config(monkeypatch, preset, overrides, block_size,
     unless the block size is set)."""
     from grpo_cli.config.load import build_config
     from grpo_cli.rollout.base import EngineContext
-    from grpo_cli.rollout.vllm_engine import VLLMEngine
+    from grpo_cli.rollout.vllm.engine import VLLMEngine
 
     seen: dict = {}
     monkeypatch.setattr(VLLMEngine, "__init__", lambda self, path, **kw: seen.update(kw))

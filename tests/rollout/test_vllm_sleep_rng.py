@@ -39,7 +39,7 @@ def test_evaluation_after_the_sync_keeps_the_weights_at_level_2(policy, monkeypa
     """Step k: rollout (sleep 2) → sync → evaluation (through the real evaluation hook) → step k+1's rollout.
     Level 2 after the evaluation would discard the synced weights and the next rollout would raise."""
     from grpo_cli.config.load import build_config
-    from grpo_cli.eval import runner
+    from grpo_cli.train import evaluation as runner
     from grpo_cli.runtime.dist import DistInfo
     from grpo_cli.train.supervise.timing import PhaseTimer
 
@@ -96,7 +96,7 @@ def test_verified_sync_wakes_only_the_weights_and_probes_at_the_next_generation(
 def test_preserve_rng_restores_the_training_devices_cuda_generator(monkeypatch):
     """vLLM's start-up reseeds every generator (`torch.manual_seed` reaches each CUDA device); the CUDA branch is
     driven on CPU with torch.cuda's RNG calls replaced by a store."""
-    from grpo_cli.rollout import vllm_support
+    from grpo_cli.rollout.vllm import support as vllm_support
 
     store = {"cuda:1": torch.tensor([1, 2, 3], dtype=torch.uint8)}
     restored: list[str] = []
@@ -134,7 +134,7 @@ def fake_launch(monkeypatch):
     import torch.distributed as dist
     import vllm
 
-    from grpo_cli.rollout import vllm_support
+    from grpo_cli.rollout.vllm import support as vllm_support
 
     seen: dict = {}
     monkeypatch.setattr(dist, "is_initialized", lambda: "backend" in seen)
@@ -152,7 +152,7 @@ def fake_launch(monkeypatch):
 
 
 def _direct_cpu():
-    from grpo_cli.rollout.vllm_engine import VLLMEngine
+    from grpo_cli.rollout.vllm.engine import VLLMEngine
 
     return VLLMEngine("fake", max_model_len=64, tensor_parallel_size=2, distributed=True,
                       device=torch.device("cpu"), timeout_minutes=45)
@@ -161,7 +161,7 @@ def _direct_cpu():
 def _from_config_cuda():
     from grpo_cli.config.load import build_config
     from grpo_cli.rollout.base import EngineContext
-    from grpo_cli.rollout.vllm_engine import VLLMEngine
+    from grpo_cli.rollout.vllm.engine import VLLMEngine
 
     cfg = build_config(overrides=["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2",
                                   "distributed.num_processes=2", "distributed.device=cuda",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from vllm_fakes import FakeLLM, bare_engine
 
-from grpo_cli.rollout.vllm_support import SUPPORTED_VLLM, version_status
+from grpo_cli.rollout.vllm.support import SUPPORTED_VLLM, version_status
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 

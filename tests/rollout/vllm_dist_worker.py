@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.scoring import completion_logprobs
-from grpo_cli.rollout.vllm_engine import VLLMEngine
+from grpo_cli.models.logprobs import completion_logprobs
+from grpo_cli.rollout.vllm.engine import VLLMEngine
 from grpo_cli.train.weights.weight_sync import sync_weights
 
 PROMPTS = {0: [[3, 4, 6, 7, 5], [3, 4, 8, 5]], 1: [[3, 4, 9, 10, 11, 5], [3, 4, 12, 5], [3, 4, 13, 5]]}

@@ -64,7 +64,7 @@ class FakeLLM:
 
     # ---- generation ----
     def generate(self, requests, params, use_tqdm=False):
-        from grpo_cli.rollout.scoring import score_sequences
+        from grpo_cli.models.logprobs import score_sequences
 
         out = []
         for request, p in zip(requests, params, strict=True):
@@ -84,7 +84,7 @@ class FakeLLM:
 
 def bare_engine(llm: FakeLLM, *, sleep_level: int, seed: int = 0):
     """A `VLLMEngine` around `llm` with the state `__init__` leaves (single process, awake, version 0)."""
-    from grpo_cli.rollout.vllm_engine import VLLMEngine
+    from grpo_cli.rollout.vllm.engine import VLLMEngine
 
     eng = VLLMEngine.__new__(VLLMEngine)
     eng.llm, eng.sleep_level, eng.seed, eng.device = llm, sleep_level, seed, torch.device("cpu")

@@ -9,7 +9,7 @@ import torch
 from served_app import app_in_thread
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.server_client import ServerEngine
+from grpo_cli.rollout.remote.client import ServerEngine
 from grpo_cli.server.app import create_app
 from grpo_cli.server.codec import encode_stream
 from grpo_cli.server.transport import Policy
@@ -259,7 +259,7 @@ def test_shm_files_of_dead_trainers_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from grpo_cli.rollout.shm_file import ShmFile
+    from grpo_cli.rollout.remote.shm_file import ShmFile
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)

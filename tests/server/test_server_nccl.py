@@ -15,7 +15,7 @@ from dist_env import free_port
 from served_app import app_in_thread
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.server_client import ServerEngine
+from grpo_cli.rollout.remote.client import ServerEngine
 from grpo_cli.server import nccl
 from grpo_cli.server.app import create_app
 from grpo_cli.server.transport import Policy, RolloutServerDown

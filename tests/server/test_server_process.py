@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.scoring import completion_logprobs, score_sequences
-from grpo_cli.rollout.server_client import ServerEngine, model_identity
+from grpo_cli.models.logprobs import completion_logprobs, score_sequences
+from grpo_cli.rollout.remote.client import ServerEngine, model_identity
 from grpo_cli.server.transport import Policy, RolloutServerDown
 
 TOKEN = "tok-123"

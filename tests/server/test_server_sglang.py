@@ -13,8 +13,8 @@ import torch
 from served_app import app_in_thread
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.scoring import completion_logprobs, score_sequences
-from grpo_cli.rollout.sglang_client import SGLangEngine, ServerFacts
+from grpo_cli.models.logprobs import completion_logprobs, score_sequences
+from grpo_cli.rollout.sglang.client import SGLangEngine, ServerFacts
 from grpo_cli.server.engines import ServeError, ServeOptions
 from grpo_cli.server.launch import run_sglang, sglang_command
 from grpo_cli.server.sglang_contract import create_contract_app, safetensors_b64_serializer

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.scoring import completion_logprobs, score_sequences
-from grpo_cli.rollout.server_client import ServerEngine, model_identity
+from grpo_cli.models.logprobs import completion_logprobs, score_sequences
+from grpo_cli.rollout.remote.client import ServerEngine, model_identity
 from grpo_cli.server.transport import Policy
 
 pytestmark = pytest.mark.vllm

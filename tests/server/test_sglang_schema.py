@@ -15,7 +15,7 @@ from sglang_schema import VERSION, SGLangSchema, download_wheel
 from test_server_sglang import FAST, KEY, launch_args
 
 from grpo_cli.rollout.base import SamplingParams
-from grpo_cli.rollout.sglang_client import SGLangEngine
+from grpo_cli.rollout.sglang.client import SGLangEngine
 from grpo_cli.server.sglang_contract import (
     create_contract_app,
     safetensors_b64_serializer,

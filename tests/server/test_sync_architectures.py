@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.scoring import completion_logprobs, score_sequences
+from grpo_cli.models.logprobs import completion_logprobs, score_sequences
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROBE = [[3, 4, 6, 7, 8, 5, 20, 21, 22, 23], [3, 4, 30, 31, 5, 40]]
@@ -20,7 +20,7 @@ PARITY = 1e-4
 def arch_engine(request, tmp_path_factory):
     """(architecture, checkpoint folder, a vLLM engine on it) for the module's tests of that architecture."""
     pytest.importorskip("vllm")
-    from grpo_cli.rollout.vllm_engine import VLLMEngine
+    from grpo_cli.rollout.vllm.engine import VLLMEngine
     from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = str(build_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param))
@@ -87,7 +87,7 @@ def test_colocate_sync_matches_the_trainer(arch_engine):
 def test_server_sync_matches_the_trainer(arch_engine):
     from served_app import app_in_thread
 
-    from grpo_cli.rollout.server_client import ServerEngine, model_identity
+    from grpo_cli.rollout.remote.client import ServerEngine, model_identity
     from grpo_cli.server.app import create_app
     from grpo_cli.server.engines import ServeOptions, build
     from grpo_cli.server.transport import Policy

@@ -16,8 +16,8 @@ import torch
 
 from grpo_cli.algo import chunked_logprobs as chunked
 from grpo_cli.config.load import build_config
-from grpo_cli.rollout import scoring
-from grpo_cli.rollout.scoring import completion_logprobs_entropy
+from grpo_cli.models import logprobs as scoring
+from grpo_cli.models.logprobs import completion_logprobs_entropy
 from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.train.policy import load_policy
 

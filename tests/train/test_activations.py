@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_cli.rollout.scoring import completion_logprobs
+from grpo_cli.models.logprobs import completion_logprobs
 from grpo_cli.train.backends import activations
 
 

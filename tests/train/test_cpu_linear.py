@@ -68,8 +68,8 @@ def test_autocast_and_no_grad(monkeypatch):
 def test_model_logprobs_and_gradients_match_pytorch_matmul(tmp_path, monkeypatch, checkpointing):
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.rollout.attention import attention_implementation
-    from grpo_cli.rollout.scoring import completion_logprobs
+    from grpo_cli.models.attention import attention_implementation
+    from grpo_cli.models.logprobs import completion_logprobs
     from grpo_cli.train.backends.activations import enable_checkpointing
     from grpo_cli.models.tiny import build_tiny_checkpoint
 

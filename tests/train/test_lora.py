@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_cli.config.load import build_config
-from grpo_cli.rollout.scoring import score_sequences
+from grpo_cli.models.logprobs import score_sequences
 from grpo_cli.train.policy import load_policy
 
 peft = pytest.importorskip("peft")

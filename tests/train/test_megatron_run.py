@@ -58,7 +58,7 @@ def three_steps(tmp_path_factory):
 def _logprobs(folder) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.rollout.scoring import score_sequences
+    from grpo_cli.models.logprobs import score_sequences
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -187,7 +187,7 @@ def test_probe_batch_scores_like_the_engine_probe(tiny_checkpoint):
     what `score_sequences` (the engines' and the HF backends' probe) returns, token for token."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.rollout.scoring import score_sequences
+    from grpo_cli.models.logprobs import score_sequences
     from grpo_cli.train.backends.megatron.weights import probe_batch
     from grpo_cli.train.batch import batch_logprobs
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo_cli.rollout.base import RolloutError
-from grpo_cli.rollout.hf import HFEngine
+from grpo_cli.rollout.hf.engine import HFEngine
 from grpo_cli.train.weights.hf_module import buckets, checkpoint_names, checksum_names, describe_ties, hf_name
 from grpo_cli.train.weights.weight_sync import sync_weights
 

@@ -167,7 +167,7 @@ class TrainingBackend:
         """Forward, `loss_fn` and backward of every micro-batch of `batch` (gradient reduction on the last); returns
         each micro-batch's metrics. Raises `NonFiniteStep` (gradients zeroed) on a non-finite loss. Backends that
         cannot run a micro-batch at a time (pipeline parallel) override the whole of it."""
-        from grpo_cli.rollout.scoring import completion_logprobs_entropy
+        from grpo_cli.models.logprobs import completion_logprobs_entropy
         from grpo_cli.train.batch import micro_batch_rows, take
 
         tokens = self.cfg.train.micro_batch_tokens

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grpo_cli.config.errors import UserError
-from grpo_cli.rollout.decode_step import LINEAR_FN_ATTR
+from grpo_cli.models.linear_fn import LINEAR_FN_ATTR
 
 
 def _dnnl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -39,7 +39,7 @@ def build_on_meta(cfg, model_path: str, *, dtype: torch.dtype) -> torch.nn.Modul
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from grpo_cli.rollout.attention import attention_implementation
+    from grpo_cli.models.attention import attention_implementation
 
     config = AutoConfig.from_pretrained(model_path)
     with init_empty_weights(include_buffers=False):

@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.rollout.weight_names import tied_aliases
+from grpo_cli.models.weight_names import tied_aliases
 from grpo_cli.train.checkpoint import CheckpointError
 
 
 def load_hf_model(cfg: GRPOConfig, model_path: str, *, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.rollout.attention import attention_implementation
+    from grpo_cli.models.attention import attention_implementation
 
     return AutoModelForCausalLM.from_pretrained(
         model_path, dtype=dtype, attn_implementation=attention_implementation(cfg.model.attn_implementation))

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import torch
 
 from grpo_cli.rollout.flat_weights import byte_buckets
-from grpo_cli.rollout.scoring import score_sequences
+from grpo_cli.models.logprobs import score_sequences
 from grpo_cli.models.experts import expert_parts
-from grpo_cli.rollout.weight_names import tied_aliases
+from grpo_cli.models.weight_names import tied_aliases
 from grpo_cli.train.weights.lora import lora_layer, merged_tensor
 from grpo_cli.train.weights.shard_gather import GatheredBucket, row_sharded
 from grpo_cli.train.weights.source import CHECKSUM_TENSORS, record_sent, spread

@@ -1,4 +1,4 @@
-"""Completion logprobs and entropy from Megatron's vocabulary-parallel logits, exactly as `rollout/scoring.py`
+"""Completion logprobs and entropy from Megatron's vocabulary-parallel logits, exactly as `models/logprobs.py`
 computes them from full logits: the log-sum-exp, the picked logit and Σ p·z are reduced across the tensor-parallel
 ranks (each holds a slice of the vocabulary), in float32, from logits divided by the sampling temperature.
 
@@ -15,8 +15,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from grpo_cli.algo.chunked_logprobs import chunk_rows
-from grpo_cli.rollout.packing import completion_widths
-from grpo_cli.rollout.scoring import ForwardStandIn
+from grpo_cli.models.packing import completion_widths
+from grpo_cli.models.logprobs import ForwardStandIn
 
 
 @dataclass

@@ -17,7 +17,7 @@ from grpo_cli.train.weights.source import record_sent, spread
 def probe_batch(sequences: list[list[int]], *, pad_token_id: int) -> TrainBatch:
     """Probe sequences as a batch whose prompt is each one's first token and whose completion is the rest
     (right-padded), so completion logprobs are the logprobs of every token after the first."""
-    from grpo_cli.rollout.scoring import right_padded
+    from grpo_cli.models.logprobs import right_padded
 
     ids, mask = right_padded(sequences, pad_token_id=pad_token_id)
     return TrainBatch(ids, mask, mask[:, 1:].float())

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.rollout.continuation import KeptRows, RowKV, chunk_inputs, continuable, seed_cache, stash_rows
-from grpo_cli.rollout.decode_step import compiled_decode_sample, decode_sample, decoder_parts, plan_decode, preallocated
-from grpo_cli.rollout.sampling import process_logits, sample_tokens
-from grpo_cli.rollout.static_step import StaticStep
+from grpo_cli.rollout.hf.continuation import KeptRows, RowKV, chunk_inputs, continuable, seed_cache, stash_rows
+from grpo_cli.rollout.hf.decode_step import compiled_decode_sample, decode_sample, decoder_parts, plan_decode, preallocated
+from grpo_cli.rollout.hf.sampling import process_logits, sample_tokens
+from grpo_cli.rollout.hf.static_step import StaticStep
 from grpo_cli.runtime.accel import is_cuda
 
 COMPACT_FRACTION = 0.25

@@ -12,10 +12,10 @@ import torch
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.rollout.base import RolloutBatch, SamplingParams
-from grpo_cli.rollout.decode import Decoded, decode, decode_continue
-from grpo_cli.rollout.decode_step import decoder_parts
-from grpo_cli.rollout.scoring import score_sequences
-from grpo_cli.rollout.weight_names import parameters_by_name
+from grpo_cli.rollout.hf.decode import Decoded, decode, decode_continue
+from grpo_cli.rollout.hf.decode_step import decoder_parts
+from grpo_cli.models.logprobs import score_sequences
+from grpo_cli.models.weight_names import parameters_by_name
 
 
 class HFEngine:

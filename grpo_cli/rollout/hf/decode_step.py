@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpo_cli.rollout.sampling import pick_tokens, process_logits
+from grpo_cli.models.linear_fn import linear_fn as _linear_fn
+from grpo_cli.rollout.hf.sampling import pick_tokens, process_logits
 
 SUPPORTED_ATTENTION = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention"})
 """Attention classes whose forward is: q/k/v projections (+ optional q/k head RMSNorm), rotary embedding, cache
@@ -90,19 +91,6 @@ def preallocated(cache, end: int) -> bool:
                and layer.keys.shape[2] >= end for layer in cache.layers)
 
 
-LINEAR_FN_ATTR = "grpo_linear_fn"
-"""Attribute set on an `nn.Linear` whose forward was replaced by another kernel of the same y = x·Wᵀ + b (e.g.
-`model.cpu_linear`): that function (x, weight, bias) → y, which the fused projections then call."""
-
-
-def _linear_fn(module: nn.Module):
-    """The function (x, weight, bias) → y that `module`'s call computes when it is an `nn.Linear` on plain tensors
-    (no hooks, no LoRA wrapper, no sharded DTensor): `F.linear`, or the kernel its replaced forward names under
-    `LINEAR_FN_ATTR`; None otherwise."""
-    if (type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks
-            or not all(type(p) in (torch.Tensor, nn.Parameter) for p in (module.weight, module.bias) if p is not None)):
-        return None
-    return getattr(module, LINEAR_FN_ATTR, None) if "forward" in vars(module) else F.linear
 
 
 FUSE_MAX_BYTES = 8 << 20

@@ -18,7 +18,7 @@ def load_engine_model(cfg: GRPOConfig, model_path: str, *, device=None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.rollout.attention import attention_implementation
+    from grpo_cli.models.attention import attention_implementation
 
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=getattr(torch, engine_dtype(cfg)),
@@ -28,7 +28,7 @@ def load_engine_model(cfg: GRPOConfig, model_path: str, *, device=None):
 
 def hf_copy_engine(cfg: GRPOConfig, ctx: EngineContext, *, device=None) -> RolloutEngine:
     """An `HFEngine` on `load_engine_model(ctx.model_path)` (`shares_policy_weights` False)."""
-    from grpo_cli.rollout.hf import HFEngine, require_compilable
+    from grpo_cli.rollout.hf.engine import HFEngine, require_compilable
 
     model = load_engine_model(cfg, ctx.model_path, device=device)
     if cfg.rollout.compile:

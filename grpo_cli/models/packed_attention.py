@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo_cli.rollout.packing import Packing
+from grpo_cli.models.packing import Packing
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
-from grpo_cli.rollout.server_client import model_identity
+from grpo_cli.rollout.remote.client import model_identity
 from grpo_cli.server.transport import Policy, Transport, split_groups
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def parse_version(text: str | None) -> tuple[int, ...] | None:
 def sglang_serializer(named_tensors: list) -> str:
     """SGLang's wire format for `/update_weights_from_tensor` (CUDA IPC handles, the device as its UUID):
     `sglang_payload.sglang_serializer`, imported when a tensor update runs (it imports torch)."""
-    from grpo_cli.rollout.sglang_payload import sglang_serializer as serialize
+    from grpo_cli.rollout.sglang.payload import sglang_serializer as serialize
 
     return serialize(named_tensors)
 

@@ -28,7 +28,7 @@ def grpo_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
         if query.shape[0] != layout.rows or query.shape[2] != layout.n or dropout > 0.0:
             raise RuntimeError(f"packed attention layout ({layout.rows} rows x {layout.n}) does not fit the "
                                f"query {tuple(query.shape)} (dropout {dropout})")
-        from grpo_cli.rollout.packed_attention import packed_attention
+        from grpo_cli.models.packed_attention import packed_attention
 
         return packed_attention(query, key, value, layout, scale=scaling, gqa=groups > 1), None
     if attention_mask is None or dropout > 0.0 or kwargs.get("position_bias") is not None \

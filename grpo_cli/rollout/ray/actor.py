@@ -43,10 +43,10 @@ def _single_turn_engine(cfg, ctx):
         if cfg.rollout.vllm.max_num_seqs is None:  # the engine's default would size for the whole step
             cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
                 "vllm": cfg.rollout.vllm.model_copy(update={"max_num_seqs": sequences_per_actor(cfg)})})})
-        from grpo_cli.rollout.vllm_engine import VLLMEngine
+        from grpo_cli.rollout.vllm.engine import VLLMEngine
 
         return VLLMEngine.from_config(cfg, ctx)
-    from grpo_cli.rollout.hf_copy import hf_copy_engine
+    from grpo_cli.rollout.hf.generation_copy import hf_copy_engine
 
     device = "cuda" if cfg.distributed.device != "cpu" and torch.cuda.is_available() else "cpu"
     return hf_copy_engine(cfg, ctx, device=device)
@@ -62,7 +62,7 @@ def sequences_per_actor(cfg) -> int:
 
 
 class RolloutActor:
-    """The Ray actor body (made remote by `grpo_cli.rollout.ray_engine`). `threads` caps torch's intra-op
+    """The Ray actor body (made remote by `grpo_cli.rollout.ray.engine`). `threads` caps torch's intra-op
     threads to the cores Ray reserved for it."""
 
     def __init__(self, cfg_dump: dict, ctx_fields: dict, threads: int) -> None:
@@ -107,7 +107,7 @@ class RolloutActor:
     def read_weights(self, names: list[str]) -> dict:
         if hasattr(self.engine, "read_weights"):
             return self.engine.read_weights(names)
-        from grpo_cli.rollout.weight_names import parameters_by_name
+        from grpo_cli.models.weight_names import parameters_by_name
 
         params = parameters_by_name(self.engine.model)
         return {n: params[n].detach().cpu().clone() for n in names if n in params}

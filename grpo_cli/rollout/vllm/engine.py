@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING
 
-from grpo_cli.rollout import vllm_support as support
+from grpo_cli.rollout.vllm import support as support
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import Prompt, tokenize_prompts
 from grpo_cli.data.sources import DataError, load_rows
-from grpo_cli.eval.metrics import local_sums, reduce_means
+from grpo_cli.train.eval_metrics import local_sums, reduce_means
 from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutBatch, SamplingParams

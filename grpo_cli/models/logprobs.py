@@ -13,10 +13,10 @@ import torch
 
 from grpo_cli.algo.chunked_logprobs import chunked_logprobs
 from grpo_cli.algo.entropy import token_entropy
-from grpo_cli.rollout.attention import LAYOUT_ATTR
-from grpo_cli.rollout.attention import NAME as ATTENTION
-from grpo_cli.rollout.decode_step import LINEAR_FN_ATTR
-from grpo_cli.rollout.packing import attention_cost, completion_widths, packed_mask, plan_packing
+from grpo_cli.models.attention import LAYOUT_ATTR
+from grpo_cli.models.attention import NAME as ATTENTION
+from grpo_cli.models.linear_fn import LINEAR_FN_ATTR
+from grpo_cli.models.packing import attention_cost, completion_widths, packed_mask, plan_packing
 
 MIN_SAVING = 0.1
 """Packing is used only when it cuts the estimated forward cost (`attention_cost`) by at least this share."""
@@ -151,7 +151,7 @@ def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: i
     src = packing.src.clamp(min=0)
     valid = attention_mask.reshape(-1)[src] * (packing.src >= 0)
     if structured:
-        from grpo_cli.rollout.packed_attention import build_layout
+        from grpo_cli.models.packed_attention import build_layout
 
         mask = torch.ones((), dtype=torch.bool, device=src.device).expand(rows, 1, n, n)  # a shape, no N x N memory
         setattr(mask, LAYOUT_ATTR, build_layout(packing, valid))

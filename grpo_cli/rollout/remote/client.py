@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from grpo_cli.config.schema import GRPOConfig
     from grpo_cli.rollout.base import EngineContext
-    from grpo_cli.rollout.shm_file import ShmFile
+    from grpo_cli.rollout.remote.shm_file import ShmFile
 
 __all__ = ["RolloutServerDown", "ServerEngine", "model_identity"]
 
@@ -200,7 +200,7 @@ class ServerEngine:
         """Same host: write the frames once into an owner-only file in /dev/shm and hand its name to every server,
         which maps it, checks each frame's checksum and loads from the mapping. The file is kept and overwritten
         by the next sync unless `shm_keep_file` is false."""
-        from grpo_cli.rollout.shm_file import ShmFile
+        from grpo_cli.rollout.remote.shm_file import ShmFile
         from grpo_cli.server.codec import write_stream
 
         if self._shm is None:

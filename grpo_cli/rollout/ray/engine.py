@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams, engine_dtype
-from grpo_cli.rollout.actor_batches import merge_batches, split_evenly
+from grpo_cli.rollout.ray.batches import merge_batches, split_evenly
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
@@ -185,7 +185,7 @@ class AsyncRolloutEngine:
         if broadcast is None:
             raise RolloutError("async mode with several training processes needs `broadcast` to share the weight "
                                "board's name between them.")
-        from grpo_cli.rollout.ray_actor import WeightBoard
+        from grpo_cli.rollout.ray.actor import WeightBoard
 
         ray = self._ray
         if self.rank != 0:
@@ -203,7 +203,7 @@ class AsyncRolloutEngine:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from grpo_cli.rollout.ray_actor import RolloutActor
+        from grpo_cli.rollout.ray.actor import RolloutActor
 
         ray, rc = self._ray, cfg.rollout.ray
         count = rc.num_actors // ctx.world_size

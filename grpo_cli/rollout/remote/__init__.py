@@ -1,0 +1,1 @@
+"""The HTTP client of a rollout server (`grpo serve-rollout`): generation, weight pushes, sleep/wake."""

@@ -1,0 +1,1 @@
+"""The client of an SGLang server's native API and its request payloads."""
