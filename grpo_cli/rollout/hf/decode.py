@@ -120,6 +120,48 @@ def _continue_prefill(model, kept: list[RowKV], new_ids: list[list[int]], steps:
     return cache, logits, _Rows(torch.arange(len(kept), device=device), mask, pos[:, -1] + 1), width
 
 
+def runs_ahead(device: torch.device) -> bool:
+    """Whether the lean decode launches step t + 1 before it reads how many rows step t finished (`FinishedCount`):
+    where the device runs asynchronously from the host (CUDA), so that the host prepares the next step while the
+    device computes; on the CPU there is nothing to overlap and a speculated step would be paid in full."""
+    return is_cuda(device)
+
+
+class FinishedCount:
+    """The finished-row count of a step (`put`: done.sum() on the device), read on the host (`read`) without waiting
+    for the work launched after `put`: on CUDA it is copied (non_blocking) into pinned host memory with an event
+    recorded behind the copy, and `read` waits for that event only, so a step launched between the two keeps the
+    device busy meanwhile; elsewhere the count is read as it is."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = torch.cuda.Event() if device.type == "cuda" else None
+        self.host = torch.zeros((), dtype=torch.long, pin_memory=self.event is not None)
+
+    def put(self, done: torch.Tensor) -> None:
+        self.host.copy_(done.sum(), non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+
+    def read(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host.numpy())
+
+
+def _record(out: Decoded, rows: _Rows, t: int, tokens: torch.Tensor, logprobs: torch.Tensor,
+            stop_ids: torch.Tensor) -> None:
+    """Write step t's (tokens, logprobs) of the active rows into their output rows; a row not yet done whose token
+    is a stop token gets length t + 1 and `stopped`, and is done. Index copies and `where` on the active rows, no
+    boolean-mask indexing: nothing here makes the host wait for the device."""
+    origin = rows.origin
+    out.tokens[:, t].index_copy_(0, origin, tokens)
+    out.logprobs[:, t].index_copy_(0, origin, logprobs)
+    stop = torch.isin(tokens, stop_ids) & ~rows.done
+    out.lengths.index_copy_(0, origin, torch.where(stop, t + 1, out.lengths.index_select(0, origin)))
+    out.stopped.index_copy_(0, origin, out.stopped.index_select(0, origin) | stop)
+    rows.done |= stop
+
+
 def _stash(kept: list | None, cache, rows: _Rows, which: torch.Tensor, out: Decoded, width: int) -> None:
     """Keep the KV of active rows `which` (their output rows' lengths say how many generated slots are theirs)."""
     if kept is None or len(which) == 0:
@@ -187,7 +229,16 @@ def decode_continue(model, kept: list[RowKV], new_ids: list[list[int]], sampling
 
 def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingParams, *, eos_token_ids: list[int],
             pad_token_id: int, compile_step: bool, keep: bool) -> Decoded:
-    """The decode loop from the prefilled state: one token per step for every active row until each stops."""
+    """The decode loop from the prefilled state: one token per step for every active row until each stops.
+
+    After step t the loop stops when every active row is done (or t is the last step) and drops the finished rows
+    once they are ≥ `COMPACT_FRACTION` of the active rows; both need the finished count, the one value the host
+    reads from the device per step (`FinishedCount`). Where the lean step `runs_ahead`, step t + 1 is launched
+    before that count is read, speculating that no row is dropped: when rows are dropped after all, the generator
+    is set back to its state before step t + 1 and the step runs again on the kept rows (one step's work lost per
+    compaction and one at the end), so the noise, tokens, logprobs and lengths are those of reading the count first.
+    The count is not read only every K steps instead: dropping rows later would change which noise each row draws
+    (`torch.rand((active rows, V))` per step), hence the sampled tokens for a seed."""
     steps = sampling.max_tokens
     device, batch = logits.device, len(rows.origin)
     generator = torch.Generator(device=device)
@@ -207,34 +258,45 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
         lean_step = functools.partial(compiled_decode_sample() if compile_step else decode_sample, **knobs)
         static = StaticStep(lean_step, plan, cache, vocab=logits.shape[-1], tensor_slot=compile_step or is_cuda(
             device), prepare=_mark_dynamic if compile_step else None)
+    def advance(feed: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch step t: the active rows' tokens `feed` (token t, pad where done) at slot width + t → token t + 1."""
+        if static is not None:  # Llama-family model on a preallocated cache: the lean one-token forward and draw
+            rows.bias[..., width + t] = 0.0
+            return static(feed, rows.next_pos, width + t, rows.bias, generator)
+        logits = model(input_ids=feed[:, None], attention_mask=rows.mask[:, : width + t + 1],
+                       position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        return sample_tokens(process_logits(logits, **knobs), generator)
+
+    ahead = static is not None and runs_ahead(device)
+    finished_count = FinishedCount(device)
     tokens, logprobs = sample_tokens(process_logits(logits, **knobs), generator)
     for t in range(steps):
-        out.tokens[rows.origin, t], out.logprobs[rows.origin, t] = tokens, logprobs
-        stop = torch.isin(tokens, stop_ids) & ~rows.done
-        out.lengths[rows.origin[stop]] = t + 1
-        out.stopped[rows.origin[stop]] = True
-        rows.done |= stop
-        finished = int(rows.done.sum())
-        if t == steps - 1 or finished == len(rows.origin):
+        _record(out, rows, t, tokens, logprobs, stop_ids)
+        if t == steps - 1:
+            _stash(kept, cache, rows, torch.arange(len(rows.origin), device=device), out, width)
+            break
+        feed = tokens.masked_fill(rows.done, pad_token_id)
+        finished_count.put(rows.done)
+        state = generator.get_state() if ahead else None
+        launched = advance(feed, t) if ahead else None  # speculates that no row set is dropped after step t
+        finished = finished_count.read()
+        if finished == len(rows.origin):
             _stash(kept, cache, rows, torch.arange(len(rows.origin), device=device), out, width)
             break
         if finished >= max(1.0, COMPACT_FRACTION * len(rows.origin)):
-            _stash(kept, cache, rows, rows.done.nonzero().squeeze(1), out, width)
-            active = (~rows.done).nonzero().squeeze(1)
+            order = torch.argsort(rows.done.to(torch.uint8), stable=True)  # active rows, then finished ones
+            active = order[: len(rows.origin) - finished]
+            _stash(kept, cache, rows, order[len(rows.origin) - finished :], out, width)
             if static is not None:
                 static.compact(active)  # in place, into the next smaller bucket
             else:
                 select_rows(cache, active)
             rows.keep(active)
-            tokens = tokens.index_select(0, active)
-        tokens = tokens.masked_fill(rows.done, pad_token_id)
-        if static is not None:  # Llama-family model on a preallocated cache: the lean one-token forward and draw
-            rows.bias[..., width + t] = 0.0
-            tokens, logprobs = static(tokens, rows.next_pos, width + t, rows.bias, generator)
-        else:
-            logits = model(input_ids=tokens[:, None], attention_mask=rows.mask[:, : width + t + 1],
-                           position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
-            tokens, logprobs = sample_tokens(process_logits(logits, **knobs), generator)
+            feed = feed.index_select(0, active)
+            if launched is not None:  # the speculated step drew noise for the old rows: draw again from before it
+                generator.set_state(state)
+                launched = None
+        tokens, logprobs = launched if launched is not None else advance(feed, t)
         rows.next_pos += 1
     out.kept = kept
     return out
