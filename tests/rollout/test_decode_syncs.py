@@ -1,8 +1,8 @@
 """The hf decode loop makes the host wait for the device a bounded number of times per decode, not per step: step
 t's stops are recorded with index copies (no boolean-mask indexing, whose `nonzero` waits), the finished count is
-the one value read per step (`decode.FinishedCount`), and where the lean step `runs_ahead` (CUDA) step t + 1 is
-launched before that count is read. Speculating so draws the same tokens as reading first: when rows are dropped
-after step t, step t + 1 runs again from the generator's earlier state."""
+the one value read per step (`lookahead.FinishedCount`), and where the lean step `runs_ahead` (CUDA) step t + 1 is
+launched before that count is read unless rows are likely to be dropped. Launching first draws the same tokens as
+reading first: when rows are dropped after step t, step t + 1 runs again from the generator's earlier state."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from grpo_cli.models.attention import attention_implementation
 from grpo_cli.rollout.base import SamplingParams
 from grpo_cli.rollout.hf import decode as decode_mod
-from grpo_cli.rollout.hf import decode_step
+from grpo_cli.rollout.hf import decode_step, lookahead
 from grpo_cli.rollout.hf.decode import decode
 
 PROMPTS = [[3, 5, 7, 9, 11], [4, 6], [8, 9, 10, 11, 12, 13, 14], [20]]
@@ -41,10 +41,12 @@ def sample(model, *, steps: int = 12, eos=EOS, keep: bool = False, seed: int = 7
 
 @pytest.mark.parametrize("fraction", [0.0, 0.25])
 @pytest.mark.parametrize("seed", [7, 11])
-def test_running_ahead_samples_what_reading_the_count_first_samples(model, monkeypatch, fraction, seed):
+@pytest.mark.parametrize("risk", [1.0, lookahead.RISK])  # 1: every step launched before the count is read
+def test_running_ahead_samples_what_reading_the_count_first_samples(model, monkeypatch, fraction, seed, risk):
     monkeypatch.setattr(decode_mod, "COMPACT_FRACTION", fraction)
     first = sample(model, keep=True, seed=seed)
-    monkeypatch.setattr(decode_mod, "runs_ahead", lambda device: True)
+    monkeypatch.setattr(lookahead, "runs_ahead", lambda device: True)
+    monkeypatch.setattr(lookahead, "RISK", risk)
     ahead = sample(model, keep=True, seed=seed)
     assert 0 < int(first.stopped.sum()) < len(first.stopped)  # rows were dropped mid-decode
     for a, b in zip((ahead.tokens, ahead.logprobs, ahead.lengths, ahead.stopped),
@@ -71,10 +73,10 @@ def waits(model, monkeypatch, **kwargs) -> tuple[int, int]:
 
 
 def test_host_reads_do_not_grow_with_the_steps(model, monkeypatch):
-    """Besides the finished count, read through `FinishedCount` once a step (and on CUDA without waiting for the
-    step launched since), a decode reads device values a fixed number of times (prefill, seeding), plus a few per
+    """Besides the finished count, read through `FinishedCount` once a step (on CUDA mostly after the next step was
+    launched), a decode reads device values a fixed number of times (prefill, seeding), plus a few per
     compaction for the kept rows' KV. Before, each step read two boolean masks' sizes and the count."""
-    monkeypatch.setattr(decode_mod, "runs_ahead", lambda device: True)
+    monkeypatch.setattr(lookahead, "runs_ahead", lambda device: True)
     short, _ = waits(model, monkeypatch, steps=6, eos=NEVER)
     long, _ = waits(model, monkeypatch, steps=30, eos=NEVER)
     assert short == long <= 3, (short, long)  # 27 and 123 before
@@ -84,31 +86,40 @@ def test_host_reads_do_not_grow_with_the_steps(model, monkeypatch):
     assert kept <= 3 + 3 * (compactions + 1), (kept, compactions)  # stashing rows reads their lengths and tokens
 
 
-def test_running_ahead_launches_the_next_step_before_reading_the_count(model, monkeypatch):
-    monkeypatch.setattr(decode_mod, "runs_ahead", lambda device: True)
+def test_the_next_step_is_launched_before_the_count_unless_rows_are_likely_dropped(model, monkeypatch):
+    monkeypatch.setattr(lookahead, "runs_ahead", lambda device: True)
     events: list[str] = []
-    real_step, real_put, real_read = decode_step.decode_sample, decode_mod.FinishedCount.put, \
-        decode_mod.FinishedCount.read
+    real_step, real_put, real_read = decode_step.decode_sample, lookahead.FinishedCount.put, \
+        lookahead.FinishedCount.read
+    monkeypatch.setattr(decode_mod, "decode_sample", lambda *a, **k: (events.append("step"), real_step(*a, **k))[1])
+    monkeypatch.setattr(lookahead.FinishedCount, "put", lambda self, done: (events.append("put"),
+                                                                             real_put(self, done))[1])
+    monkeypatch.setattr(lookahead.FinishedCount, "read", lambda self, rows: (events.append("read"),
+                                                                              real_read(self, rows))[1])
 
-    def step(*args, **kwargs):
-        events.append("step")
-        return real_step(*args, **kwargs)
+    def trace(**kwargs) -> str:
+        events.clear()
+        sample(model, steps=20, **kwargs)
+        return "".join(e[0] for e in events)  # s(tep) p(ut) r(ead)
 
-    def put(self, done):
-        events.append("put")
-        return real_put(self, done)
+    never = trace(eos=NEVER)
+    assert never.count("psr") == never.count("r") == 19  # no row stops: every step launched before the read
+    stopping = trace()  # rows stop at nearly every step here, so a drop is often likely
+    assert stopping.count("psr") > 0 and stopping.count("pr") > 0
+    assert stopping.count("psrs") <= 2  # a launched step ran again: rows were dropped after all
 
-    def read(self):
-        events.append("read")
-        return real_read(self)
 
-    monkeypatch.setattr(decode_mod, "decode_sample", step)
-    monkeypatch.setattr(decode_mod.FinishedCount, "put", put)
-    monkeypatch.setattr(decode_mod.FinishedCount, "read", read)
-    out = sample(model, steps=20)
-    trace = "".join(e[0] for e in events)  # s(tep) p(ut) r(ead)
-    assert trace.count("r") == trace.count("p") > 5
-    assert "pr" not in trace  # a step was launched between every put and its read
-    redone = trace.count("rs")  # a step launched again after the read: rows were dropped
-    assert 0 < redone < trace.count("r")
-    assert int(out.stopped.sum()) > 0
+def test_the_chance_of_a_drop():
+    assert lookahead.at_least(0, 5, 0.0) == 1.0 and lookahead.at_least(1, 5, 0.0) == 0.0
+    assert lookahead.at_least(6, 5, 0.5) == 0.0 and lookahead.at_least(5, 5, 1.0) == 1.0
+    assert lookahead.at_least(1, 3, 0.5) == pytest.approx(7 / 8)
+    assert lookahead.at_least(2, 3, 0.5) == pytest.approx(4 / 8)
+    assert 0.0 < lookahead.at_least(600, 2048, 0.25) < 1e-3  # no overflow at thousands of rows
+    count = lookahead.FinishedCount(torch.device("cpu"))
+    assert count.launch_first(rows=128, threshold=32)  # no stop seen: launch first
+    count.put(torch.arange(128) < 4)
+    assert count.read(128) == 4 and count.launch_first(rows=128, threshold=32)  # 4 of 128 stopped: 28 more unlikely
+    count.put(torch.arange(128) < 30)
+    assert count.read(128) == 30 and not count.launch_first(rows=128, threshold=32)  # 2 more likely
+    count.dropped()
+    assert count.launch_first(rows=98, threshold=24.5)

@@ -12,6 +12,7 @@ import torch
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.hf.continuation import KeptRows, RowKV, chunk_inputs, continuable, seed_cache, stash_rows
+from grpo_cli.rollout.hf import lookahead
 from grpo_cli.rollout.hf.decode_step import compiled_decode_sample, decode_sample, decoder_parts, plan_decode, preallocated
 from grpo_cli.rollout.hf.sampling import process_logits, sample_tokens
 from grpo_cli.rollout.hf.static_step import StaticStep
@@ -120,34 +121,6 @@ def _continue_prefill(model, kept: list[RowKV], new_ids: list[list[int]], steps:
     return cache, logits, _Rows(torch.arange(len(kept), device=device), mask, pos[:, -1] + 1), width
 
 
-def runs_ahead(device: torch.device) -> bool:
-    """Whether the lean decode launches step t + 1 before it reads how many rows step t finished (`FinishedCount`):
-    where the device runs asynchronously from the host (CUDA), so that the host prepares the next step while the
-    device computes; on the CPU there is nothing to overlap and a speculated step would be paid in full."""
-    return is_cuda(device)
-
-
-class FinishedCount:
-    """The finished-row count of a step (`put`: done.sum() on the device), read on the host (`read`) without waiting
-    for the work launched after `put`: on CUDA it is copied (non_blocking) into pinned host memory with an event
-    recorded behind the copy, and `read` waits for that event only, so a step launched between the two keeps the
-    device busy meanwhile; elsewhere the count is read as it is."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.event = torch.cuda.Event() if device.type == "cuda" else None
-        self.host = torch.zeros((), dtype=torch.long, pin_memory=self.event is not None)
-
-    def put(self, done: torch.Tensor) -> None:
-        self.host.copy_(done.sum(), non_blocking=self.event is not None)
-        if self.event is not None:
-            self.event.record()
-
-    def read(self) -> int:
-        if self.event is not None:
-            self.event.synchronize()
-        return int(self.host.numpy())
-
-
 def _record(out: Decoded, rows: _Rows, t: int, tokens: torch.Tensor, logprobs: torch.Tensor,
             stop_ids: torch.Tensor) -> None:
     """Write step t's (tokens, logprobs) of the active rows into their output rows; a row not yet done whose token
@@ -233,10 +206,10 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
 
     After step t the loop stops when every active row is done (or t is the last step) and drops the finished rows
     once they are ≥ `COMPACT_FRACTION` of the active rows; both need the finished count, the one value the host
-    reads from the device per step (`FinishedCount`). Where the lean step `runs_ahead`, step t + 1 is launched
-    before that count is read, speculating that no row is dropped: when rows are dropped after all, the generator
-    is set back to its state before step t + 1 and the step runs again on the kept rows (one step's work lost per
-    compaction and one at the end), so the noise, tokens, logprobs and lengths are those of reading the count first.
+    reads from the device per step (`lookahead.FinishedCount`). Where the lean step `runs_ahead` (CUDA), step t + 1
+    is launched before that count is read when dropping rows after step t is unlikely (`launch_first`): when rows
+    are dropped after all, the generator is set back to its state before step t + 1 and the step runs again on the
+    kept rows, so the noise, tokens, logprobs and lengths are those of reading the count first.
     The count is not read only every K steps instead: dropping rows later would change which noise each row draws
     (`torch.rand((active rows, V))` per step), hence the sampled tokens for a seed."""
     steps = sampling.max_tokens
@@ -267,8 +240,8 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
                        position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
         return sample_tokens(process_logits(logits, **knobs), generator)
 
-    ahead = static is not None and runs_ahead(device)
-    finished_count = FinishedCount(device)
+    ahead = static is not None and lookahead.runs_ahead(device)
+    finished_count = lookahead.FinishedCount(device)
     tokens, logprobs = sample_tokens(process_logits(logits, **knobs), generator)
     for t in range(steps):
         _record(out, rows, t, tokens, logprobs, stop_ids)
@@ -277,13 +250,15 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
             break
         feed = tokens.masked_fill(rows.done, pad_token_id)
         finished_count.put(rows.done)
-        state = generator.get_state() if ahead else None
-        launched = advance(feed, t) if ahead else None  # speculates that no row set is dropped after step t
-        finished = finished_count.read()
+        threshold = max(1.0, COMPACT_FRACTION * len(rows.origin))
+        first = ahead and finished_count.launch_first(len(rows.origin), threshold)
+        state = generator.get_state() if first else None
+        launched = advance(feed, t) if first else None  # speculates that no row is dropped after step t
+        finished = finished_count.read(len(rows.origin))
         if finished == len(rows.origin):
             _stash(kept, cache, rows, torch.arange(len(rows.origin), device=device), out, width)
             break
-        if finished >= max(1.0, COMPACT_FRACTION * len(rows.origin)):
+        if finished >= threshold:
             order = torch.argsort(rows.done.to(torch.uint8), stable=True)  # active rows, then finished ones
             active = order[: len(rows.origin) - finished]
             _stash(kept, cache, rows, order[len(rows.origin) - finished :], out, width)
@@ -292,6 +267,7 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
             else:
                 select_rows(cache, active)
             rows.keep(active)
+            finished_count.dropped()
             feed = feed.index_select(0, active)
             if launched is not None:  # the speculated step drew noise for the old rows: draw again from before it
                 generator.set_state(state)
