@@ -231,6 +231,7 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
         lean_step = functools.partial(compiled_decode_sample() if compile_step else decode_sample, **knobs)
         static = StaticStep(lean_step, plan, cache, vocab=logits.shape[-1], tensor_slot=compile_step or is_cuda(
             device), prepare=_mark_dynamic if compile_step else None)
+
     def advance(feed: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch step t: the active rows' tokens `feed` (token t, pad where done) at slot width + t → token t + 1."""
         if static is not None:  # Llama-family model on a preallocated cache: the lean one-token forward and draw
