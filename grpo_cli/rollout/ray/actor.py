@@ -105,7 +105,7 @@ class RolloutActor:
         return self.engine.score(sequences)
 
     def read_weights(self, names: list[str]) -> dict:
-        if hasattr(self.engine, "read_weights"):
+        if self.engine.reads_weights:
             return self.engine.read_weights(names)
         from grpo_cli.models.weight_names import parameters_by_name
 
