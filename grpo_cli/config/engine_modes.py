@@ -2,15 +2,8 @@
 (layer 1): the config rules, `grpo plan` and `grpo train --rehearse` read the facts here, and the factory
 (`rollout/factory.make_engine`) imports the builder each row names, so nothing below rollout/ imports it.
 
-| engine | mode     | colocated | shares weights | sleeps | weight transports                  | rehearsal server |
-|--------|----------|-----------|----------------|--------|------------------------------------|------------------|
-| hf     | colocate | yes       | yes (dtype auto)| no    | in-process copy (none when shared) | —                |
-| vllm   | colocate | yes       | no             | yes    | in-process reload                  | —                |
-| hf     | server   | no        | no             | no     | http, shm, nccl                    | grpo-hf          |
-| vllm   | server   | no        | no             | no     | http, shm, nccl                    | grpo-vllm        |
-| sglang | server   | no        | no             | no     | disk, tensor                       | sglang-contract  |
-| hf     | async    | no        | no             | no     | Ray object store                   | —                |
-| vllm   | async    | no        | no             | no     | Ray object store                   | —                |
+The rows (docs/rollout-modes.md shows them as a table): hf and vllm colocate, hf/vllm/sglang server, hf and vllm
+async.
 
 Adding an engine (e.g. a client of another server): write its class on `rollout.base.RolloutEngine` (in its own
 folder under rollout/), with a builder `fn(cfg, ctx, **extras)` (`extras`: the `build_args` it names, out of
@@ -52,6 +45,8 @@ class EngineMode:
     (engine settings of the trainer's config such as `rollout.compile` do not reach them)."""
     transports: tuple[str, ...] = ()
     """The weight transports it takes (the first is the default)."""
+    actor_build: str | None = None
+    """Async rows: `module:attr` of the builder `fn(cfg, ctx)` each Ray actor calls for its own engine."""
     rehearsal_server: str | None = None
     """The server `--rehearse` starts beside the run (`launch/rehearse_run.server_command`): `grpo-hf`,
     `grpo-vllm` or `sglang-contract`; None for an engine the trainer builds."""
@@ -80,8 +75,10 @@ MODES: dict[tuple[str, str], EngineMode] = {row.key: row for row in (
     EngineMode("sglang", "server", "grpo_cli.rollout.sglang.client:SGLangEngine.from_config", remote=True,
                transports=("disk", "tensor"), rehearsal_server="sglang-contract", about="SGLang servers"),
     EngineMode("hf", "async", _ASYNC, ("broadcast",), transports=("ray",),
+               actor_build="grpo_cli.rollout.ray.actor:hf_actor_engine",
                about="Ray actors, each with an hf copy, one step ahead"),
     EngineMode("vllm", "async", _ASYNC, ("broadcast",), transports=("ray",),
+               actor_build="grpo_cli.rollout.ray.actor:vllm_actor_engine",
                about="Ray actors, each with a single-process vllm.LLM, one step ahead"),
 )}
 """Every (engine, mode) that runs; a combination not here is refused by the config rules."""

@@ -162,9 +162,11 @@ def _overrides(engine: RolloutEngine, name: str) -> bool:
 
 
 def held_awake(engine) -> AbstractContextManager[None]:
-    """The block during which `engine` stays awake between generations: `engine.hold_awake()` (the contract's
-    default changes nothing)."""
-    return engine.hold_awake()
+    """The block during which `engine` stays awake between generations: its `hold_awake()` (the contract's default
+    changes nothing), or that default for an object outside the contract. Looked up on the class, so a wrapper
+    passes it on only by declaring it (as `EngineWrapper` does)."""
+    hold = getattr(type(engine), "hold_awake", None)
+    return hold(engine) if hold is not None else nullcontext()
 
 
 class EngineWrapper(RolloutEngine):

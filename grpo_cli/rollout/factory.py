@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from grpo_cli.config.engine_modes import EngineMode
 from grpo_cli.rollout.base import EngineContext, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -33,12 +32,12 @@ def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, device=None
     `broadcast(obj)` shares rank 0's Ray address with the other ranks (async mode)."""
     row = cfg.rollout.layout
     extras = {"policy": policy, "device": device, "broadcast": broadcast}
-    return builder(row)(cfg, ctx, **{name: extras[name] for name in row.build_args})
+    return resolve(row.build)(cfg, ctx, **{name: extras[name] for name in row.build_args})
 
 
-def builder(row: EngineMode):
-    """The function `row.build` names (`module:attr[.attr]`)."""
-    module, _, path = row.build.partition(":")
+def resolve(where: str):
+    """The function a row names (`module:attr[.attr]`, e.g. `EngineMode.build`), its module imported now."""
+    module, _, path = where.partition(":")
     fn = importlib.import_module(module)
     for attr in path.split("."):
         fn = getattr(fn, attr)
