@@ -3,24 +3,17 @@ engine; this wrapper checks what it returns and hands the trainer a `RolloutBatc
 
 from __future__ import annotations
 
-from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams, held_awake
+from grpo_cli.rollout.base import EngineWrapper, RolloutBatch, RolloutError, SamplingParams, held_awake
 
 
-class CustomRollout:
+class CustomRollout(EngineWrapper):
     """An engine whose `generate` is `fn(engine=, prompt_ids=, sampling=, tokenizer=)`, with the engine held awake
-    across the function's calls of it (`rollout.base.held_awake`); everything else is the wrapped engine's (weight
-    sync, sleep, close)."""
+    across the function's calls of it (`rollout.base.held_awake`); the weight sync, sleep and close members of
+    `EngineWrapper` are the wrapped engine's, the rest the contract's defaults."""
 
     def __init__(self, engine, fn, tokenizer, spec: str) -> None:
-        self.engine, self.fn, self.tokenizer, self.spec = engine, fn, tokenizer, spec
-
-    def __getattr__(self, name):
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
-
-    def hold_awake(self):
-        return held_awake(self.engine)
+        super().__init__(engine)
+        self.fn, self.tokenizer, self.spec = fn, tokenizer, spec
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         with held_awake(self.engine):

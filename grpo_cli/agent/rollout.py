@@ -11,7 +11,7 @@ from grpo_cli.agent.execute import run_calls
 from grpo_cli.agent.template import ToolFraming
 from grpo_cli.agent.tools import Tool, ToolCall
 from grpo_cli.config.agent import AgentConfig
-from grpo_cli.rollout.base import RolloutBatch, SamplingParams, held_awake
+from grpo_cli.rollout.base import EngineWrapper, RolloutBatch, SamplingParams, held_awake
 
 TURN_SEED_STRIDE = 1_000_003
 """Turn t of a step samples with seed `seed + t·stride` (reproducible, different from turn 0's)."""
@@ -36,16 +36,19 @@ def _decode_all(tokenizer, seqs: list[list[int]], *, skip_special_tokens: bool) 
     return tokenizer.batch_decode(seqs, skip_special_tokens=skip_special_tokens) if seqs else []
 
 
-class AgentEngine:
+class AgentEngine(EngineWrapper):
     """An engine whose `generate` runs up to `agent.max_turns` assistant turns per completion, executing the tool
     calls of each turn (concurrently across the batch) in between. A trajectory stops when a turn calls no tool,
     ends by length (a truncated call is not run), reaches `max_turns`, or spends `max_completion_length` tokens
     (every turn and every tool result counts; a result that would overflow is cut and ends the trajectory).
-    Everything but `generate` is the wrapped engine's."""
+    It binds prompts itself (`bind_prompts`: an environment's rows); weight sync, sleep and close are the wrapped
+    engine's (`EngineWrapper`), and it keeps no rows between calls itself (`continue_rows` is the inner engine's,
+    used between turns)."""
 
     def __init__(self, engine, cfg: AgentConfig, tokenizer, *, tools: dict[str, Tool], parse, framing: ToolFraming,
                  environment: type | None = None):
-        self.engine, self.cfg, self.tokenizer = engine, cfg, tokenizer
+        super().__init__(engine)
+        self.cfg, self.tokenizer = cfg, tokenizer
         self.tools, self.parse, self.framing, self.environment = tools, parse, framing, environment
         self.rows: list[dict] | None = None
 
@@ -67,15 +70,6 @@ class AgentEngine:
                 t.env.reset(**(self.rows[j // n] if self.rows else {}))
                 t.tools = {**self.tools, **environment_tools(t.env, self.cfg.environment)}
         return trajs
-
-    def __getattr__(self, name):  # weight_version, update_weights, sleep, wake_up, close, score, ...
-        if name == "engine":  # not set yet (copy, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.engine, name)
-
-    def hold_awake(self):
-        """The wrapped engine's (`rollout.base.held_awake`): `generate` holds it across a rollout's turns."""
-        return held_awake(self.engine)
 
     def _add_turns(self, turns: list[tuple[Trajectory, list[int], list[float] | None, str]]) -> None:
         """Append each (trajectory, sampled ids, their logprobs, finish reason); the calls of a turn that ended by
@@ -182,7 +176,7 @@ class AgentEngine:
         the new tokens; others get the conversation's ids as a prompt. The engine is held awake for all the turns
         (a colocated vLLM engine sleeps once, after the last)."""
         start = time.perf_counter()
-        resume = getattr(self.engine, "continue_rows", None)
+        resume = self.engine.continue_rows if self.engine.continues_rows else None
         with held_awake(self.engine):
             try:
                 first = (self.engine.generate(prompt_ids, sampling, keep_cache=True) if resume is not None

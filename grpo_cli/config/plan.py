@@ -55,7 +55,7 @@ def batch_plan(cfg: GRPOConfig) -> dict[str, int]:
         "micro_batch_size": t.micro_batch_size,
         "gradient_accumulation": per_rank // t.micro_batch_size,
         "optimizer_steps_per_step": cfg.algorithm.num_iterations,
-        "max_sequence_length": cfg.data.max_prompt_length + cfg.rollout.max_completion_length,
+        "max_sequence_length": cfg.max_sequence_length,
     }
 
 
@@ -165,7 +165,7 @@ def engine_bytes(cfg: GRPOConfig) -> int:
 def hf_generation_copy(cfg: GRPOConfig) -> bool:
     """Whether the hf engine keeps a copy of the weights in `model.dtype` for generation (`rollout.hf.GenerationCopy`):
     it shares the policy of a ddp run whose float32 masters compute in bf16/fp16 under autocast (not LoRA)."""
-    return (cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate" and cfg.rollout.dtype == "auto"
+    return (cfg.rollout.layout.shares_policy_weights and cfg.rollout.dtype == "auto"
             and cfg.distributed.backend == "ddp" and cfg.model.master_weights == "float32"
             and cfg.model.dtype in ("bfloat16", "float16") and cfg.model.lora is None)
 
@@ -184,13 +184,13 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
         out["reference"] = out["weights"] if megatron else p * wbytes / (world if sharding(cfg)["weights"] else 1)
     out["activations"] = megatron_activation_bytes(cfg, shape, batch_plan(cfg)) if megatron else \
         micro_batch_positions(cfg) * activation_bytes_per_position(cfg, shape)
-    if megatron and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
+    if megatron and cfg.rollout.layout.shares_policy_weights:
         out["hf_engine_copy"] = p * engine_bytes(cfg)
     if hf_generation_copy(cfg):
         out["hf_generation_copy"] = p * BYTES[cfg.model.dtype]
     if rm := reward_model_bytes(cfg, on_device=True):
         out["reward_model"] = rm  # config.reward_models: parked in host memory except while scoring, or resident
-    if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate":
+    if cfg.rollout.colocated_vllm:
         tp = cfg.rollout.vllm.tensor_parallel_size
         budget = cfg.rollout.vllm.gpu_memory_utilization * (gpu_mem or 80 * GIB)
         out["vllm_weights"] = p * engine_bytes(cfg) / tp
@@ -300,7 +300,7 @@ def host_plan(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, tuple[float, 
         rows["offload_while_generating"] = (
             sum(state[k] for k in moved) * local, f"distributed.offload: {', '.join(moved) or 'nothing'} moved off "
             "the GPUs" + (f" ({', '.join(idle)}: already on the host)" if idle else ""))
-    if cfg.rollout.engine == "vllm" and cfg.rollout.mode == "colocate" and cfg.rollout.vllm.sleep_level == 1:
+    if cfg.rollout.colocated_vllm and cfg.rollout.vllm.sleep_level == 1:
         rows["vllm_weights_asleep"] = (mem.get("vllm_weights", 0.0) * local,
                                        "vLLM sleep level 1 keeps its weights in host memory while training")
     if on_cpu := reward_model_bytes(cfg, on_device=False):

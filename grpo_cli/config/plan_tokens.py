@@ -19,14 +19,10 @@ GRANULE = 256
 """Suggested budgets are rounded down to a multiple of this many positions."""
 
 
-def longest_sequence(cfg: GRPOConfig) -> int:
-    return cfg.data.max_prompt_length + cfg.rollout.max_completion_length
-
-
 def micro_batch_positions(cfg: GRPOConfig) -> int:
     """Positions of the largest micro-batch: the token budget, else `micro_batch_size` rows of the longest
     sequence (rows are padded to it)."""
-    return cfg.train.micro_batch_tokens or cfg.train.micro_batch_size * longest_sequence(cfg)
+    return cfg.train.micro_batch_tokens or cfg.train.micro_batch_size * cfg.max_sequence_length
 
 
 def activation_bytes_per_position(cfg: GRPOConfig, shape: ModelShape) -> float:
@@ -39,7 +35,7 @@ def activation_bytes_per_position(cfg: GRPOConfig, shape: ModelShape) -> float:
 def token_budget_plan(cfg: GRPOConfig, per_position: float, fits) -> dict[str, str]:
     """Rows of `grpo plan`'s token-budget section. `fits(positions)` says whether the peak with a micro-batch of
     that many positions fits `--gpu-mem` (None without one)."""
-    t, longest = cfg.train, longest_sequence(cfg)
+    t, longest = cfg.train, cfg.max_sequence_length
     same = t.micro_batch_size * longest
     rows = {
         "micro_batch_tokens": f"{t.micro_batch_tokens}" if t.micro_batch_tokens else

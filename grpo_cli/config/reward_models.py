@@ -37,7 +37,7 @@ def parks_reward_models(cfg: GRPOConfig) -> bool:
     training device (colocate mode) and the run makes room for it there (colocated vLLM, or `distributed.offload`
     on). Otherwise it stays on its device for the whole run."""
     r = cfg.rollout
-    return r.mode == "colocate" and (r.engine == "vllm" or any(cfg.distributed.offload.model_dump().values()))
+    return r.colocated_vllm or (r.colocated and any(cfg.distributed.offload.model_dump().values()))
 
 
 def reward_model_params(path: str) -> float:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from grpo_cli.config.base import Section
+from grpo_cli.config.engine_modes import EngineMode, engine_mode, engines
 
 
 class VLLMConfig(Section):
@@ -91,9 +92,9 @@ class RayConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    engine: str = "hf"
     """`hf`: the policy itself samples (grpo-cli's KV-cached decode loop on transformers models); `vllm`: vLLM;
-    `sglang`: an SGLang server."""
+    `sglang`: an SGLang server. Each engine runs in the modes `config/engine_modes.MODES` declares for it."""
     mode: Literal["colocate", "server", "async"] = "colocate"
     """`colocate`: the engine runs inside the training processes; `server`: a separate HTTP rollout server;
     `async`: rollouts for step k+1 are generated while step k trains (Ray actors)."""
@@ -131,3 +132,31 @@ class RolloutConfig(Section):
     """vLLM engine settings."""
     server: ServerConfig = Field(default_factory=ServerConfig)
     """Server mode settings."""
+
+    @field_validator("engine")
+    @classmethod
+    def _declared_engine(cls, engine: str) -> str:
+        if engine not in engines():
+            raise ValueError(f"rollout.engine '{engine}' is not an engine grpo-cli has; use one of "
+                             f"{', '.join(engines())}.")
+        return engine
+
+    @property
+    def layout(self) -> EngineMode:
+        """This engine × mode's row of the matrix (`config/engine_modes.MODES`; the config rules refuse a
+        combination without one)."""
+        row = engine_mode(self.engine, self.mode)
+        if row is None:
+            raise ValueError(f"rollout.engine '{self.engine}' has no mode '{self.mode}'")
+        return row
+
+    @property
+    def colocated(self) -> bool:
+        """The engine runs inside the training processes (`layout.colocated`)."""
+        return self.layout.colocated
+
+    @property
+    def colocated_vllm(self) -> bool:
+        """vLLM inside the training processes: tensor-parallel groups of training ranks, sleep levels, and its
+        weights and KV cache beside the training state in each process's memory."""
+        return self.engine == "vllm" and self.colocated

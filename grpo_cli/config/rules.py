@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from grpo_cli.config.engine_modes import engine_mode, modes_of
 from grpo_cli.config.rules_offload import check_offload
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def _check_batch(cfg: GRPOConfig) -> None:
 
 
 def _check_token_budget(cfg: GRPOConfig) -> None:
-    budget, longest = cfg.train.micro_batch_tokens, cfg.data.max_prompt_length + cfg.rollout.max_completion_length
+    budget, longest = cfg.train.micro_batch_tokens, cfg.max_sequence_length
     if budget < longest:
         raise ValueError(
             f"train.micro_batch_tokens={budget} is smaller than the longest sequence a step can hold "
@@ -55,26 +56,37 @@ def _check_token_budget(cfg: GRPOConfig) -> None:
         )
 
 
+def _check_layout(cfg: GRPOConfig) -> None:
+    """The engine × mode is a row of `config/engine_modes.MODES`."""
+    r = cfg.rollout
+    if engine_mode(r.engine, r.mode) is not None:
+        return
+    modes = modes_of(r.engine)
+    if modes == ["server"]:
+        raise ValueError(
+            f"rollout.engine '{r.engine}' cannot run in mode '{r.mode}': it runs as a separate server; set "
+            "rollout.mode=server and point rollout.server.urls at it (or use engine vllm for colocate)."
+        )
+    raise ValueError(f"rollout.engine '{r.engine}' cannot run in mode '{r.mode}': it runs in mode(s) "
+                     f"{', '.join(modes)}; set rollout.mode to one of them.")
+
+
 def _check_rollout(cfg: GRPOConfig) -> None:
     r = cfg.rollout
-    if r.mode == "server" and not r.server.urls:
+    _check_layout(cfg)
+    if r.layout.remote and not r.server.urls:
         raise ValueError(
             "rollout.server.urls is empty but rollout.mode is 'server': give the rollout server's address, "
             "e.g. --set rollout.server.urls='[\"http://127.0.0.1:8000\"]' (start one with `grpo serve-rollout`)."
         )
-    if r.mode != "server" and r.server.urls:
+    if not r.layout.remote and r.server.urls:
         raise ValueError(
             f"rollout.server.urls is set but rollout.mode is '{r.mode}': server URLs are used only in server "
             "mode; set rollout.mode=server or remove the URLs."
         )
-    if r.engine == "sglang" and r.mode != "server":
-        raise ValueError(
-            f"rollout.engine 'sglang' cannot run in mode '{r.mode}': SGLang runs as a separate server; "
-            "set rollout.mode=server and point rollout.server.urls at it (or use engine vllm for colocate)."
-        )
     world = cfg.distributed.num_processes
     tp = r.vllm.tensor_parallel_size
-    if r.engine == "vllm" and r.mode == "colocate" and world % tp:
+    if r.colocated_vllm and world % tp:
         raise ValueError(
             f"rollout.vllm.tensor_parallel_size={tp} must divide distributed.num_processes={world} in colocate "
             f"mode (each TP group is made of training processes); valid values: {_divisors(world)}."
@@ -86,7 +98,7 @@ def _check_rollout(cfg: GRPOConfig) -> None:
             "rollout.server.shm_keep_file=false applies only to rollout.mode=server with "
             "rollout.server.weight_transport=shm (no /dev/shm file is written otherwise); remove it."
         )
-    if r.vllm.sleep_level and not (r.engine == "vllm" and r.mode == "colocate"):
+    if r.vllm.sleep_level and not r.layout.can_sleep:
         raise ValueError(
             "rollout.vllm.sleep_level applies only to rollout.engine=vllm in colocate mode; set it to 0."
         )
@@ -96,14 +108,14 @@ def _check_rollout(cfg: GRPOConfig) -> None:
             "engine's weights after each generation (they come back only with the next weight sync); use "
             "rollout.vllm.sleep_level 1 (weights kept in host memory) or 0."
         )
-    if r.compile and (r.engine != "hf" or r.mode == "server"):
+    if r.compile and (r.engine != "hf" or r.layout.remote):
         where = f"rollout.engine is '{r.engine}'" if r.engine != "hf" else \
             "rollout.mode 'server' runs the engine in `grpo serve-rollout` (give it --compile there)"
         raise ValueError(f"rollout.compile compiles the hf engine's decode step where the trainer builds the engine, "
                          f"but {where}; set rollout.compile=false.")
-    if r.vllm.block_size is not None and not (r.engine == "vllm" and r.mode in ("colocate", "async")):
+    if r.vllm.block_size is not None and not (r.engine == "vllm" and not r.layout.remote):
         where = ("rollout.mode is 'server': the server builds its engine, so give `grpo serve-rollout --block-size` "
-                 "instead" if r.mode == "server" else f"rollout.engine is '{r.engine}'")
+                 "instead" if r.layout.remote else f"rollout.engine is '{r.engine}'")
         raise ValueError(f"rollout.vllm.block_size sets the KV block size of the vLLM engine the trainer builds "
                          f"(colocate or async), but {where}; remove rollout.vllm.block_size.")
 
@@ -155,7 +167,7 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             f"(valid: 0..{d.num_machines - 1})."
         )
     sharded = d.backend == "fsdp2" or (d.backend == "deepspeed" and d.deepspeed.zero_stage == 3)
-    if sharded and cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocate":
+    if sharded and cfg.rollout.layout.shares_policy_weights:
         raise ValueError(
             f"rollout.engine 'hf' in colocate mode generates with the policy's own parameters, which "
             f"distributed.backend '{d.backend}' shards across processes (each holds 1/N; in one process they are "

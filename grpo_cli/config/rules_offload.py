@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 def check_offload(cfg: GRPOConfig) -> None:
     d = cfg.distributed
-    if any(d.offload.model_dump().values()) and cfg.rollout.mode != "colocate":
+    if any(d.offload.model_dump().values()) and not cfg.rollout.colocated:
         raise ValueError(
             "distributed.offload moves training state off the device while a colocated engine generates; "
             f"with rollout.mode '{cfg.rollout.mode}' nothing shares the device, so turn the offload flags off."
@@ -48,7 +48,7 @@ def _check_offload_of_shared_weights(cfg: GRPOConfig) -> None:
     d, r = cfg.distributed, cfg.rollout
     weights = "float32" if cfg.model.master_weights == "float32" else cfg.model.dtype
     shares = r.dtype in ("auto", weights) and d.backend != "megatron"
-    if d.offload.params and r.engine == "hf" and r.mode == "colocate" and shares:
+    if d.offload.params and r.layout.shares_policy_weights and shares:
         raise ValueError(
             "distributed.offload.params moves the policy's parameters to host memory while the engine generates, "
             "but rollout.engine 'hf' in colocate mode generates with those very parameters, so generation would run "

@@ -370,6 +370,16 @@ class GRPOConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Progress display and logs."""
 
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest sequence a step holds: `data.max_prompt_length + rollout.max_completion_length`."""
+        return self.data.max_prompt_length + self.rollout.max_completion_length
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run: `train.steps × algorithm.num_iterations` (the LR schedule's length)."""
+        return self.train.steps * self.algorithm.num_iterations
+
     @model_validator(mode="after")
     def _cross_field_rules(self) -> GRPOConfig:
         from grpo_cli.config.rules import check_rules

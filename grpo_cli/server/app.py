@@ -217,7 +217,7 @@ def _require_no_session(st: State) -> None:
 
 def _generate(engine, prompt_ids, sampling, stop_token_ids):
     """The hf/vllm engines stop at their own EOS ids; a client may pass the trainer's (e.g. chat end tokens)."""
-    if stop_token_ids is None or not hasattr(engine, "eos_token_ids"):
+    if stop_token_ids is None:
         return engine.generate(prompt_ids, sampling)
     saved = engine.eos_token_ids
     engine.eos_token_ids = list(stop_token_ids) or saved

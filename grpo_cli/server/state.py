@@ -95,6 +95,4 @@ class State:
 
 
 def reset_cache(engine) -> None:
-    fn = getattr(engine, "reset_prefix_cache", None)
-    if fn is not None:
-        fn()
+    engine.reset_prefix_cache()

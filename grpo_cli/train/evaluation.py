@@ -3,7 +3,6 @@ scored with the run's reward functions."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,8 +96,7 @@ def training_hook(trainer) -> Callable[[int], dict[str, float]]:
         if not due(cfg, step):
             return {}
         # No weight sync follows evaluation: a sleeping vLLM engine must keep its weights (level 1, not 2) after it.
-        keeping = getattr(trainer.engine, "keeping_weights", contextlib.nullcontext)
-        with keeping():
+        with trainer.engine.keeping_weights():
             return evaluator.run(lambda prompts, sampling: generate_phase(trainer, prompts, seed=None,
                                                                           sampling=sampling))
 

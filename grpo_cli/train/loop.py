@@ -89,8 +89,7 @@ def generate_phase(tr: Trainer, prompts, *, seed: int | None, sampling: Sampling
             tr.offload.offload()
     # The hf engine runs the policy's own forward: it computes in the trainer's dtype (autocast under ddp).
     compute = tr.policy.backend.compute_context() if tr.engine.shares_policy_weights else contextlib.nullcontext()
-    if hasattr(tr.engine, "bind_prompts"):  # multi-turn: an environment is reset with each prompt's row
-        tr.engine.bind_prompts(prompts)
+    tr.engine.bind_prompts(prompts)  # multi-turn: an environment is reset with each prompt's row
     with tr.timer.phase("generate"), compute:
         rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling or sampling_params(tr.cfg, seed=seed))
     if tr.offload is not None:
@@ -180,7 +179,7 @@ def sync_phase(tr: Trainer, state: LoopState) -> dict[str, float]:
 def take_deferred_probe(engine) -> dict[str, float]:
     """The last sync's probe figures (`sync/max_probe_diff`, …) when a sleeping vLLM engine scored them at this
     step's wake-up (`VLLMEngine.probe_when_awake`), once: the engine's record is emptied."""
-    figures = getattr(engine, "last_probe", None) or {}
+    figures = engine.last_probe or {}
     if figures:
         engine.last_probe = {}
     return figures

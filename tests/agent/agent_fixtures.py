@@ -3,10 +3,10 @@ the next scripted turn of each request, recording what it was asked."""
 
 from __future__ import annotations
 
-from grpo_cli.rollout.base import RolloutBatch
+from grpo_cli.rollout.base import RolloutBatch, RolloutEngine
 
 
-class ScriptedEngine:
+class ScriptedEngine(RolloutEngine):
     """`turns[k]` is the list of id lists returned for the k-th generate call (one per request × n)."""
 
     shares_policy_weights = True

@@ -11,7 +11,7 @@ import torch
 
 from grpo_cli.agent.rollout import wrap_engine
 from grpo_cli.config.agent import AgentConfig
-from grpo_cli.rollout.base import SamplingParams
+from grpo_cli.rollout.base import RolloutEngine, SamplingParams
 from grpo_cli.rollout.hf.engine import HFEngine
 from grpo_cli.models.logprobs import score_sequences
 
@@ -19,7 +19,7 @@ TOOLS = str(Path(__file__).parents[1] / "agent" / "tools_for_tests.py")
 PROMPTS = [[3, 4, 6, 7, 8, 5], [3, 9, 10, 5], [3, 4, 11, 12, 13, 14, 15, 5]]
 
 
-class Rereads:
+class Rereads(RolloutEngine):
     """The engine without `continue_rows`: every turn re-reads the conversation as a prompt."""
 
     def __init__(self, engine) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_cli.rollout.base import RolloutError, SamplingParams
+from grpo_cli.rollout.base import RolloutEngine, RolloutError, SamplingParams
 from grpo_cli.models.logprobs import completion_logprobs, score_sequences
 
 pytestmark = pytest.mark.vllm
@@ -87,7 +87,7 @@ def test_vllm_sleep_on_cpu_is_a_level0_notice(engine):
     assert engine.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=4, seed=1)).completion_ids
 
 
-class _LosingTransport:
+class _LosingTransport(RolloutEngine):
     """A sync path that loses the weights: consumes them, loads nothing, still reports the version."""
 
     def __init__(self, inner):

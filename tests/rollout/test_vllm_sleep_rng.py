@@ -14,7 +14,7 @@ import pytest
 import torch
 from vllm_fakes import FakeLLM, bare_engine
 
-from grpo_cli.rollout.base import RolloutError, SamplingParams
+from grpo_cli.rollout.base import RolloutEngine, RolloutError, SamplingParams
 
 pytest.importorskip("vllm")  # the engine builds vllm.SamplingParams
 PROMPTS = [[3, 4, 6, 7, 5], [3, 4, 8, 5]]
@@ -187,4 +187,4 @@ def test_deferred_probe_figures_reach_one_steps_metrics():
 
     engine = SimpleNamespace(last_probe={"sync/max_probe_diff": 0.01})
     assert take_deferred_probe(engine) == {"sync/max_probe_diff": 0.01}
-    assert take_deferred_probe(engine) == {} and take_deferred_probe(SimpleNamespace()) == {}
+    assert take_deferred_probe(engine) == {} and take_deferred_probe(RolloutEngine()) == {}

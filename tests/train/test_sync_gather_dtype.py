@@ -18,6 +18,7 @@ from grpo_cli.train.backends.base import TrainingBackend
 from grpo_cli.train.weights.hf_module import ModuleWeights
 from grpo_cli.train.weights.shard_gather import GatheredBucket
 from grpo_cli.train.weights.weight_sync import sync_weights
+from grpo_cli.rollout.base import RolloutEngine
 
 GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
@@ -46,7 +47,7 @@ def _sharded(offload: bool = False) -> tuple[torch.nn.Module, dict[str, torch.Te
     return model, masters
 
 
-class _Bf16Engine:
+class _Bf16Engine(RolloutEngine):
     """An engine holding bfloat16 weights; keeps what it is sent."""
 
     dtype = "bfloat16"  # as an engine reports it

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_cli.rollout.base import RolloutError
+from grpo_cli.rollout.base import RolloutEngine, RolloutError
 from grpo_cli.train.weights.weight_sync import PROBE_TOLERANCE, verify_sync
 
 PROBE = [[3, 4, 6, 7]]
@@ -24,7 +24,7 @@ class _Source:
         return [[-1.0] * (len(s) - 1) for s in probe]
 
 
-class _Engine:
+class _Engine(RolloutEngine):
     """A float32 engine (`grpo serve-rollout --engine hf` at its default dtype) whose logprobs are off by `diff`."""
 
     dtype = "float32"  # as a server client reports it

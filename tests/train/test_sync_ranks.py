@@ -9,7 +9,7 @@ import pytest
 from dist_env import run_two_ranks
 
 from grpo_cli.runtime.dist import DistInfo
-from grpo_cli.rollout.base import RolloutError
+from grpo_cli.rollout.base import RolloutEngine, RolloutError
 from grpo_cli.server.transport import RolloutServerDown
 from grpo_cli.train.weights.sync_ranks import generate_with_resync, pushes_from_main
 
@@ -54,7 +54,7 @@ def test_a_server_lost_by_one_rank_resyncs_every_rank(ranks):
     assert [r["resync"]["generated"] for r in ranks] == [1, 2]  # only the rank that lost its answer retries
 
 
-class _Engine:
+class _Engine(RolloutEngine):
     push_from_main_only = True
     weight_version = 2
 

@@ -11,14 +11,14 @@ from collections.abc import Iterable
 import torch
 
 from grpo_cli.config.errors import UserError
-from grpo_cli.rollout.base import RolloutBatch, SamplingParams
+from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from grpo_cli.rollout.hf.decode import Decoded, decode, decode_continue
 from grpo_cli.rollout.hf.decode_step import decoder_parts
 from grpo_cli.models.logprobs import score_sequences
 from grpo_cli.models.weight_names import parameters_by_name
 
 
-class HFEngine:
+class HFEngine(RolloutEngine):
     """Samples with `decode` (prefill once per prompt, KV cache shared by its n samples). With `model` the policy
     itself, weights are shared (no sync needed); with a separate copy (e.g. a bf16 rollout model), `update_weights`
     copies the trainer's tensors in."""

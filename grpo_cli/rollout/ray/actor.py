@@ -37,15 +37,26 @@ def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
 
 
 def _single_turn_engine(cfg, ctx):
+    """The engine its async row of `config/engine_modes.MODES` names for an actor (`actor_build`)."""
+    from grpo_cli.rollout.factory import resolve
+
+    return resolve(cfg.rollout.layout.actor_build)(cfg, ctx)
+
+
+def vllm_actor_engine(cfg, ctx):
+    """A single-process `vllm.LLM` sized for one actor's share of the step."""
+    if cfg.rollout.vllm.max_num_seqs is None:  # the engine's default would size for the whole step
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
+            "vllm": cfg.rollout.vllm.model_copy(update={"max_num_seqs": sequences_per_actor(cfg)})})})
+    from grpo_cli.rollout.vllm.engine import VLLMEngine
+
+    return VLLMEngine.from_config(cfg, ctx)
+
+
+def hf_actor_engine(cfg, ctx):
+    """An hf copy of the checkpoint on the actor's GPU (Ray set its CUDA_VISIBLE_DEVICES), else on CPU."""
     import torch
 
-    if cfg.rollout.engine == "vllm":
-        if cfg.rollout.vllm.max_num_seqs is None:  # the engine's default would size for the whole step
-            cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
-                "vllm": cfg.rollout.vllm.model_copy(update={"max_num_seqs": sequences_per_actor(cfg)})})})
-        from grpo_cli.rollout.vllm.engine import VLLMEngine
-
-        return VLLMEngine.from_config(cfg, ctx)
     from grpo_cli.rollout.hf.generation_copy import hf_copy_engine
 
     device = "cuda" if cfg.distributed.device != "cpu" and torch.cuda.is_available() else "cpu"
@@ -105,7 +116,7 @@ class RolloutActor:
         return self.engine.score(sequences)
 
     def read_weights(self, names: list[str]) -> dict:
-        if hasattr(self.engine, "read_weights"):
+        if self.engine.reads_weights:
             return self.engine.read_weights(names)
         from grpo_cli.models.weight_names import parameters_by_name
 

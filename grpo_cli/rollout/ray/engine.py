@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams, engine_dtype
+from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams, engine_dtype
 from grpo_cli.rollout.ray.batches import merge_batches, split_evenly
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def connect(cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None) -> None:
         broadcast((ray.get_runtime_context().gcs_address, _auth_env()))
 
 
-class AsyncRolloutEngine:
+class AsyncRolloutEngine(RolloutEngine):
     """This process's rollout actors. Implements the `RolloutEngine` protocol (`generate` = submit + collect)
     plus `submit`/`collect` for one-step-ahead pipelining."""
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
 from grpo_cli.server.transport import Policy, RolloutServerDown, Transport, is_loopback, split_groups
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def model_identity(model_path: str) -> dict:
     return {"vocab_size": cfg.get("vocab_size", text.get("vocab_size")), "architectures": cfg.get("architectures")}
 
 
-class ServerEngine:
+class ServerEngine(RolloutEngine):
     """Implements the RolloutEngine protocol over HTTP. Generation is split over `urls` (whole groups per
     server); weights go to every server and the version each reports is checked."""
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
 from grpo_cli.rollout.remote.client import model_identity
 from grpo_cli.server.transport import Policy, Transport, split_groups
 
@@ -62,7 +62,7 @@ def sglang_serializer(named_tensors: list) -> str:
     return serialize(named_tensors)
 
 
-class SGLangEngine:
+class SGLangEngine(RolloutEngine):
     """RolloutEngine over one or more SGLang servers; groups stay whole on one server."""
 
     shares_policy_weights = False

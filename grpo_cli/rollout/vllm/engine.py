@@ -14,7 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.vllm import support as support
-from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams, engine_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +29,7 @@ smallest (it takes multiples of 32), instead of its default 128 that leaves a sh
 uncached. CUDA's default, 16, is kept."""
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """Generates with an in-process `vllm.LLM`. `update_weights` reloads the trainer's tensors in place (one
     vLLM reload session per call, so a layer's tensors may arrive in any bucket), then resets the prefix cache.
 
@@ -136,7 +136,7 @@ class VLLMEngine:
         the device the trainer resolved from `distributed.device` (same rule: `accel.resolve_device`)."""
         from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 
-        v, r = cfg.rollout.vllm, cfg.rollout
+        v = cfg.rollout.vllm
         if ctx.world_size % v.tensor_parallel_size:
             raise RolloutError(
                 f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size} must divide the number of training "
@@ -145,10 +145,10 @@ class VLLMEngine:
         prompts_per_rank = math.ceil(cfg.train.prompts_per_step / ctx.world_size)
         return cls(
             ctx.model_path,
-            dtype=cfg.model.dtype if r.dtype == "auto" else r.dtype,
+            dtype=engine_dtype(cfg),
             tensor_parallel_size=v.tensor_parallel_size,
             gpu_memory_utilization=v.gpu_memory_utilization,
-            max_model_len=v.max_model_len or cfg.data.max_prompt_length + r.max_completion_length,
+            max_model_len=v.max_model_len or cfg.max_sequence_length,
             max_num_seqs=v.max_num_seqs
             or prompts_per_rank * cfg.train.generations_per_prompt * v.tensor_parallel_size,
             enforce_eager=v.enforce_eager,

@@ -79,9 +79,9 @@ def make_adamw(cfg: GRPOConfig, params: list[torch.nn.Parameter]) -> torch.optim
 
 def make_scheduler(cfg: GRPOConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     t = cfg.train
-    total = t.steps * cfg.algorithm.num_iterations
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(warmup_steps=t.warmup_steps, total_steps=total, schedule=t.lr_scheduler)
+        optimizer, lr_lambda(warmup_steps=t.warmup_steps, total_steps=cfg.total_optimizer_steps,
+                             schedule=t.lr_scheduler)
     )
 
 

@@ -19,7 +19,7 @@ from grpo_cli.rollout.base import RolloutError
 
 def pushes_from_main(engine, info: DistInfo) -> bool:
     """Whether rank 0 alone hands the weights to `engine` (a job of several ranks, an engine that asks for it)."""
-    return info.world_size > 1 and bool(getattr(engine, "push_from_main_only", False))
+    return info.world_size > 1 and engine.push_from_main_only
 
 
 def attempt(fn: Callable[[], Any]) -> tuple[Any, Exception | None]:
@@ -74,14 +74,10 @@ def agree(result: Any, error: Exception | None, info: DistInfo) -> Any:
 
 
 def follow(engine, version: int) -> None:
-    """A rank that did not push: `engine.follow_update(version)` where the engine has one (the async engine loads
-    what rank 0 posted on its own actors), else it records the version the servers now hold (each rank's client
-    checks the version in every answer against its own)."""
-    follow_update = getattr(engine, "follow_update", None)
-    if follow_update is not None:
-        follow_update(version)
-    else:
-        engine.weight_version = version
+    """A rank that did not push: `engine.follow_update(version)` (the async engine loads what rank 0 posted on its
+    own actors; by default the engine records the version the servers now hold: each rank's client checks the
+    version in every answer against its own)."""
+    engine.follow_update(version)
 
 
 def generate_with_resync(engine, sync, info: DistInfo, generate: Callable[[], Any]) -> Any:

@@ -37,7 +37,7 @@ def sync_weights(
     source = as_source(model)
     main_only = pushes_from_main(engine, info)
     pushes = not main_only or info.is_main
-    readback = verify and pushes and hasattr(engine, "read_weights")
+    readback = verify and pushes and engine.reads_weights
     wanted = set(source.checksum_names()) if readback else set()
     rows = set(source.projection_names()) if readback else set()
     stats: dict = {"tensors": 0, "bytes": 0, "copies": {}, "rows": {}}
@@ -65,7 +65,7 @@ def sync_weights(
 
 def _engine_dtype(engine) -> torch.dtype | None:
     """The dtype the engine holds its weights in, when it says (a torch dtype or its name)."""
-    dtype = getattr(engine, "dtype", None)
+    dtype = engine.dtype
     dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     return dtype if isinstance(dtype, torch.dtype) else None
 
@@ -125,7 +125,7 @@ def _check_engine(engine, trainer_dtype: torch.dtype, version: int, sent: dict[s
     """`verify_sync`'s questions to the engine, judged against the trainer's `trainer_lp` of `probe`, computed in
     `trainer_dtype` (the trainer's compute dtype, not its master weights')."""
     problems: list[str] = []
-    if getattr(engine, "weight_version", version) != version:
+    if engine.weight_version != version:
         problems.append(f"engine reports weight version {engine.weight_version}, expected {version}")
     checked_what = ["the weight version the engine reports"]
     checked, mismatched = _compare_readback(engine, sent)
@@ -133,9 +133,9 @@ def _check_engine(engine, trainer_dtype: torch.dtype, version: int, sent: dict[s
     if checked:
         checked_what.append(f"{len(checked)} small tensors read back for exact equality ({', '.join(checked)})")
     out = {"sync/checked_tensors": float(len(checked))}
-    defer = getattr(engine, "probe_when_awake", None)  # a sleeping colocated engine probes when awake anyway
-    if probe and defer is not None and defer(lambda p=probe: _check_engine(engine, trainer_dtype, version, {}, p,
-                                                                            trainer_lp, sent_rows)):
+    # a sleeping colocated engine probes when awake anyway
+    if probe and engine.probe_when_awake(lambda p=probe: _check_engine(engine, trainer_dtype, version, {}, p,
+                                                                        trainer_lp, sent_rows)):
         probe, out["sync/probe_deferred"] = [], 1.0
     if probe:
         out.update(_probe_diffs(engine.score(probe), trainer_lp))
@@ -180,7 +180,7 @@ def _probe_diffs(engine_lp: list[list[float]], trainer_lp: list[list[float]]) ->
 def _projection_report(engine, sent_rows: dict) -> str:
     """What reading back the first rows of the embedding and the output projection shows (on failure only:
     reading them costs a copy of the full tensors)."""
-    if not sent_rows or not hasattr(engine, "read_weights"):
+    if not sent_rows or not engine.reads_weights:
         return "This engine cannot read its weights back, so the tensors that disagree cannot be named."
     held = engine.read_weights(sorted(sent_rows))
     same, differ, unseen = [], [], []
@@ -204,7 +204,7 @@ def _projection_report(engine, sent_rows: dict) -> str:
 
 
 def _failure_message(engine, version: int, problems: list[str], checked: list[str], report: str) -> str:
-    server = hasattr(engine, "urls")
+    server = engine.is_server
     key = "`rollout.vllm.verify_sync: false`" + (" (that key also governs the check in server mode)" if server else "")
     model = "the server's --model" if server else "the engine's model"
     return (

@@ -129,7 +129,7 @@ class MegatronSchedule:
     def __init__(self, cfg: GRPOConfig, optimizer) -> None:
         t = cfg.train
         self.peak = t.learning_rate
-        self.fn = lr_lambda(warmup_steps=t.warmup_steps, total_steps=t.steps * cfg.algorithm.num_iterations,
+        self.fn = lr_lambda(warmup_steps=t.warmup_steps, total_steps=cfg.total_optimizer_steps,
                             schedule=t.lr_scheduler)
         self.optimizer, self.last_epoch = optimizer, 0
         self._apply()
