@@ -71,11 +71,11 @@ class NcclUpdateBody(_Strict):
     last: bool = True
 
 
-class UserError(ValueError):
+class RequestError(ValueError):
     """A request the engine cannot serve as asked (400 with this message)."""
 
 
-class Conflict(UserError):
+class Conflict(RequestError):
     """The server's state forbids the call right now (409): asleep, or weights inconsistent."""
 
 
