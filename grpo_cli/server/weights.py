@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 
 from grpo_cli.rollout.transport.codec import SHM_DIR, Frame, FrameError, FrameReader, read_stream
 from grpo_cli.server.state import CommBody, DiskBody, NcclUpdateBody, RequestError, ShmBody, State, reset_cache
+from grpo_cli.server.upload import StreamedBody
 
 
 class _Apply:
@@ -162,22 +163,32 @@ async def _end_session(st: State, why: str) -> None:
         await anyio.to_thread.run_sync(end_session, st, why)
 
 
-async def _whole_update(st: State, version: int, what: str, tensors, on_error=None) -> dict:
+async def _whole_update(st: State, version: int, what: str, tensors, body: StreamedBody | None = None) -> dict:
     """One update in one request, under the engine lock: end an NCCL update left unfinished, mark the server
-    `updating`, load `tensors(apply)` (lazy: the engine pulls them as they arrive) and reset the prefix cache. A
-    failure marks the server (`_Apply.failed`), awaits `on_error()` and raises; success commits `version`."""
+    `updating`, load `tensors(apply)` (lazy: the engine pulls them as they arrive; a streamed `body` is read
+    meanwhile) and reset the prefix cache. A failure marks the server (`_Apply.failed`) and raises; success commits
+    `version`."""
     start = anyio.current_time()
     async with st.lock:
         await _end_session(st, f"{what} to v{version} began")
         prior, st.state = st.state, "updating"
         apply = _Apply(st, version)
         try:
-            await apply.load_all(tensors(apply))
+            failure = None
+            async with anyio.create_task_group() as tg:
+                if body is not None:
+                    tg.start_soon(body.fill)
+                try:
+                    await apply.load_all(tensors(apply))
+                except Exception as e:  # noqa: BLE001 - raised below, outside the task group (no ExceptionGroup)
+                    failure = e
+                    if body is not None:
+                        body.discard()
+            if failure is not None:
+                raise failure
             await anyio.to_thread.run_sync(reset_cache, st.served.engine)
         except Exception as e:
             apply.failed(e, prior if prior != "updating" else "ready")
-            if on_error is not None:
-                await on_error()
             raise
         return apply.done(anyio.current_time() - start)
 
@@ -187,10 +198,10 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
     async def update_weights(request: Request, version: int):
         if version < 0:
             raise RequestError("version must be >= 0")
-        stream = request.stream()
-        reader = FrameReader(max_frame_bytes=max_frame_bytes)
-        return await _whole_update(st, version, "an HTTP update", lambda apply: _frames(stream, reader, apply, version),
-                                   on_error=lambda: _drain(stream))
+        body = StreamedBody(request.stream())
+        reader = FrameReader(max_frame_bytes=max_frame_bytes, buffer=st.receive_buffer)
+        return await _whole_update(st, version, "an HTTP update", lambda apply: _frames(body, reader, apply, version),
+                                   body=body)
 
     @app.post("/update_weights_shm")
     async def update_weights_shm(body: ShmBody):
@@ -275,22 +286,12 @@ class _Shape:
         self.shape = tuple(shape)
 
 
-def _frames(stream, reader: FrameReader, apply: _Apply, version: int):
-    """Tensors of the upload, in order, pulled from the request stream by the engine's worker thread."""
-    chunks = stream.__aiter__()
-
-    async def pull(limit: int = 8 << 20) -> list[bytes]:  # one thread hop per ~8 MB, not per socket read
-        out, size = [], 0
-        async for chunk in chunks:
-            out.append(chunk)
-            size += len(chunk)
-            if size >= limit:
-                break
-        return out
+def _frames(body: StreamedBody, reader: FrameReader, apply: _Apply, version: int):
+    """Tensors of the upload, in order, decoded by the engine's worker thread as the body arrives."""
 
     def received():
-        while pieces := anyio.from_thread.run(pull):
-            yield from (f for piece in pieces for f in reader.feed(piece))
+        for chunk in body.chunks():
+            yield from reader.feed(chunk)
         reader.finish()
 
     yield from _checked(received(), apply, version)
@@ -317,15 +318,6 @@ def _checked(frames, apply: _Apply, version: int):
     if want != (str(count - 1), str(apply.tensors)):
         raise FrameError(f"end frame announces {want[0]} frames / {want[1]} tensors, received "
                          f"{count - 1} / {apply.tensors}")
-
-
-async def _drain(stream) -> None:
-    """Read the rest of a rejected upload so the client gets our 4xx instead of a broken pipe."""
-    try:
-        async for _ in stream:
-            pass
-    except Exception:  # noqa: BLE001 - client already gone
-        pass
 
 
 def _safetensors_files(path: str) -> list[Path]:
