@@ -229,22 +229,26 @@ def _offsets(item: tuple[str, object], where: str) -> tuple[int, int]:
 
 class ReceiveBuffer:
     """Frame buffers reused frame after frame and update after update once no tensor views them any more (then this
-    object holds their only reference). Two: the frame being received while the last one's tensors are still being
-    loaded. A fresh bytearray per 128 MB frame cost a page fault per 4 KiB page on every frame of every sync; the
-    price is up to two frames' worth of memory held between syncs."""
+    object holds their only reference). Three: when a frame starts, the one finished in the same chunk and the last
+    tensor of the one before it (which the engine is loading) are still referenced. A fresh bytearray per 128 MB frame
+    cost a page fault per 4 KiB page on every frame of every sync (a fifth of the server's CPU time in a profile);
+    the price is three buffers of the largest frame (`weight_chunk_mb`, or a bigger tensor) held between syncs."""
 
-    KEEP = 2
+    KEEP = 3
 
     def __init__(self) -> None:
         self._bufs: list[bytearray] = []
+        self._largest = 0
 
     def take(self, length: int) -> memoryview:
+        """A buffer of `length` bytes (a view of one at least the largest frame seen, so frames of any size fit)."""
+        self._largest = max(self._largest, length)
         free = [b for b in self._bufs if sys.getrefcount(b) <= 3]  # the list, `b` and the call's argument
         buf = next((b for b in free if len(b) >= length), None)
         if buf is None:
             if len(self._bufs) >= self.KEEP:  # drop a free one (too small) or, all busy, the oldest
                 self._bufs.remove(free[0] if free else self._bufs[0])
-            buf = bytearray(length)
+            buf = bytearray(self._largest)
             self._bufs.append(buf)
         return memoryview(buf)[:length]
 
