@@ -311,7 +311,7 @@ def host_plan(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, tuple[float, 
     if cfg.rollout.mode == "async":
         rows["ray_object_store"] = (p * engine_bytes(cfg), "one copy of the weights per sync, put by rank 0 "
                                                            "(node 0; shared memory, not pinned)")
-    if cfg.rollout.mode == "server" and cfg.rollout.server.weight_transport == "shm":
+    if cfg.rollout.mode == "server" and cfg.rollout.transport == "shm":
         keep = "kept between syncs" if cfg.rollout.server.shm_keep_file else "while syncing"
         rows["shm_weights"] = (p * engine_bytes(cfg), f"one copy of the weights in /dev/shm, {keep} (node 0; "
                                                       "not pinned)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_cli.config.base import Section
 from grpo_cli.config.engine_modes import EngineMode, engine_mode, engines
@@ -57,11 +57,15 @@ class ServerConfig(Section):
     """With `on_failure: wait`, how long to wait for a dead server."""
     token_env: str = "GRPO_ROLLOUT_TOKEN"
     """Environment variable holding the bearer token sent to the server (unset: no token)."""
-    weight_transport: Literal["http", "shm", "nccl"] = "http"
-    """`grpo serve-rollout` weight sync: `http` streams checksummed safetensors chunks; `shm` (server on the
-    trainer's host, same user) writes those chunks once to a file in /dev/shm and sends only its name (token-guarded
-    like every update; each chunk's XXH3-128 checksum is checked by the server); `nccl` broadcasts over a NCCL group
-    set up through `/init_communicator` (CUDA on both sides)."""
+    weight_transport: Literal["http", "shm", "nccl", "disk", "tensor"] | None = None
+    """How weights reach the servers at each sync (default: the engine's first below). `grpo serve-rollout`
+    (engines hf, vllm): `http` streams checksummed safetensors chunks; `shm` (server on the trainer's host, same
+    user) writes those chunks once to a file in /dev/shm and sends only its name (token-guarded like every update;
+    each chunk's XXH3-128 checksum is checked by the server); `nccl` broadcasts over a NCCL group set up through
+    `/init_communicator` (CUDA on both sides). SGLang: `disk` writes a safetensors checkpoint to `weight_sync_dir`
+    and calls `/update_weights_from_disk`; `tensor` uses `/update_weights_from_tensor` (CUDA IPC handles: a trainer
+    on CUDA on the server's machine; refused for a server with `--dp-size` > 1). Table and measured throughput:
+    docs/server-mode.md."""
     shm_keep_file: bool = True
     """With `weight_transport: shm`: keep the /dev/shm file between syncs and overwrite it in place (about twice as
     fast as allocating and freeing a model's worth of shared memory every sync: 0.09 vs 0.22 s for 403 MB here),
@@ -70,12 +74,18 @@ class ServerConfig(Section):
     the same user."""
     weight_chunk_mb: int = Field(128, ge=1)
     """Size of one weight chunk (HTTP frame, or SGLang tensor bucket)."""
-    sglang_weight_transport: Literal["disk", "tensor"] = "disk"
-    """SGLang sync: `disk` writes a safetensors checkpoint to `weight_sync_dir` and calls
-    `/update_weights_from_disk`; `tensor` uses `/update_weights_from_tensor` (CUDA IPC handles: a trainer on CUDA
-    on the server's machine; refused for a server with `--dp-size` > 1)."""
     weight_sync_dir: str | None = None
     """Folder both the trainer and the SGLang server can read (disk sync); default: the system temp dir."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data):
+        if isinstance(data, dict) and "sglang_weight_transport" in data:
+            raise ValueError(
+                "rollout.server.sglang_weight_transport was merged into rollout.server.weight_transport: write "
+                f"rollout.server.weight_transport: {data['sglang_weight_transport']} instead (one key for every "
+                "engine; SGLang takes disk or tensor)")
+        return data
 
 
 class RayConfig(Section):
@@ -160,3 +170,9 @@ class RolloutConfig(Section):
         """vLLM inside the training processes: tensor-parallel groups of training ranks, sleep levels, and its
         weights and KV cache beside the training state in each process's memory."""
         return self.engine == "vllm" and self.colocated
+
+    @property
+    def transport(self) -> str:
+        """The weight transport in effect: `server.weight_transport`, or the default of this engine × mode's row
+        (`layout.transports[0]`; the registry's names in server mode, `rollout/transport/base.py`)."""
+        return self.server.weight_transport or self.layout.transports[0]

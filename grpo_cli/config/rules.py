@@ -93,7 +93,8 @@ def _check_rollout(cfg: GRPOConfig) -> None:
         )
     if r.mode == "async":
         _check_async(cfg)
-    if not r.server.shm_keep_file and not (r.mode == "server" and r.server.weight_transport == "shm"):
+    _check_weight_transport(cfg)
+    if not r.server.shm_keep_file and not (r.mode == "server" and r.transport == "shm"):
         raise ValueError(
             "rollout.server.shm_keep_file=false applies only to rollout.mode=server with "
             "rollout.server.weight_transport=shm (no /dev/shm file is written otherwise); remove it."
@@ -118,6 +119,24 @@ def _check_rollout(cfg: GRPOConfig) -> None:
                  "instead" if r.layout.remote else f"rollout.engine is '{r.engine}'")
         raise ValueError(f"rollout.vllm.block_size sets the KV block size of the vLLM engine the trainer builds "
                          f"(colocate or async), but {where}; remove rollout.vllm.block_size.")
+
+
+def _check_weight_transport(cfg: GRPOConfig) -> None:
+    r = cfg.rollout
+    name = r.server.weight_transport
+    if name is None:
+        return
+    if r.mode != "server":
+        raise ValueError(
+            f"rollout.server.weight_transport={name} applies only to rollout.mode=server (the {r.mode} engine gets "
+            "its weights in-process); remove it or set rollout.mode=server.")
+    valid = r.layout.transports
+    if name not in valid:
+        server = "an SGLang server" if r.engine == "sglang" else f"`grpo serve-rollout --engine {r.engine}`"
+        raise ValueError(
+            f"rollout.server.weight_transport={name} is not a weight transport of rollout.engine '{r.engine}': "
+            f"{server} takes {', '.join(valid)} (default {valid[0]}); set rollout.server.weight_transport to one "
+            "of these (see docs/server-mode.md for when to use which).")
 
 
 def _check_async(cfg: GRPOConfig) -> None:

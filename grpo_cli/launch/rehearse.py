@@ -178,7 +178,7 @@ def _rollout(src: GRPOConfig, procs: int, server_url: str, notes: list[str]) -> 
         if r.engine == "sglang":
             notes.append(f"server {', '.join(r.server.urls)} → SGLang rehearsed against the contract server "
                          "(grpo_cli/server/sglang_contract.py, NOT SGLang: SGLang needs CUDA) on 127.0.0.1 (free "
-                         f"port, token), weight sync through {r.server.sglang_weight_transport}")
+                         f"port, token), weight sync through {r.transport}")
         else:
             notes.append(f"server {', '.join(r.server.urls)} → `grpo serve-rollout --engine {r.engine}` started on "
                          "127.0.0.1 (free port, token)")
@@ -201,7 +201,7 @@ def gpu_only(cfg: GRPOConfig) -> list[tuple[str, str]]:
     nccl = ["gradient/shard collectives"] if d.num_processes * d.num_machines > 1 else []
     if r.engine == "vllm" and r.vllm.tensor_parallel_size > 1:
         nccl.append(f"vLLM TP {r.vllm.tensor_parallel_size} all-reduce")
-    if r.mode == "server" and r.server.weight_transport == "nccl":
+    if r.mode == "server" and r.transport == "nccl":
         nccl.append("server weight broadcast")
     if nccl:
         out.append(("NCCL", f"{', '.join(nccl)} (gloo on CPU)"))
@@ -222,7 +222,7 @@ def gpu_only(cfg: GRPOConfig) -> list[tuple[str, str]]:
     if _pins_host_memory(cfg):
         out.append(("pinned host memory", "page-locked host buffers (offload, DeepSpeed's CPU optimizer, vLLM sleep "
                     "level 1) exist only beside CUDA; on CPU the state already is in host memory"))
-    if r.engine == "sglang" and r.server.sglang_weight_transport == "tensor":
+    if r.engine == "sglang" and r.transport == "tensor":
         out.append(("CUDA IPC", "SGLang's tensor sync hands CUDA tensors to the server by IPC handle (the device "
                     "travels as a UUID); the contract server receives CPU tensors"))
     out.append(("CUDA RNG", "each rank's CUDA generator state, saved and restored on resume (a CPU run has only "

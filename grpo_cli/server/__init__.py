@@ -1,2 +1,3 @@
-"""`grpo serve-rollout`: the HTTP app around an engine, its weight-update routes and wire codec, the SGLang
-launcher and contract server. The middle layer: imports rollout, models, config, runtime; never train."""
+"""`grpo serve-rollout`: the HTTP app around an engine, its weight-update routes (the wire codec and the NCCL
+receiver they use come from `rollout.transport`), the SGLang launcher and contract server. The middle layer: imports
+rollout, models, config, runtime; never train; nothing in rollout imports it."""

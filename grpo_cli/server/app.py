@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 import grpo_cli
 from grpo_cli.rollout.base import RolloutError, SamplingParams
-from grpo_cli.server.codec import FrameError
+from grpo_cli.rollout.transport.codec import FrameError
 from grpo_cli.server.engines import Served
 from grpo_cli.server.state import (
     Conflict,
@@ -21,7 +21,7 @@ from grpo_cli.server.state import (
     ScoreBody,
     SleepBody,
     State,
-    UserError,
+    RequestError,
     WakeBody,
     reset_cache,
 )
@@ -107,7 +107,7 @@ def _errors(app: FastAPI) -> None:
     async def _conflict(_req, exc: Exception):
         return JSONResponse({"error": str(exc)}, status_code=409)
 
-    @app.exception_handler(UserError)
+    @app.exception_handler(RequestError)
     @app.exception_handler(FrameError)
     @app.exception_handler(RolloutError)
     async def _user(_req, exc: Exception):
@@ -121,9 +121,9 @@ def _errors(app: FastAPI) -> None:
 def _check_ids(seqs: list[list[int]], vocab: int, what: str, min_len: int = 1) -> None:
     for i, s in enumerate(seqs):
         if len(s) < min_len:
-            raise UserError(f"{what}[{i}] has {len(s)} tokens; at least {min_len} needed")
+            raise RequestError(f"{what}[{i}] has {len(s)} tokens; at least {min_len} needed")
         if s and (min(s) < 0 or max(s) >= vocab):
-            raise UserError(f"{what}[{i}] has token ids outside [0, {vocab})")
+            raise RequestError(f"{what}[{i}] has token ids outside [0, {vocab})")
 
 
 def _routes(app: FastAPI, st: State) -> None:
@@ -148,7 +148,7 @@ def _routes(app: FastAPI, st: State) -> None:
         _check_ids(body.prompt_ids, sv.vocab_size, "prompt_ids")
         longest = max(len(p) for p in body.prompt_ids)
         if longest + s.max_tokens > sv.max_model_len:
-            raise UserError(f"prompt of {longest} tokens + max_tokens {s.max_tokens} exceeds the server's "
+            raise RequestError(f"prompt of {longest} tokens + max_tokens {s.max_tokens} exceeds the server's "
                             f"max_model_len {sv.max_model_len}")
         stop = body.stop_token_ids
         if stop is not None:
@@ -166,7 +166,7 @@ def _routes(app: FastAPI, st: State) -> None:
     async def score(body: ScoreBody):
         _check_ids(body.sequences, sv.vocab_size, "sequences", min_len=2)
         if max(len(s) for s in body.sequences) > sv.max_model_len:
-            raise UserError(f"a sequence is longer than the server's max_model_len {sv.max_model_len}")
+            raise RequestError(f"a sequence is longer than the server's max_model_len {sv.max_model_len}")
         async with st.lock:
             _require_ready(st)
             logprobs = await anyio.to_thread.run_sync(sv.engine.score, body.sequences)
@@ -176,7 +176,7 @@ def _routes(app: FastAPI, st: State) -> None:
     @app.post("/sleep")
     async def sleep(body: SleepBody):
         if body.level and sv.engine_name == "vllm" and "sleep" not in sv.capabilities:
-            raise UserError("this server was started without sleep mode: restart it with --sleep-level 1 or 2")
+            raise RequestError("this server was started without sleep mode: restart it with --sleep-level 1 or 2")
         async with st.lock:
             _require_no_session(st)
             await anyio.to_thread.run_sync(sv.engine.sleep, body.level)

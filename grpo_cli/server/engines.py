@@ -162,7 +162,7 @@ def _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id, engine) -> Serve
 
 
 def with_nccl(served: Served) -> Served:
-    from grpo_cli.server.nccl import nccl_available
+    from grpo_cli.rollout.transport.nccl import nccl_available
 
     if nccl_available()[0]:
         served.capabilities.append("nccl")

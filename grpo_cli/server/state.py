@@ -6,6 +6,7 @@ from __future__ import annotations
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
+from grpo_cli.rollout.transport.codec import ReceiveBuffer
 from grpo_cli.server.engines import Served
 
 
@@ -71,11 +72,11 @@ class NcclUpdateBody(_Strict):
     last: bool = True
 
 
-class UserError(ValueError):
+class RequestError(ValueError):
     """A request the engine cannot serve as asked (400 with this message)."""
 
 
-class Conflict(UserError):
+class Conflict(RequestError):
     """The server's state forbids the call right now (409): asleep, or weights inconsistent."""
 
 
@@ -90,6 +91,8 @@ class State:
         self.state = "ready"
         self.last_error = ""
         self.comm = None
+        self.receive_buffer = ReceiveBuffer()
+        """The HTTP upload's frame buffer, reused by every update (`codec.ReceiveBuffer`)."""
         self.session = None
         """The NCCL update whose buckets are arriving (`weights.NcclSession`): generation is refused (409) meanwhile."""
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import anyio
 from fastapi import FastAPI, Request
 
-from grpo_cli.server.state import CommBody, DiskBody, NcclUpdateBody, ShmBody, State, UserError, reset_cache
-from grpo_cli.server.codec import SHM_DIR, Frame, FrameError, FrameReader, read_stream
+from grpo_cli.rollout.transport.codec import SHM_DIR, Frame, FrameError, FrameReader, read_stream
+from grpo_cli.server.state import CommBody, DiskBody, NcclUpdateBody, RequestError, ShmBody, State, reset_cache
+from grpo_cli.server.upload import StreamedBody
 
 
 class _Apply:
@@ -31,12 +32,12 @@ class _Apply:
         shapes = self.st.served.param_shapes
         for name, t in tensors:
             if name in self.seen:
-                raise UserError(f"tensor {name!r} sent twice in one update")
+                raise RequestError(f"tensor {name!r} sent twice in one update")
             if shapes and name not in shapes:
                 close = [n for n in shapes if n.split(".")[-1] == name.split(".")[-1]][:3]
-                raise UserError(f"unknown tensor {name!r} for this model (e.g. {close or list(shapes)[:3]})")
+                raise RequestError(f"unknown tensor {name!r} for this model (e.g. {close or list(shapes)[:3]})")
             if shapes and tuple(t.shape) != shapes[name]:
-                raise UserError(f"tensor {name!r} has shape {tuple(t.shape)}, the model's is {shapes[name]}")
+                raise RequestError(f"tensor {name!r} has shape {tuple(t.shape)}, the model's is {shapes[name]}")
             self.seen.add(name)
 
     def add(self, tensors) -> None:
@@ -63,7 +64,7 @@ class _Apply:
 
             self.st.served.engine.update_weights(marked(), self.version)
             for _ in marked() if not finished else ():  # the engine stopped early: consume to surface errors
-                raise UserError("the engine did not take every tensor of the update")
+                raise RequestError("the engine did not take every tensor of the update")
 
         await anyio.to_thread.run_sync(run)
 
@@ -101,7 +102,7 @@ class NcclSession:
             try:
                 bucket = self._buckets.get(timeout=self.timeout_s)
             except queue.Empty:
-                raise UserError(f"NCCL update to v{self.apply.version}: bucket {self.next_bucket} did not come "
+                raise RequestError(f"NCCL update to v{self.apply.version}: bucket {self.next_bucket} did not come "
                                 f"within {self.timeout_s:g} s (the trainer stopped mid-update)") from None
             if bucket is None:
                 return
@@ -121,7 +122,7 @@ class NcclSession:
         try:
             self.apply.st.served.engine.update_weights(marked(), self.apply.version)
             if not finished:
-                raise UserError("the engine did not take every tensor of the update")
+                raise RequestError("the engine did not take every tensor of the update")
         except BaseException as e:  # noqa: BLE001 - handed to the request that fed the bucket
             self.error = e
         finally:
@@ -134,16 +135,17 @@ class NcclSession:
             self._buckets.put(None)
             self._thread.join(self.timeout_s)
             if self._thread.is_alive():
-                raise UserError(f"the engine did not finish loading v{self.apply.version} within {self.timeout_s:g} s")
+                raise RequestError(f"the engine did not finish loading v{self.apply.version} within "
+                                   f"{self.timeout_s:g} s")
         elif not self._taken.acquire(timeout=self.timeout_s):
-            raise UserError(f"the engine did not take NCCL bucket {self.next_bucket} within {self.timeout_s:g} s")
+            raise RequestError(f"the engine did not take NCCL bucket {self.next_bucket} within {self.timeout_s:g} s")
         if self.error is not None:
             raise self.error
         self.next_bucket += 1
 
     def abort(self, why: str) -> None:
         """Stop the engine's call (the next tensor it asks for raises) and wait for it, bounded."""
-        self._buckets.put(UserError(why))
+        self._buckets.put(RequestError(why))
         self._thread.join(self.timeout_s)
 
 
@@ -153,7 +155,7 @@ def end_session(st: State, why: str) -> None:
     session, st.session = st.session, None
     if session is not None:
         session.abort(why)
-        session.apply.failed(UserError(why), session.prior)
+        session.apply.failed(RequestError(why), session.prior)
 
 
 async def _end_session(st: State, why: str) -> None:
@@ -161,72 +163,75 @@ async def _end_session(st: State, why: str) -> None:
         await anyio.to_thread.run_sync(end_session, st, why)
 
 
+async def _whole_update(st: State, version: int, what: str, tensors, body: StreamedBody | None = None) -> dict:
+    """One update in one request, under the engine lock: end an NCCL update left unfinished, mark the server
+    `updating`, load `tensors(apply)` (lazy: the engine pulls them as they arrive; a streamed `body` is read
+    meanwhile) and reset the prefix cache. A failure marks the server (`_Apply.failed`) and raises; success commits
+    `version`."""
+    start = anyio.current_time()
+    async with st.lock:
+        await _end_session(st, f"{what} to v{version} began")
+        prior, st.state = st.state, "updating"
+        apply = _Apply(st, version)
+        try:
+            failure = None
+            async with anyio.create_task_group() as tg:
+                if body is not None:
+                    tg.start_soon(body.fill)
+                try:
+                    await apply.load_all(tensors(apply))
+                except Exception as e:  # noqa: BLE001 - raised below, outside the task group (no ExceptionGroup)
+                    failure = e
+                    if body is not None:
+                        body.discard()
+            if failure is not None:
+                raise failure
+            await anyio.to_thread.run_sync(reset_cache, st.served.engine)
+        except Exception as e:
+            apply.failed(e, prior if prior != "updating" else "ready")
+            raise
+        return apply.done(anyio.current_time() - start)
+
+
 def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
     @app.post("/update_weights")
     async def update_weights(request: Request, version: int):
         if version < 0:
-            raise UserError("version must be >= 0")
-        start = anyio.current_time()
-        async with st.lock:
-            await _end_session(st, f"an HTTP update to v{version} began")
-            prior, st.state = st.state, "updating"
-            apply = _Apply(st, version)
-            stream = request.stream()
-            try:
-                await apply.load_all(_frames(stream, FrameReader(max_frame_bytes=max_frame_bytes), apply, version))
-                await anyio.to_thread.run_sync(reset_cache, st.served.engine)
-            except Exception as e:
-                apply.failed(e, prior if prior != "updating" else "ready")
-                await _drain(stream)
-                raise
-            return apply.done(anyio.current_time() - start)
+            raise RequestError("version must be >= 0")
+        body = StreamedBody(request.stream())
+        reader = FrameReader(max_frame_bytes=max_frame_bytes, buffer=st.receive_buffer)
+        return await _whole_update(st, version, "an HTTP update", lambda apply: _frames(body, reader, apply, version),
+                                   body=body)
 
     @app.post("/update_weights_shm")
     async def update_weights_shm(body: ShmBody):
         path = Path(SHM_DIR) / body.name
         if not path.is_file() or path.stat().st_size != body.bytes:
-            raise UserError(f"{path}: no file of {body.bytes} bytes there; the shm weight transport needs the "
-                            "server on the trainer's host, run by the same user (else use weight_transport=http)")
-        start = anyio.current_time()
-        async with st.lock:
-            await _end_session(st, f"a shared-memory update to v{body.version} began")
-            prior, st.state = st.state, "updating"
-            apply = _Apply(st, body.version)
-            try:
-                with path.open("rb") as f:  # the mapping outlives the file object; unmapped when the views go
-                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if body.bytes else b""
-                frames = read_stream(memoryview(mapped), max_frame_bytes=max_frame_bytes)
-                await apply.load_all(_checked(frames, apply, body.version))
-                await anyio.to_thread.run_sync(reset_cache, st.served.engine)
-            except Exception as e:
-                apply.failed(e, prior)
-                raise
-            return apply.done(anyio.current_time() - start)
+            raise RequestError(f"{path}: no file of {body.bytes} bytes there; the shm weight transport needs the "
+                               "server on the trainer's host, run by the same user (else use weight_transport=http)")
+
+        def tensors(apply: _Apply):
+            with path.open("rb") as f:  # the mapping outlives the file object; unmapped when the views go
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if body.bytes else b""
+            yield from _checked(read_stream(memoryview(mapped), max_frame_bytes=max_frame_bytes), apply, body.version)
+
+        return await _whole_update(st, body.version, "a shared-memory update", tensors)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: DiskBody):
         files = _safetensors_files(body.path)
-        start = anyio.current_time()
-        async with st.lock:
-            await _end_session(st, f"an update from disk to v{body.version} began")
-            prior, st.state = st.state, "updating"
-            apply = _Apply(st, body.version)
-            try:
-                await apply.load_all(t for f in files for batch in _read_batches(f) for t in apply.counted(batch))
-                await anyio.to_thread.run_sync(reset_cache, st.served.engine)
-            except Exception as e:
-                apply.failed(e, prior)
-                raise
-            return apply.done(anyio.current_time() - start)
+        return await _whole_update(st, body.version, "an update from disk",
+                                   lambda apply: (t for f in files for batch in _read_batches(f)
+                                                  for t in apply.counted(batch)))
 
     @app.post("/init_communicator")
     async def init_communicator(body: CommBody):
-        from grpo_cli.server.nccl import NcclReceiver, nccl_available
+        from grpo_cli.rollout.transport.nccl import NcclReceiver, nccl_available
 
         ok, why = nccl_available()
         if not ok:
-            raise UserError(f"NCCL weight sync is not available on this server: {why}; use the HTTP path "
-                            "(rollout.server.weight_transport=http)")
+            raise RequestError(f"NCCL weight sync is not available on this server: {why}; use the HTTP path "
+                               "(rollout.server.weight_transport=http)")
         async with st.lock:
             await _end_session(st, "the trainer joined again (/init_communicator)")
             if st.comm is not None:
@@ -241,9 +246,9 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
         """One bucket: check its names and shapes, receive its broadcasts, hand them to the engine, answer. Nothing of
         the next bucket is allocated before this one is loaded; the last bucket commits the version."""
         if st.comm is None:
-            raise UserError("no NCCL communicator: call /init_communicator first")
+            raise RequestError("no NCCL communicator: call /init_communicator first")
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
-            raise UserError("names, dtypes and shapes must have the same length")
+            raise RequestError("names, dtypes and shapes must have the same length")
         async with st.lock:
             try:
                 session = await _session_for(st, body)
@@ -272,7 +277,7 @@ async def _session_for(st: State, body: NcclUpdateBody) -> NcclSession:
     session = st.session
     if session is None or session.apply.version != body.version or session.next_bucket != body.bucket:
         want = f"bucket {session.next_bucket} of v{session.apply.version}" if session else "bucket 0"
-        raise UserError(f"NCCL bucket {body.bucket} of v{body.version} out of order (expected {want})")
+        raise RequestError(f"NCCL bucket {body.bucket} of v{body.version} out of order (expected {want})")
     return session
 
 
@@ -281,22 +286,12 @@ class _Shape:
         self.shape = tuple(shape)
 
 
-def _frames(stream, reader: FrameReader, apply: _Apply, version: int):
-    """Tensors of the upload, in order, pulled from the request stream by the engine's worker thread."""
-    chunks = stream.__aiter__()
-
-    async def pull(limit: int = 8 << 20) -> list[bytes]:  # one thread hop per ~8 MB, not per socket read
-        out, size = [], 0
-        async for chunk in chunks:
-            out.append(chunk)
-            size += len(chunk)
-            if size >= limit:
-                break
-        return out
+def _frames(body: StreamedBody, reader: FrameReader, apply: _Apply, version: int):
+    """Tensors of the upload, in order, decoded by the engine's worker thread as the body arrives."""
 
     def received():
-        while pieces := anyio.from_thread.run(pull):
-            yield from (f for piece in pieces for f in reader.feed(piece))
+        for chunk in body.chunks():
+            yield from reader.feed(chunk)
         reader.finish()
 
     yield from _checked(received(), apply, version)
@@ -325,20 +320,11 @@ def _checked(frames, apply: _Apply, version: int):
                          f"{count - 1} / {apply.tensors}")
 
 
-async def _drain(stream) -> None:
-    """Read the rest of a rejected upload so the client gets our 4xx instead of a broken pipe."""
-    try:
-        async for _ in stream:
-            pass
-    except Exception:  # noqa: BLE001 - client already gone
-        pass
-
-
 def _safetensors_files(path: str) -> list[Path]:
     p = Path(path)
     files = [p] if p.is_file() else sorted(p.glob("*.safetensors")) if p.is_dir() else []
     if not files:
-        raise UserError(f"{path}: no .safetensors file there (the path is read on the server's machine)")
+        raise RequestError(f"{path}: no .safetensors file there (the path is read on the server's machine)")
     return files
 
 

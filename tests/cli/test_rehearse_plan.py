@@ -140,6 +140,6 @@ def test_gpu_only_lists_what_cpu_cannot_exercise():
     assert {"NCCL", "pinned host memory", "CUDA RNG", "CUDA sleep level 2", "real memory fit"} <= set(big)
     assert "--host-mem" in big["real memory fit"]
     assert "pinned host memory" not in dict(_plan("qwen-7b-colocate-tp2").gpu_only)  # nothing offloaded there
-    tensor = build_config("qwen-7b-sglang-server", overrides=["rollout.server.sglang_weight_transport=tensor"])
+    tensor = build_config("qwen-7b-sglang-server", overrides=["rollout.server.weight_transport=tensor"])
     assert "CUDA IPC" in dict(plan_rehearsal(tensor, deepspeed_ready=True).gpu_only)
     assert "CUDA IPC" not in dict(_plan("qwen-7b-sglang-server").gpu_only)

@@ -15,7 +15,7 @@ from torch.multiprocessing import reductions
 
 from grpo_cli.runtime import accel
 from grpo_cli.rollout.base import RolloutError
-from grpo_cli.rollout.sglang.payload import CUDA_DEVICE_ARG, sglang_serializer, uuid_reduction
+from grpo_cli.rollout.transport.sglang_payload import CUDA_DEVICE_ARG, sglang_serializer, uuid_reduction
 
 # The globals such a payload needs, all in SGLang 0.5.23's SafeUnpickler.ALLOWED_GLOBALS (srt/utils/common.py):
 # anything else (e.g. a grpo_cli function) is "Blocked unsafe global" on the server.
@@ -108,7 +108,7 @@ def test_a_device_already_sent_as_uuid_is_left_alone():
 
 def test_host_tensors_are_refused_with_the_disk_transport_named():
     """torch's own reduction of a CPU tensor passes a file descriptor of this process: useless over HTTP."""
-    with pytest.raises(RolloutError, match=r"streams cpu tensors.*sglang_weight_transport: disk"):
+    with pytest.raises(RolloutError, match=r"streams cpu tensors.*rollout\.server\.weight_transport: disk"):
         sglang_serializer([("w", torch.ones(2))])
 
 

@@ -11,8 +11,8 @@ from served_app import app_in_thread
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.remote.client import ServerEngine
 from grpo_cli.server.app import create_app
-from grpo_cli.server.codec import encode_stream
-from grpo_cli.server.transport import Policy
+from grpo_cli.rollout.transport.codec import encode_stream
+from grpo_cli.rollout.transport.http_client import Policy
 
 TOKEN = "s3cret-token"
 FAST = Policy(connect_timeout_s=5, request_timeout_s=30, retries=1, backoff_s=0.05)
@@ -205,7 +205,7 @@ def test_shm_transport_loads_the_weights_checks_every_frame_and_removes_the_file
     import os
     import stat
 
-    from grpo_cli.server import codec
+    from grpo_cli.rollout.transport import codec
 
     url, served = server
     params = [(n, p.detach().clone() + 0.25) for n, p in served.engine.model.named_parameters()]
@@ -259,7 +259,7 @@ def test_shm_files_of_dead_trainers_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from grpo_cli.rollout.remote.shm_file import ShmFile
+    from grpo_cli.rollout.transport.shm import ShmFile
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)

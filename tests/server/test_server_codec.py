@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from grpo_cli.server.codec import FrameError, FrameReader, encode_frame, encode_stream
+from grpo_cli.rollout.transport.codec import FrameError, FrameReader, encode_frame, encode_stream
 
 
 def _tensors():
@@ -113,7 +113,7 @@ def test_encode_rejects_unsupported_dtype_by_name():
 def test_file_stream_round_trip_and_checksums(tmp_path):
     """`write_stream` and `read_stream` (checked before decoding) agree; a flipped byte is reported with its
     frame."""
-    from grpo_cli.server.codec import read_stream, write_stream
+    from grpo_cli.rollout.transport.codec import read_stream, write_stream
 
     path = tmp_path / "w.bin"
     with path.open("wb") as out:
@@ -134,7 +134,7 @@ def test_file_stream_continues_short_writes():
     """A raw file may take fewer bytes than asked (Linux: ≤ ~2 GiB per write); write_stream writes the rest."""
     import io
 
-    from grpo_cli.server.codec import write_stream
+    from grpo_cli.rollout.transport.codec import write_stream
 
     class Trickle(io.BytesIO):
         def write(self, b) -> int:

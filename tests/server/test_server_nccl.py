@@ -16,9 +16,9 @@ from served_app import app_in_thread
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.remote.client import ServerEngine
-from grpo_cli.server import nccl
+from grpo_cli.rollout.transport import nccl
 from grpo_cli.server.app import create_app
-from grpo_cli.server.transport import Policy, RolloutServerDown
+from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown
 
 TOKEN = "nccl-token"
 CHUNK = 64 << 10  # the tiny model's 355 KiB in ~7 buckets

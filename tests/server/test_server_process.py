@@ -14,7 +14,7 @@ import torch
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.models.logprobs import completion_logprobs, score_sequences
 from grpo_cli.rollout.remote.client import ServerEngine, model_identity
-from grpo_cli.server.transport import Policy, RolloutServerDown
+from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown
 
 TOKEN = "tok-123"
 

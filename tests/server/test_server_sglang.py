@@ -18,7 +18,7 @@ from grpo_cli.rollout.sglang.client import SGLangEngine, ServerFacts
 from grpo_cli.server.engines import ServeError, ServeOptions
 from grpo_cli.server.launch import run_sglang, sglang_command
 from grpo_cli.server.sglang_contract import create_contract_app, safetensors_b64_serializer
-from grpo_cli.server.transport import Policy
+from grpo_cli.rollout.transport.http_client import Policy
 
 KEY = "sgl-key"
 FAST = Policy(connect_timeout_s=5, request_timeout_s=30, retries=0)
@@ -219,7 +219,7 @@ def test_tensor_transport_with_host_tensors_says_what_to_do(served_tiny, tiny_ch
     app = create_contract_app(served_tiny, launch_args=launch_args(tiny_checkpoint))
     with app_in_thread(app) as url:
         eng = SGLangEngine([url], policy=FAST, api_key=KEY, model_path=tiny_checkpoint, weight_transport="tensor")
-        with pytest.raises(RolloutError, match=r"streams cpu tensors.*sglang_weight_transport: disk"):
+        with pytest.raises(RolloutError, match=r"streams cpu tensors.*rollout\.server\.weight_transport: disk"):
             eng.update_weights([("model.norm.weight", torch.ones(64))], 1)
         assert not [p for p, _ in app.state.contract["log"] if p == "/update_weights_from_tensor"]
         eng.close()
@@ -232,7 +232,7 @@ def test_data_parallel_replicas_refuse_tensor_updates_up_front(served_tiny, tiny
     app = create_contract_app(served_tiny, launch_args=launch_args(tiny_checkpoint) + ["--dp-size", "2"])
     with app_in_thread(app) as url:
         if transport == "tensor":
-            with pytest.raises(RolloutError, match=r"2 data-parallel replicas.*sglang_weight_transport: disk"):
+            with pytest.raises(RolloutError, match=r"2 data-parallel replicas.*rollout\.server\.weight_transport: disk"):
                 _tensor_engine(url, tiny_checkpoint)
             eng = _tensor_engine(url, tiny_checkpoint, connect=False)  # what refusing spares: a bare 500
             eng.facts[url] = ServerFacts(version=(0, 5, 23), tp_size=1, deterministic=True)

@@ -9,7 +9,7 @@ import torch
 from grpo_cli.rollout.base import SamplingParams
 from grpo_cli.models.logprobs import completion_logprobs, score_sequences
 from grpo_cli.rollout.remote.client import ServerEngine, model_identity
-from grpo_cli.server.transport import Policy
+from grpo_cli.rollout.transport.http_client import Policy
 
 pytestmark = pytest.mark.vllm
 

@@ -90,7 +90,7 @@ def test_server_sync_matches_the_trainer(arch_engine):
     from grpo_cli.rollout.remote.client import ServerEngine, model_identity
     from grpo_cli.server.app import create_app
     from grpo_cli.server.engines import ServeOptions, build
-    from grpo_cli.server.transport import Policy
+    from grpo_cli.rollout.transport.http_client import Policy
 
     arch, path, engine = arch_engine
     served = build(ServeOptions(engine="vllm", model=path), vllm_engine=engine)

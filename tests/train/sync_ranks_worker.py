@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.hf.engine import HFEngine
-from grpo_cli.server.transport import RolloutServerDown
+from grpo_cli.rollout.transport.http_client import RolloutServerDown
 from grpo_cli.train.weights.sync_ranks import generate_with_resync
 from grpo_cli.train.weights.weight_sync import sync_weights
 

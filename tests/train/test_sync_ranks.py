@@ -10,7 +10,7 @@ from dist_env import run_two_ranks
 
 from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.rollout.base import RolloutEngine, RolloutError
-from grpo_cli.server.transport import RolloutServerDown
+from grpo_cli.rollout.transport.http_client import RolloutServerDown
 from grpo_cli.train.weights.sync_ranks import generate_with_resync, pushes_from_main
 
 WORKER = str(Path(__file__).with_name("sync_ranks_worker.py"))

@@ -1,31 +1,29 @@
-"""`server` mode: the trainer's client of one or more `grpo serve-rollout` servers (HTTP, weights streamed as
-checksummed safetensors frames, NCCL broadcast as a CUDA-only fast path; both in buckets of `weight_chunk_mb`)."""
+"""`server` mode: the trainer's client of one or more `grpo serve-rollout` servers over HTTP; weights go through the
+weight transport `rollout.server.weight_transport` names (`rollout.transport`: http, shm or nccl, in buckets of
+`weight_chunk_mb`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
-from grpo_cli.server.transport import Policy, RolloutServerDown, Transport, is_loopback, split_groups
+from grpo_cli.rollout.transport import base as transports
+from grpo_cli.rollout.transport.http_client import HttpClient, Policy, RolloutServerDown, split_groups
 
 if TYPE_CHECKING:
     import torch
 
     from grpo_cli.config.schema import GRPOConfig
     from grpo_cli.rollout.base import EngineContext
-    from grpo_cli.rollout.remote.shm_file import ShmFile
 
 __all__ = ["RolloutServerDown", "ServerEngine", "model_identity"]
-
-_END = object()
 
 
 def model_identity(model_path: str) -> dict:
@@ -52,24 +50,19 @@ class ServerEngine(RolloutEngine):
                  chunk_mb: int = 128, transport: str = "http", shm_keep_file: bool = True,
                  start_hint: str = "grpo serve-rollout --model PATH", connect: bool = True) -> None:
         self.policy = policy or Policy()
-        self.http = Transport(urls, token=token, policy=self.policy)
+        self.http = HttpClient(urls, token=token, policy=self.policy)
         self.urls = self.http.urls
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
         self.expected = expected or {}
         self.chunk_bytes = chunk_mb << 20
-        self.transport = transport
-        if transport == "shm" and not all(is_loopback(u) for u in self.http.urls):
-            raise RolloutError("rollout.server.weight_transport=shm hands the server a file in /dev/shm, so every "
-                               f"server must be on this host (a loopback URL), not {list(self.http.urls)}: use http")
-        self.shm_keep_file = shm_keep_file
-        self._shm: ShmFile | None = None
         self.start_hint = start_hint
         self.weight_version = 0
         self.info: dict[str, dict] = {}
         self.dtype: str | None = None
         self._calls = 0
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="rollout-http")
-        self._nccl = None
+        self._weights = transports.create(transport, transports.Link(self.http, self.urls, self._pool),
+                                          client="serve-rollout", offered={"keep_file": shm_keep_file})
         if connect:
             self.connect()
 
@@ -81,7 +74,7 @@ class ServerEngine(RolloutEngine):
         hint = f"GRPO_ROLLOUT_TOKEN=... grpo serve-rollout --engine hf --model {ctx.model_path}"
         return cls(list(s.urls), policy=policy, token=os.environ.get(s.token_env) or None,
                    stop_token_ids=ctx.eos_token_ids, expected=model_identity(ctx.model_path),
-                   chunk_mb=s.weight_chunk_mb, transport=s.weight_transport, shm_keep_file=s.shm_keep_file,
+                   chunk_mb=s.weight_chunk_mb, transport=cfg.rollout.transport, shm_keep_file=s.shm_keep_file,
                    start_hint=hint)
 
     # -- start-up ---------------------------------------------------------------------------------------
@@ -163,82 +156,22 @@ class ServerEngine(RolloutEngine):
                                     "(update_weights) and retry the step", url=url, recovered=True)
 
     # -- weight sync --------------------------------------------------------------------------------------
+    @property
+    def _nccl(self):
+        """The NCCL sender while the servers are joined (`nccl` transport), else None."""
+        return getattr(self._weights, "sender", None)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream the tensors to every server at once (one encoding, fanned out), then check each holds
-        `version`. Not retried: a half-received update leaves the server refusing to generate until the next
-        complete one, and the caller pushes again after RolloutServerDown(recovered=True)."""
-        if self.transport == "nccl":
-            return self._update_nccl(named_tensors, version)
-        start = time.perf_counter()
-        if self.transport == "shm":
-            results = self._update_shm(named_tensors, version)
-        else:
-            results = self._update_http(named_tensors, version)
-        for url, res in zip(self.urls, results, strict=True):
+        """Through the weight transport to every server at once, then check each holds `version`. Not retried: a
+        half-received update leaves the server refusing to generate until the next complete one, and the caller
+        pushes again after RolloutServerDown(recovered=True)."""
+        sent = self._weights.send(named_tensors, version, chunk_bytes=self.chunk_bytes)
+        for url, res in zip(self.urls, sent.replies, strict=True):
             if res.get("weight_version") != version:
                 raise RolloutError(f"rollout server {url} reports weights v{res.get('weight_version')} after "
                                    f"an update to v{version}")
         self.weight_version = version
-        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": results[0].get("bytes", 0)}
-
-    def _update_http(self, named_tensors, version: int) -> list[dict]:
-        """Stream the frames to every server at once (one encoding, fanned out)."""
-        from grpo_cli.server.codec import encode_stream
-
-        queues = [queue.Queue(maxsize=2) for _ in self.urls]
-        futures = [self._pool.submit(self._upload, url, q, version) for url, q in zip(self.urls, queues, strict=True)]
-        try:
-            for frame in encode_stream(named_tensors, chunk_bytes=self.chunk_bytes, version=version):
-                for q in queues:
-                    q.put(frame)  # never blocks for long: each upload drains its queue to the end, even failing
-        finally:
-            for q in queues:
-                q.put(_END)
-        return [f.result() for f in futures]
-
-    def _update_shm(self, named_tensors, version: int) -> list[dict]:
-        """Same host: write the frames once into an owner-only file in /dev/shm and hand its name to every server,
-        which maps it, checks each frame's checksum and loads from the mapping. The file is kept and overwritten
-        by the next sync unless `shm_keep_file` is false."""
-        from grpo_cli.rollout.remote.shm_file import ShmFile
-        from grpo_cli.server.codec import write_stream
-
-        if self._shm is None:
-            self._shm = ShmFile.create()
-        try:
-            out = self._shm.rewind()
-            size = write_stream(out, named_tensors, chunk_bytes=self.chunk_bytes, version=version)
-            out.truncate(size)
-            body = {"name": self._shm.path.name, "bytes": size, "version": version}
-            futures = [self._pool.submit(self.http.call, url, "POST", "/update_weights_shm", idempotent=False,
-                                         json=body) for url in self.urls]
-            return [f.result().json() for f in futures]
-        finally:
-            if not self.shm_keep_file:
-                self._release_shm()
-
-    def _release_shm(self) -> None:
-        """Remove the kept /dev/shm weight file, if any (the next shm sync creates a new one)."""
-        if self._shm is not None:
-            self._shm.remove()
-            self._shm = None
-
-    def _upload(self, url: str, q: queue.Queue, version: int) -> dict:
-        finished = False
-
-        def body() -> Iterator[bytes]:
-            nonlocal finished
-            while (frame := q.get()) is not _END:
-                yield from frame
-            finished = True
-
-        try:
-            return self.http.call(url, "POST", "/update_weights", idempotent=False, content=body(),
-                                  params={"version": version},
-                                  headers={"Content-Type": "application/x-grpo-weights"}).json()
-        finally:
-            while not finished:  # a failed upload keeps draining so the producer never waits on it
-                finished = q.get() is _END
+        self.last_sync = {"seconds": sent.seconds, "bytes": sent.bytes}
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """Ask every server to load a safetensors checkpoint (a file or a folder) it can read."""
@@ -248,22 +181,6 @@ class ServerEngine(RolloutEngine):
             if res.get("weight_version") != version:
                 raise RolloutError(f"rollout server {url} did not load {path} as v{version}: {res}")
         self.weight_version = version
-
-    def _update_nccl(self, named_tensors, version: int) -> None:
-        """Bucket by bucket of `weight_chunk_mb`, as the HTTP frames: the trainer never holds the whole model. A failed
-        update aborts the group; the next one joins the servers again (`/init_communicator`)."""
-        from grpo_cli.server.nccl import NcclSender
-
-        start = time.perf_counter()
-        if self._nccl is None:
-            self._nccl = NcclSender.connect(self.http, self.urls, timeout_s=self.policy.request_timeout_s)
-        try:
-            sent = self._nccl.send(named_tensors, version, chunk_bytes=self.chunk_bytes)
-        except BaseException:
-            self._nccl = None  # the sender aborted its group
-            raise
-        self.weight_version = version
-        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent}
 
     # -- memory and cache ---------------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -276,10 +193,7 @@ class ServerEngine(RolloutEngine):
         self.http.post_each(self.urls, "/reset_prefix_cache")
 
     def close(self) -> None:
-        if self._nccl is not None:
-            self._nccl.close()
-            self._nccl = None
+        self._weights.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
-        self._release_shm()
 

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
 from grpo_cli.rollout.remote.client import model_identity
-from grpo_cli.server.transport import Policy, Transport, split_groups
+from grpo_cli.rollout.transport import base as transports
+from grpo_cli.rollout.transport.http_client import HttpClient, Policy, split_groups
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +26,6 @@ if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
     from grpo_cli.rollout.base import EngineContext
 
-CONFIG_FILES = ("config.json", "generation_config.json")
 MIN_VERSION = (0, 5, 3)  # first with sampling_seed, release/resume tags, weight_version and deterministic inference
 # Our wake tags -> SGLang's memory tags (`srt/constants.py`). Waking the KV cache wakes the CUDA graphs too (they
 # replay on the KV pool); "cuda_graph" is a tag by 0.5.12, and 0.5.3 only records tags it does not act on.
@@ -54,14 +51,6 @@ def parse_version(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(g or 0) for g in m.groups()) if m else None
 
 
-def sglang_serializer(named_tensors: list) -> str:
-    """SGLang's wire format for `/update_weights_from_tensor` (CUDA IPC handles, the device as its UUID):
-    `sglang_payload.sglang_serializer`, imported when a tensor update runs (it imports torch)."""
-    from grpo_cli.rollout.sglang.payload import sglang_serializer as serialize
-
-    return serialize(named_tensors)
-
-
 class SGLangEngine(RolloutEngine):
     """RolloutEngine over one or more SGLang servers; groups stay whole on one server."""
 
@@ -75,22 +64,22 @@ class SGLangEngine(RolloutEngine):
                  weight_transport: str = "disk", weight_sync_dir: str | None = None,
                  chunk_mb: int = 512, serializer: Callable[[list], str] | None = None, connect: bool = True) -> None:
         self.policy = policy or Policy()
-        self.http = Transport(urls, token=api_key, policy=self.policy)
+        self.http = HttpClient(urls, token=api_key, policy=self.policy)
         self.urls = self.http.urls
         self.stop_token_ids = list(stop_token_ids or [])
         self.model_path = model_path
         self.weight_transport = weight_transport
-        self.sync_dir = weight_sync_dir
         self.chunk_bytes = chunk_mb << 20
-        self.serializer = serializer or sglang_serializer
         self.weight_version = 0
         self.weights_released = False  # their memory comes back garbage: generate waits for a sync
         self.released: set[str] = set()  # SGLang memory tags this client released and did not resume yet
         self.facts: dict[str, ServerFacts] = {}
-        self.sessions: dict[str, bool] = {}  # url -> has /begin_weight_update (sglang >= 0.5.21)
-        self.loaded_folder: Path | None = None  # the last disk update: SGLang's /model_info names it
         self._calls = 0
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="sglang-http")
+        offered = {"model_path": model_path, "sync_dir": weight_sync_dir, "serializer": serializer,
+                   "tp_size": lambda url: self._facts(url).tp_size}
+        self._weights = transports.create(weight_transport, transports.Link(self.http, self.urls, self._pool),
+                                          client="sglang", offered=offered)
         if connect:
             self.connect()
 
@@ -101,7 +90,7 @@ class SGLangEngine(RolloutEngine):
                         retries=s.retries, on_failure=s.on_failure, wait_for_recovery_s=s.wait_for_recovery_s)
         return cls(list(s.urls), policy=policy, api_key=os.environ.get(s.token_env) or None,
                    stop_token_ids=ctx.eos_token_ids, model_path=ctx.model_path,
-                   weight_transport=s.sglang_weight_transport, weight_sync_dir=s.weight_sync_dir,
+                   weight_transport=cfg.rollout.transport, weight_sync_dir=s.weight_sync_dir,
                    chunk_mb=s.weight_chunk_mb)
 
     def connect(self) -> None:
@@ -150,7 +139,7 @@ class SGLangEngine(RolloutEngine):
             raise RolloutError(
                 f"SGLang server {url} runs {facts.dp_size} data-parallel replicas (--dp-size {facts.dp_size}), and "
                 "SGLang refuses weight updates from tensors on such a server (HTTP 500 at the first sync). Use "
-                "rollout.server.sglang_weight_transport: disk, or start one SGLang server per replica with "
+                "rollout.server.weight_transport: disk, or start one SGLang server per replica with "
                 "--dp-size 1 and list each in rollout.server.urls (groups are split over the servers).")
         if not facts.deterministic:
             warnings.warn(f"SGLang server {url} runs without --enable-deterministic-inference, so it ignores "
@@ -223,98 +212,16 @@ class SGLangEngine(RolloutEngine):
 
     # -- weight sync -------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Through the weight transport (`disk` or `tensor`), then check every server reports `version`."""
         self.wake_up(["weights"])
-        if self.weight_transport == "tensor":
-            self._update_from_tensor(named_tensors, version)
-        else:
-            self._update_from_disk(named_tensors, version)
+        sent = self._weights.send(named_tensors, version, chunk_bytes=self.chunk_bytes)
         for url in self.urls:
             got = self.model_info(url).get("weight_version")
             if got is not None and str(got) != str(version):
                 raise RolloutError(f"SGLang server {url} reports weight_version {got!r} after an update to v{version}")
         self.weight_version = version
         self.weights_released = False
-
-    def _update_from_disk(self, named_tensors, version: int) -> None:
-        """Write a safetensors checkpoint (+ the model's config files) into a folder the server can read, then
-        `/update_weights_from_disk` (which also flushes the radix cache). SGLang then reports that folder as its
-        model path (`tokenizer_manager._update_model_path_info`), so it lives until the next update or close()."""
-        from safetensors.torch import save_file
-
-        root = Path(self.sync_dir or tempfile.gettempdir())
-        root.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix=f"grpo-weights-v{version}-", dir=root))
-        try:
-            tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in named_tensors}
-            save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-            for name in CONFIG_FILES:
-                src = Path(self.model_path or "") / name
-                if self.model_path and src.is_file():
-                    shutil.copy(src, folder / name)
-            for url in self.urls:
-                res = self.http.call(url, "POST", "/update_weights_from_disk", idempotent=False, json={
-                    "model_path": str(folder), "weight_version": str(version), "flush_cache": True,
-                    "abort_all_requests": False}).json()
-                if not res.get("success", False):
-                    raise RolloutError(f"SGLang server {url} refused the weights: {res.get('message')}")
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        self._drop_loaded_folder()
-        self.loaded_folder = folder
-
-    def _drop_loaded_folder(self) -> None:
-        if self.loaded_folder is not None:
-            shutil.rmtree(self.loaded_folder, ignore_errors=True)
-            self.loaded_folder = None
-
-    def _update_from_tensor(self, named_tensors, version: int) -> None:
-        """`/update_weights_from_tensor` per bucket of `weight_chunk_mb`, posted to every server as soon as it is full,
-        so the trainer holds one bucket (plus the tensor that overflowed it), never the whole model. Each carries one
-        payload serialized per TP rank of the server (each rank deserializes its own index: `managers/tp_worker.py`);
-        the cache is flushed and the version set on the last bucket only (SGLang does both per call, when asked:
-        `scheduler_components/weight_updater.py` update_weights_from_tensor). On sglang >= 0.5.21 the buckets run
-        inside a weight-update session on each server (that file refuses them outside one)."""
-        from grpo_cli.server.codec import size_buckets
-
-        sessions: list[str] = []
-        try:
-            for url in self.urls:
-                if self._begin_session(url):
-                    sessions.append(url)
-            for k, (bucket, last) in enumerate(size_buckets(named_tensors, chunk_bytes=self.chunk_bytes)):
-                for url in self.urls:
-                    self._post_bucket(url, bucket, k, last, version)
-                bucket.clear()  # the generator fills the next bucket while the loop still names this list
-        finally:
-            for url in sessions:
-                self.http.call(url, "POST", "/end_weight_update", idempotent=False, json={})
-
-    def _post_bucket(self, url: str, bucket: list, k: int, last: bool, version: int) -> None:
-        payloads = [self.serializer(bucket) for _ in range(self._facts(url).tp_size)]
-        body = {"serialized_named_tensors": payloads, "flush_cache": last, "abort_all_requests": False,
-                "weight_version": str(version) if last else None}
-        res = self.http.call(url, "POST", "/update_weights_from_tensor", idempotent=False, json=body).json()
-        if not res.get("success", False):
-            raise RolloutError(f"SGLang server {url} refused weight bucket {k}: {res.get('message')}")
-
-    def _begin_session(self, url: str) -> bool:
-        """Open a weight-update session; False on SGLang without sessions (< 0.5.21: the endpoint answers 404). A
-        session left open by a trainer that died mid-sync is closed and opened again."""
-        if self.sessions.get(url) is False:
-            return False
-        try:
-            self.http.call(url, "POST", "/begin_weight_update", idempotent=False, json={})
-        except RolloutError as e:
-            if "answered 404" in str(e) and url not in self.sessions:
-                self.sessions[url] = False
-                return False
-            if "already open" not in str(e):
-                raise
-            self.http.call(url, "POST", "/end_weight_update", idempotent=False, json={})
-            self.http.call(url, "POST", "/begin_weight_update", idempotent=False, json={})
-        self.sessions[url] = True
-        return True
+        self.last_sync = {"seconds": sent.seconds, "bytes": sent.bytes}
 
     # -- memory and cache --------------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -342,7 +249,7 @@ class SGLangEngine(RolloutEngine):
         self.http.post_each(self.urls, "/flush_cache")
 
     def close(self) -> None:
-        self._drop_loaded_folder()
+        self._weights.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
 

@@ -42,7 +42,7 @@ def rebuild(failure: dict, rank: int) -> RolloutError:
     RolloutServerDown with the same `recovered`, so every rank takes the same path (e.g. all save a checkpoint)."""
     where = f"rank {rank}: "
     if failure["recovered"] is not None:
-        from grpo_cli.server.transport import RolloutServerDown
+        from grpo_cli.rollout.transport.http_client import RolloutServerDown
 
         return RolloutServerDown(where + failure["message"], url=failure["url"], recovered=failure["recovered"])
     if failure["rollout"]:

@@ -1,5 +1,6 @@
-"""HTTP client side shared by the rollout clients: timeouts on every call, bounded retries with backoff,
-the server's own error text in every exception, and a named exception for a server that went away."""
+"""HTTP client side shared by the rollout clients and the weight transports that talk HTTP: timeouts on every call,
+bounded retries with backoff, the server's own error text in every exception, and a named exception for a server
+that went away."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def error_text(resp: httpx.Response) -> str:
     return str(body)[:500]
 
 
-class Transport:
+class HttpClient:
     """One `httpx.Client` per base URL (loopback URLs ignore proxy variables), with `call` doing the retries."""
 
     def __init__(self, urls: Sequence[str], *, token: str | None, policy: Policy) -> None:

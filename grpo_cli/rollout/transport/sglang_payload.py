@@ -41,9 +41,9 @@ def uuid_reduction(reduce_tensor: Reduction | None = None, uuid_of: Callable[[in
         rebuild, args = (reduce_tensor or reductions.reduce_tensor)(tensor)
         if rebuild is not reductions.rebuild_cuda_tensor:
             raise RolloutError(
-                f"rollout.server.sglang_weight_transport=tensor hands SGLang CUDA IPC handles, but the trainer "
+                f"rollout.server.weight_transport=tensor hands SGLang CUDA IPC handles, but the trainer "
                 f"streams {tensor.device} tensors: train on the GPUs of the server's machine, or use "
-                "sglang_weight_transport: disk")
+                "rollout.server.weight_transport: disk")
         device = args[CUDA_DEVICE_ARG]
         if isinstance(device, int):  # a str: torch already patched in this process (SGLang imported here)
             args = (*args[:CUDA_DEVICE_ARG], uuid_of(device), *args[CUDA_DEVICE_ARG + 1:])

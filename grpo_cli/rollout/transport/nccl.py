@@ -1,8 +1,9 @@
-"""NCCL fast path of the weight sync (CUDA only): the trainer hosts a TCPStore, every server joins a NCCL group
-through `/init_communicator`, and each update goes bucket by bucket (`rollout.server.weight_chunk_mb`, as the HTTP
-frames do): a `/update_weights_nccl` request announces one bucket (names, dtypes, shapes, its index; `last` on the
-final one), the trainer broadcasts that bucket's tensors, and the server answers once it has received them and the
-engine has taken them. Neither side holds more than one bucket; the server commits the version after the last.
+"""`nccl` weight transport, both sides (CUDA only; the server imports `NcclReceiver` from here): the trainer hosts a
+TCPStore, every server joins a NCCL group through `/init_communicator`, and each update goes bucket by bucket
+(`rollout.server.weight_chunk_mb`, as the HTTP frames do): a `/update_weights_nccl` request announces one bucket
+(names, dtypes, shapes, its index; `last` on the final one), the trainer broadcasts that bucket's tensors, and the
+server answers once it has received them and the engine has taken them. Neither side holds more
+than one bucket; the server commits the version after the last.
 
 The trainer waits on those HTTP answers, with `request_timeout_s`, never on `Work.wait`: a NCCL work's wait only
 makes the current CUDA stream wait and returns at once on the host (seen on an H100), so a dead server went unnoticed
@@ -26,8 +27,9 @@ import torch
 
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.runtime import accel
-from grpo_cli.server.codec import DTYPES, size_buckets
-from grpo_cli.server.transport import RolloutServerDown
+from grpo_cli.rollout.transport.base import Link, NamedTensors, WeightTransport
+from grpo_cli.rollout.transport.codec import DTYPES, size_buckets
+from grpo_cli.rollout.transport.http_client import RolloutServerDown
 
 _CODES = {v: k for k, v in DTYPES.items()}
 GROUP_GRACE_S = 60.0
@@ -148,10 +150,10 @@ class NcclSender:
                 f.result(timeout=timeout_s)
         return cls(http, urls, pg, device, timeout_s)
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, chunk_bytes: int) -> int:
-        """Stream `named_tensors` bucket by bucket; returns the bytes sent. Any failure aborts the group, and with it
-        the broadcasts no server will receive (NCCL; gloo's fail at the group's timeout); the caller joins the servers
-        again at the next update."""
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, chunk_bytes: int) -> list[dict]:
+        """Stream `named_tensors` bucket by bucket; returns each server's answer to the last bucket. Any failure
+        aborts the group, and with it the broadcasts no server will receive (NCCL; gloo's fail at the group's
+        timeout); the caller joins the servers again at the next update."""
         self.last_buckets = []
         try:
             for index, (bucket, last) in enumerate(size_buckets(named_tensors, chunk_bytes=chunk_bytes,
@@ -165,7 +167,7 @@ class NcclSender:
         except BaseException:
             self.close()
             raise
-        return sum(self.last_buckets)
+        return replies
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(self.device).contiguous()
@@ -196,3 +198,29 @@ class NcclSender:
     def close(self) -> None:
         _abort(self.pg)
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class NcclTransport(WeightTransport):
+    """`nccl`: the servers join the trainer's group at the first sync (`NcclSender.connect`); a failed sync aborts
+    the group and the next one joins them again."""
+
+    name = "nccl"
+
+    def __init__(self, link: Link) -> None:
+        super().__init__(link)
+        self.sender: NcclSender | None = None
+
+    def _send(self, named_tensors: NamedTensors, version: int, chunk_bytes: int) -> list[dict]:
+        if self.sender is None:
+            self.sender = NcclSender.connect(self.link.http, self.link.urls,
+                                             timeout_s=self.link.http.policy.request_timeout_s)
+        try:
+            return self.sender.send(named_tensors, version, chunk_bytes=chunk_bytes)
+        except BaseException:
+            self.sender = None  # the sender aborted its group
+            raise
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None

@@ -1,0 +1,146 @@
+"""The weight-transport contract and its registry.
+
+A transport sends one weight sync to every server of a client: `send(named_tensors, version, chunk_bytes=...)`
+streams the named tensors (read lazily, at most about one `chunk_bytes` bucket held at a time) and returns `Sent`:
+the bytes it moved, the seconds it took, and each server's answer where the wire has one. The client checks the
+version each server reports and records `last_sync`. A transport never retries: a half-received update leaves the
+server refusing to generate until the next complete one, and the client pushes again.
+
+One registry (`TRANSPORTS`), keyed by the name `rollout.server.weight_transport` takes: each entry names the
+implementation as `module:Class` (imported when a client builds it, so listing names imports no torch), the client
+it works with, its topology and when to use it (what docs/server-mode.md's table says). Which names each engine
+takes is its row of the (engine, mode) table (`config.engine_modes`, `transports`, read by the config rule); a
+test keeps the two equal. A new transport is one module with one `WeightTransport` subclass plus one `register` call (or entry here).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from grpo_cli.rollout.base import RolloutError
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_cli.rollout.transport.http_client import HttpClient
+
+NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
+
+
+@dataclass
+class Link:
+    """What a transport reaches its servers through: the client's HTTP client (auth, timeouts, retries), the
+    servers' URLs and a thread pool of one worker per server (fan-out)."""
+
+    http: HttpClient
+    urls: list[str]
+    pool: ThreadPoolExecutor
+
+
+@dataclass
+class Sent:
+    """One sync as the transport saw it: the tensor bytes it read from the stream, wall seconds, and each server's
+    answer in `urls` order (empty where the wire answers nothing the client checks)."""
+
+    bytes: int
+    seconds: float
+    replies: list[dict] = field(default_factory=list)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9)
+
+
+class WeightTransport(ABC):
+    """Sends named tensors at a version to every server of `link`. A subclass's keyword options are named in `takes`;
+    `create` passes it those of what the client offers (so a client builds any of its transports one way)."""
+
+    name: str = ""
+    takes: tuple[str, ...] = ()
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+
+    @abstractmethod
+    def _send(self, named_tensors: NamedTensors, version: int, chunk_bytes: int) -> list[dict]:
+        """Move the tensors to every server; each server's answer."""
+
+    def send(self, named_tensors: NamedTensors, version: int, *, chunk_bytes: int) -> Sent:
+        size = 0
+
+        def counted():
+            nonlocal size
+            for name, tensor in named_tensors:
+                size += tensor.nbytes
+                yield name, tensor
+
+        start = time.perf_counter()
+        replies = self._send(counted(), version, chunk_bytes)
+        return Sent(size, time.perf_counter() - start, replies)
+
+    def close(self) -> None:
+        """Release what the transport holds between syncs (a file, a process group); idempotent."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered transport: its implementation and the facts docs/server-mode.md tabulates."""
+
+    name: str
+    target: str
+    """`module:Class` of the `WeightTransport` subclass."""
+    client: str
+    """The rollout client it works with: `serve-rollout` (`grpo serve-rollout`, engines hf/vllm) or `sglang`."""
+    topology: str
+    when: str
+
+
+TRANSPORTS: dict[str, Entry] = {}
+
+
+def register(name: str, target: str, *, client: str, topology: str, when: str) -> None:
+    if name in TRANSPORTS:
+        raise ValueError(f"weight transport {name!r} is registered twice")
+    TRANSPORTS[name] = Entry(name, target, client, topology, when)
+
+
+def names_for(client: str) -> tuple[str, ...]:
+    """The transports registered for `client`, in registration order."""
+    return tuple(n for n, e in TRANSPORTS.items() if e.client == client)
+
+
+def transport_class(name: str) -> type[WeightTransport]:
+    entry = TRANSPORTS.get(name)
+    if entry is None:
+        raise RolloutError(f"unknown weight transport {name!r}; registered: {', '.join(TRANSPORTS)}")
+    module, _, cls = entry.target.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def create(name: str, link: Link, *, client: str, offered: dict) -> WeightTransport:
+    """Build transport `name` for `client` over `link`, passing it the options it `takes` from `offered`."""
+    cls = transport_class(name)
+    if TRANSPORTS[name].client != client:
+        raise RolloutError(f"weight transport {name!r} works with the {TRANSPORTS[name].client} client, not "
+                           f"{client}; use one of: {', '.join(names_for(client))}")
+    return cls(link, **{key: offered[key] for key in cls.takes})
+
+
+_PKG = "grpo_cli.rollout.transport"
+register("http", f"{_PKG}.http:HttpTransport", client="serve-rollout", topology="any host (HTTP)",
+         when="the default: a server on another machine, or no shared memory; checksummed frames")
+register("shm", f"{_PKG}.shm:ShmTransport", client="serve-rollout", topology="same host, same user",
+         when="server on the trainer's host: one copy into /dev/shm, the server maps it")
+register("nccl", f"{_PKG}.nccl:NcclTransport", client="serve-rollout", topology="GPUs on both sides (NCCL group)",
+         when="CUDA trainer and server: GPU-to-GPU broadcast, no host copy")
+register("disk", f"{_PKG}.sglang:DiskTransport", client="sglang", topology="a folder both sides read",
+         when="SGLang's default: a safetensors checkpoint the server loads")
+register("tensor", f"{_PKG}.sglang:TensorTransport", client="sglang",
+         topology="same machine, CUDA (IPC handles)",
+         when="SGLang on the trainer's machine: CUDA IPC handles per bucket, no copy through disk")
