@@ -1,3 +1,3 @@
 """Multi-turn tool calling during rollouts (`agent:`): tools and their schemas, the call parser, isolated
 execution with timeouts, the chat template's tool tokens, and the token-in token-out turn loop around any engine.
-The middle layer, beside rollout: imports rollout (the engine protocol), rewards (the function resolver), config."""
+Layer 3, above rollout: imports rollout (the engine protocol), rewards (the function resolver), config."""

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 Mode = Literal["colocate", "server", "async"]
-BUILD_ARGS = ("policy", "device", "broadcast")
-"""What the factory can hand a builder besides (cfg, ctx): the trainer's Hugging Face policy, the device, and a
-function that shares rank 0's objects with the other ranks."""
+BUILD_ARGS = ("policy", "device", "broadcast", "wrap")
+"""What the factory can hand a builder besides (cfg, ctx): the trainer's Hugging Face policy, the device, a
+function that shares rank 0's objects with the other ranks, and the wrapper `wrap(engine, cfg, tokenizer)` that
+puts the `agent:` / `rollout.custom` loop around an engine where it generates (async: in each Ray actor)."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,10 @@ MODES: dict[tuple[str, str], EngineMode] = {row.key: row for row in (
                about="`grpo serve-rollout --engine vllm`"),
     EngineMode("sglang", "server", "grpo_cli.rollout.sglang.client:SGLangEngine.from_config", remote=True,
                transports=("disk", "tensor"), rehearsal_server="sglang-contract", about="SGLang servers"),
-    EngineMode("hf", "async", _ASYNC, ("broadcast",), transports=("ray",),
+    EngineMode("hf", "async", _ASYNC, ("broadcast", "wrap"), transports=("ray",),
                actor_build="grpo_cli.rollout.ray.actor:hf_actor_engine",
                about="Ray actors, each with an hf copy, one step ahead"),
-    EngineMode("vllm", "async", _ASYNC, ("broadcast",), transports=("ray",),
+    EngineMode("vllm", "async", _ASYNC, ("broadcast", "wrap"), transports=("ray",),
                actor_build="grpo_cli.rollout.ray.actor:vllm_actor_engine",
                about="Ray actors, each with a single-process vllm.LLM, one step ahead"),
 )}

@@ -89,7 +89,9 @@ def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
     hf_module = policy.backend.hf_module()
     ctx = EngineContext(path, eos_token_ids(policy.tokenizer, path if hf_module is None else hf_module),
                         policy.tokenizer.pad_token_id)
-    engine = make_engine(cfg, ctx, policy=hf_module, device=device)
+    from grpo_cli.agent.wrap import wrap_rollout
+
+    engine = make_engine(cfg, ctx, policy=hf_module, device=device, wrap=wrap_rollout)  # async: in each actor
     try:
         evaluator = Evaluator.build(cfg, reward_fns=reward_fns_for(cfg, device),
                                     tokenizer=policy.tokenizer, dist=info)

@@ -25,13 +25,16 @@ def sampling_params(cfg: GRPOConfig, *, seed: int | None) -> SamplingParams:
     )
 
 
-def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, device=None, broadcast=None) -> RolloutEngine:
+def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, device=None, broadcast=None,
+                wrap=None) -> RolloutEngine:
     """Build the engine for `cfg.rollout` (engine × mode): the builder its row of `config/engine_modes.MODES` names,
     imported here (heavy clients load only when chosen), given the extras the row asks for: `policy`, the trainer's
     Hugging Face model (hf engine; None: the engine loads its own copy of `ctx.model_path` onto `device`);
-    `broadcast(obj)` shares rank 0's Ray address with the other ranks (async mode)."""
+    `broadcast(obj)` shares rank 0's Ray address with the other ranks (async mode); `wrap(engine, cfg, tokenizer)`
+    puts the caller's multi-turn or custom loop around each Ray actor's engine (async mode; rollout/ never imports
+    agent/, the caller hands the loop down)."""
     row = cfg.rollout.layout
-    extras = {"policy": policy, "device": device, "broadcast": broadcast}
+    extras = {"policy": policy, "device": device, "broadcast": broadcast, "wrap": wrap}
     return resolve(row.build)(cfg, ctx, **{name: extras[name] for name in row.build_args})
 
 

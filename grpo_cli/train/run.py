@@ -53,10 +53,11 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
                         policy.tokenizer.pad_token_id, info.rank, info.world_size)
     if cfg.rollout.mode == "async":
         share_cores(cfg, device)
-    engine = make_engine(cfg, ctx, policy=hf_module, device=device, broadcast=lambda obj: broadcast_object(obj, info))
-    if cfg.rollout.mode != "async":  # async: each Ray actor wraps its own engine (rollout/ray/actor.py)
-        from grpo_cli.agent.wrap import wrap_rollout
+    from grpo_cli.agent.wrap import wrap_rollout
 
+    engine = make_engine(cfg, ctx, policy=hf_module, device=device, broadcast=lambda obj: broadcast_object(obj, info),
+                         wrap=wrap_rollout)
+    if cfg.rollout.mode != "async":  # async: each Ray actor wraps its own engine with it (rollout/ray/actor.py)
         engine = wrap_rollout(engine, cfg, policy.tokenizer)
     offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload, timer=PhaseTimer(device))

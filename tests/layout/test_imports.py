@@ -10,13 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "grpo_cli"
 
 LAYERS = {
-    "cli": 4,
-    "launch": 3, "diagnose": 3,
-    "train": 2, "rollout": 2, "server": 2, "eval": 2, "agent": 2,
+    "cli": 6,
+    "launch": 5, "diagnose": 5, "eval": 5,
+    "train": 4,
+    "server": 3, "agent": 3,
+    "rollout": 2,
     "algo": 1, "config": 1, "data": 1, "rewards": 1, "runtime": 1, "models": 1, "ui": 1,
 }
-"""cli → commands (launch, diagnose) → train/rollout/server/eval/agent → algo/config/data/rewards/runtime/models/ui.
-A package may import its own layer or a lower one."""
+"""cli → commands (launch, diagnose, eval) → train → server, agent → rollout → algo/config/data/rewards/runtime/
+models/ui. A package may import its own layer or a lower one: no upward import at all (the trainer hands rollout/
+what it needs from above it, e.g. the agent loop a Ray actor wraps its engine in)."""
 
 
 def _module_name(path: Path) -> str:

@@ -15,25 +15,25 @@ import os
 from grpo_cli.rollout.base import RolloutBatch, SamplingParams
 
 
-def build_actor_engine(cfg_dump: dict, ctx_fields: dict):
+def build_actor_engine(cfg_dump: dict, ctx_fields: dict, wrap=None):
     """The engine of one actor, from the config (JSON dump) and the `EngineContext` fields. It owns its weights:
     `hf` loads a copy of the checkpoint in the rollout dtype, `vllm` runs a single-process `vllm.LLM`. With
     `agent:` it runs the whole multi-turn loop (`agent.rollout.AgentEngine`, tools executed in the actor), so a
     batch's every turn samples with the one weight version stamped on it: Ray runs the actor's calls in order and a
-    weight push waits behind the generation. `rollout.custom` runs in the actor the same way, on the actor's engine."""
+    weight push waits behind the generation. `rollout.custom` runs in the actor the same way, on the actor's engine.
+    `wrap(engine, cfg, tokenizer)` builds that loop: the trainer hands it down (`agent.wrap.wrap_rollout`, pickled
+    by reference), so rollout/ does not import agent/."""
     from grpo_cli.config.schema import GRPOConfig
     from grpo_cli.rollout.base import EngineContext
 
     cfg = GRPOConfig.model_validate(cfg_dump)
     ctx = EngineContext(**ctx_fields)
     engine = _single_turn_engine(cfg, ctx)
-    if cfg.agent is None and not cfg.rollout.custom:
+    if wrap is None or (cfg.agent is None and not cfg.rollout.custom):
         return engine
     from transformers import AutoTokenizer
 
-    from grpo_cli.agent.wrap import wrap_rollout
-
-    return wrap_rollout(engine, cfg, AutoTokenizer.from_pretrained(ctx.model_path))
+    return wrap(engine, cfg, AutoTokenizer.from_pretrained(ctx.model_path))
 
 
 def _single_turn_engine(cfg, ctx):
@@ -76,7 +76,7 @@ class RolloutActor:
     """The Ray actor body (made remote by `grpo_cli.rollout.ray.engine`). `threads` caps torch's intra-op
     threads to the cores Ray reserved for it."""
 
-    def __init__(self, cfg_dump: dict, ctx_fields: dict, threads: int) -> None:
+    def __init__(self, cfg_dump: dict, ctx_fields: dict, threads: int, wrap=None) -> None:
         import torch
 
         from grpo_cli.runtime.quiet import quiet_hf_stack
@@ -84,7 +84,7 @@ class RolloutActor:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # no INFO line per weight push in the trainer's log
         torch.set_num_threads(threads)
         quiet_hf_stack()
-        self.engine = build_actor_engine(cfg_dump, ctx_fields)
+        self.engine = build_actor_engine(cfg_dump, ctx_fields, wrap)
 
     def ready(self) -> dict:
         """The process id and the GPUs Ray gave it (`CUDA_VISIBLE_DEVICES`), once the engine is built (the manager

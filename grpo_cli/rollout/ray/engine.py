@@ -160,7 +160,7 @@ class AsyncRolloutEngine(RolloutEngine):
     """`sync_weights` streams the weights into `update_weights` on rank 0 only (one object-store copy per job);
     every other rank takes part in the gathers, drops what it gathered and calls `follow_update`."""
 
-    def __init__(self, cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None) -> None:
+    def __init__(self, cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None, wrap=None) -> None:
         connect(cfg, ctx, broadcast=broadcast)
         self._ray = import_ray()
         self.rank, self.world_size = ctx.rank, ctx.world_size
@@ -175,7 +175,7 @@ class AsyncRolloutEngine(RolloutEngine):
         self._syncs = 0  # weight syncs so far: rank 0's n-th post is every other rank's n-th take
         self.actors, self.pg, self.board = [], None, None
         self.board = self._open_board(broadcast)
-        self._place_actors(cfg, ctx)
+        self._place_actors(cfg, ctx, wrap)
 
     def _open_board(self, broadcast):
         """The job's weight board (`ray_actor.WeightBoard`): rank 0 creates it as a named actor that reserves no
@@ -197,7 +197,7 @@ class AsyncRolloutEngine(RolloutEngine):
         broadcast(name)
         return board
 
-    def _place_actors(self, cfg: GRPOConfig, ctx: EngineContext) -> None:
+    def _place_actors(self, cfg: GRPOConfig, ctx: EngineContext, wrap) -> None:
         """This rank's `num_actors / processes` actors on its own placement group: `cpus_per_actor` cores each,
         plus one GPU on CUDA (tensor parallelism inside an actor is refused by the config rules)."""
         from ray.util.placement_group import placement_group
@@ -225,7 +225,7 @@ class AsyncRolloutEngine(RolloutEngine):
             remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=i)).remote(
                 cfg_dump, dataclasses.asdict(dataclasses.replace(ctx, rank=self.first_index + i, world_size=1)),
-                rc.cpus_per_actor)
+                rc.cpus_per_actor, wrap)
             for i in range(count)
         ]
         try:
@@ -238,8 +238,8 @@ class AsyncRolloutEngine(RolloutEngine):
         self.gpu_ids = [r["gpus"] for r in ready]  # each actor's CUDA_VISIBLE_DEVICES as Ray set it ('' or None: none)
 
     @classmethod
-    def from_config(cls, cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None) -> AsyncRolloutEngine:
-        return cls(cfg, ctx, broadcast=broadcast)
+    def from_config(cls, cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None, wrap=None) -> AsyncRolloutEngine:
+        return cls(cfg, ctx, broadcast=broadcast, wrap=wrap)
 
     # ---- generation ------------------------------------------------------------------------------------
 
