@@ -60,7 +60,8 @@ class ServerConfig(Section):
     """`grpo serve-rollout` weight sync: `http` streams checksummed safetensors chunks; `shm` (server on the
     trainer's host, same user) writes those chunks once to a file in /dev/shm and sends only its name (token-guarded
     like every update; each chunk's XXH3-128 checksum is checked by the server); `nccl` broadcasts over a NCCL group
-    set up through `/init_communicator` (CUDA on both sides)."""
+    set up through `/init_communicator` (CUDA on both sides). `rollout.engine: vllm-serve` takes `shm` (loaded by
+    grpo-cli's `grpo_shm` vLLM plugin engine) or `nccl` (vLLM's own NCCL engine), through vLLM's RL API."""
     shm_keep_file: bool = True
     """With `weight_transport: shm`: keep the /dev/shm file between syncs and overwrite it in place (about twice as
     fast as allocating and freeing a model's worth of shared memory every sync: 0.09 vs 0.22 s for 403 MB here),
@@ -91,9 +92,10 @@ class RayConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    engine: Literal["hf", "vllm", "sglang", "vllm-serve"] = "hf"
     """`hf`: the policy itself samples (grpo-cli's KV-cached decode loop on transformers models); `vllm`: vLLM;
-    `sglang`: an SGLang server."""
+    `sglang`: an SGLang server; `vllm-serve`: a stock `vllm serve` started in dev mode (server mode only,
+    `rollout.server.weight_transport` shm or nccl; docs/server-mode.md gives its command)."""
     mode: Literal["colocate", "server", "async"] = "colocate"
     """`colocate`: the engine runs inside the training processes; `server`: a separate HTTP rollout server;
     `async`: rollouts for step k+1 are generated while step k trains (Ray actors)."""

@@ -72,6 +72,8 @@ def _check_rollout(cfg: GRPOConfig) -> None:
             f"rollout.engine 'sglang' cannot run in mode '{r.mode}': SGLang runs as a separate server; "
             "set rollout.mode=server and point rollout.server.urls at it (or use engine vllm for colocate)."
         )
+    if r.engine == "vllm-serve":
+        _check_vllm_serve(cfg)
     world = cfg.distributed.num_processes
     tp = r.vllm.tensor_parallel_size
     if r.engine == "vllm" and r.mode == "colocate" and world % tp:
@@ -106,6 +108,21 @@ def _check_rollout(cfg: GRPOConfig) -> None:
                  "instead" if r.mode == "server" else f"rollout.engine is '{r.engine}'")
         raise ValueError(f"rollout.vllm.block_size sets the KV block size of the vLLM engine the trainer builds "
                          f"(colocate or async), but {where}; remove rollout.vllm.block_size.")
+
+
+def _check_vllm_serve(cfg: GRPOConfig) -> None:
+    r = cfg.rollout
+    if r.mode != "server":
+        raise ValueError(
+            f"rollout.engine 'vllm-serve' cannot run in mode '{r.mode}': it is a client of a `vllm serve` you start; "
+            "set rollout.mode=server and point rollout.server.urls at it (or use engine vllm for colocate/async)."
+        )
+    if r.server.weight_transport == "http":
+        raise ValueError(
+            "rollout.engine 'vllm-serve' pushes weights through vLLM's RL API, which has no HTTP data path: set "
+            "rollout.server.weight_transport=shm (`vllm serve` on this host, with grpo-cli's `grpo_shm` plugin) "
+            "or nccl (CUDA on both sides); docs/server-mode.md gives the matching `vllm serve` command."
+        )
 
 
 def _check_async(cfg: GRPOConfig) -> None:

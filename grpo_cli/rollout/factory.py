@@ -37,6 +37,10 @@ def make_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy=None, device=None
             from grpo_cli.rollout.sglang.client import SGLangEngine
 
             return SGLangEngine.from_config(cfg, ctx)
+        if r.engine == "vllm-serve":
+            from grpo_cli.rollout.vllm_serve.client import VLLMServeEngine
+
+            return VLLMServeEngine.from_config(cfg, ctx)
         from grpo_cli.rollout.remote.client import ServerEngine
 
         return ServerEngine.from_config(cfg, ctx)
