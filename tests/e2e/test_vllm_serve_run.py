@@ -62,6 +62,46 @@ def test_three_steps_against_vllm_serve_every_sync_verified(setup, tmp_path):
     assert sums["dp0:pp0:pcp0:tp0:model.norm.weight"] == tensor_digest(final["model.norm.weight"])
 
 
+def test_client_parity_and_checksum_refusal(setup):
+    """The client alone: weights changed by an optimizer step pushed through `grpo_shm`; vLLM's prompt logprobs
+    (the probe) and sampled logprobs at temperature 0.7 equal the trainer's; a checksum that differs is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.models.logprobs import completion_logprobs, score_sequences
+    from grpo_cli.rollout.base import RolloutError, SamplingParams
+    from grpo_cli.rollout.vllm_serve.client import VLLMServeEngine
+    from grpo_cli.server.transport import Policy
+
+    trainer = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    trainer(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.AdamW(trainer.parameters(), lr=1e-2).step()
+    trainer.eval()
+    eng = VLLMServeEngine([setup["server"].url], model=setup["model"], stop_token_ids=[1],
+                          policy=Policy(connect_timeout_s=30, request_timeout_s=120, retries=0))
+    try:
+        assert eng.dtype == "float32"
+        version = eng.weight_version + 1
+        eng.update_weights(trainer.named_parameters(), version)
+        assert eng.last_sync["bytes"] > 0
+        seqs = [[3, 4, 5, 6, 7], [8, 9, 10]]
+        got, ref = eng.score(seqs), score_sequences(trainer, seqs, pad_token_id=0)
+        assert max(abs(a - b) for x, y in zip(got, ref, strict=True) for a, b in zip(x, y, strict=True)) < 1e-4
+        batch = eng.generate([[3, 4, 5], [6, 7]], SamplingParams(n=3, max_tokens=6, temperature=0.7, seed=0))
+        assert batch.weight_version == version and len(batch.completion_ids) == 6
+        for j, (c, lps) in enumerate(zip(batch.completion_ids, batch.sampler_logprobs, strict=True)):
+            full = torch.tensor([[*([3, 4, 5], [6, 7])[j // 3], *c]])
+            with torch.no_grad():
+                mine = completion_logprobs(trainer, full, torch.ones_like(full), logits_to_keep=len(c),
+                                           temperature=0.7)
+            assert torch.allclose(mine[0], torch.tensor(lps), atol=1e-4)
+        with pytest.raises(RolloutError, match="model.norm.weight differ"):
+            eng._verify(version, {"model.norm.weight": "0" * 64})
+    finally:
+        eng.close()
+
+
 def test_vllm_serve_killed_mid_run_stops_with_checkpoint_then_resumes(setup, tmp_path):
     run = tmp_path / "run"
     args = ("--set", "train.steps=400", "--set", "checkpoint.every_steps=2",

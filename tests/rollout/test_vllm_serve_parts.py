@@ -76,8 +76,11 @@ def test_plugin_entry_point_is_declared_and_registers():
 
 def test_shm_engine_reads_the_trainers_file_and_refuses_a_wrong_one(tmp_path):
     pytest.importorskip("vllm")
-    from grpo_cli.rollout.vllm_serve.shm_engine import ShmUpdateInfo, checked_tensors, open_update
-    from grpo_cli.server.codec import FrameError, read_stream
+    from grpo_cli.rollout.vllm_serve.shm_engine import ShmUpdateInfo, open_update
+    from grpo_cli.server.codec import FrameError, checked_frames, read_stream
+
+    def checked_tensors(frames, version):
+        return [t for frame in checked_frames(frames, version) for t in frame.tensors]
 
     tensors = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.randn(5))]
     path = tmp_path / "grpo-weights-1-ab"

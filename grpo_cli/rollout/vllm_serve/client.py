@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
@@ -95,8 +96,7 @@ class VLLMServeEngine:
     @classmethod
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> VLLMServeEngine:
         s = cfg.rollout.server
-        policy = Policy(connect_timeout_s=s.connect_timeout_s, request_timeout_s=s.request_timeout_s,
-                        retries=s.retries, on_failure=s.on_failure, wait_for_recovery_s=s.wait_for_recovery_s)
+        policy = Policy(**s.model_dump(include={f.name for f in fields(Policy)}))  # the same-named settings
         return cls(list(s.urls), model=ctx.model_path, policy=policy, token=os.environ.get(s.token_env) or None,
                    stop_token_ids=ctx.eos_token_ids, chunk_mb=s.weight_chunk_mb, transport=s.weight_transport,
                    verify=cfg.rollout.vllm.verify_sync)
@@ -154,12 +154,13 @@ class VLLMServeEngine:
                 reasons.append("stop" if choice.get("finish_reason") == "stop" else
                                (choice.get("finish_reason") or "length"))
                 logps.append([float(c["logprob"]) for c in content])
-        if len(completions) != len(prompt_ids) * sampling.n:
-            raise RolloutError(f"vllm serve returned {len(completions)} completions for {len(prompt_ids)} prompts "
-                               f"x n={sampling.n}")
-        return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
-                            finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
-                            timings={"generate": time.perf_counter() - start})
+        batch = RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
+                             finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
+                             timings={"generate": time.perf_counter() - start})
+        if len(completions) == len(prompt_ids) * sampling.n:
+            return batch
+        raise RolloutError(f"vllm serve returned {len(completions)} completions for {len(prompt_ids)} prompts x "
+                           f"n={sampling.n}")
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Temperature-1 prompt logprobs of each sequence (vLLM computes them from the raw logits)."""

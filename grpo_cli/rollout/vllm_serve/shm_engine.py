@@ -20,18 +20,16 @@ from __future__ import annotations
 import mmap
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-from grpo_cli.server.codec import SHM_DIR, Frame, FrameError, read_stream
+from grpo_cli.server.codec import SHM_DIR, checked_frames, read_stream
 
 BACKEND = "grpo_shm"
 MAX_FRAME_BYTES = 1 << 40
@@ -72,29 +70,6 @@ def open_update(info: ShmUpdateInfo, folder: str = SHM_DIR) -> memoryview:
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
 
 
-def checked_tensors(frames: Iterator[Frame], version: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a frame stream, checked: each frame for `version`, nothing after the end frame, and the
-    frame and tensor counts the end frame announces equal to what was read."""
-    end: Frame | None = None
-    frames_read = tensors = 0
-    for frame in frames:
-        if end is not None:
-            raise FrameError("data after the end frame")
-        if frame.metadata.get("version") != str(version):
-            raise FrameError(f"frame for version {frame.metadata.get('version')} in an update to v{version}")
-        if frame.is_end:
-            end = frame
-            continue
-        frames_read += 1
-        tensors += len(frame.tensors)
-        yield from frame.tensors
-    if end is None:
-        raise FrameError("weight file ended without its end frame (the trainer stopped while writing it)")
-    want = (end.metadata.get("frames"), end.metadata.get("tensors"))
-    if want != (str(frames_read), str(tensors)):
-        raise FrameError(f"end frame announces {want[0]} frames / {want[1]} tensors, read {frames_read} / {tensors}")
-
-
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     """vLLM worker-side engine: loads a grpo-cli /dev/shm weight file into the model (layerwise reload, as vLLM's
     own checkpoint-format engines, so fused and CPU-repacked weights are rebuilt)."""
@@ -118,8 +93,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         buffer = open_update(update_info)
-        frames = read_stream(buffer, max_frame_bytes=MAX_FRAME_BYTES)
-        self.model.load_weights(checked_tensors(frames, update_info.version))
+        frames = checked_frames(read_stream(buffer, max_frame_bytes=MAX_FRAME_BYTES), update_info.version)
+        self.model.load_weights(t for frame in frames for t in frame.tensors)
 
     def shutdown(self) -> None:
         """Nothing held between updates."""
