@@ -18,6 +18,8 @@ import pytest
 from vllm_serve_harness import VLLMServe, write_plugin_shim
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+KEY = "vllm-serve-test-key"
+"""vLLM's `--api-key`; the trainer sends it from GRPO_ROLLOUT_TOKEN (`rollout.server.token_env`)."""
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-serve")
     model = resolve_model_path("builtin:tiny")  # the trainer resolves builtin:tiny to this same folder
     shim = write_plugin_shim(root / "shim")
-    server = VLLMServe(model, shim, root / "server-1.log")
+    server = VLLMServe(model, shim, root / "server-1.log", api_key=KEY)
     yield {"root": root, "model": model, "shim": shim, "server": server}
     server.kill()
 
@@ -37,7 +39,7 @@ def _train(cwd, run, url: str, *extra: str, **kw) -> subprocess.Popen:
     args = [sys.executable, "-m", "grpo_cli", "train", "--preset", "tiny-cpu-vllm-serve", "--output-dir", str(run),
             "--set", f'rollout.server.urls=["{url}"]', "--set", "eval.every_steps=0",
             "--set", "train.prompts_per_step=4", *extra]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GRPO_ROLLOUT_TOKEN=KEY)
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, **kw)
 
 
@@ -55,7 +57,7 @@ def test_three_steps_against_vllm_serve_every_sync_verified(setup, tmp_path):
     assert len(synced) >= 2, rows  # every sync between steps was probed (verify_sync: a failure stops the run)
     assert all(r["sync/mean_probe_diff"] < 1e-3 for r in synced)
     url = setup["server"].url
-    assert httpx.get(f"{url}/weight_info").json()["weight_version"] == str(max(r["step"] for r in rows))
+    assert httpx.get(f"{url}/weight_info").json()["weight_version"] == str(int(rows[-1]["weight_version"]))
     # the server holds the trainer's final weights: its checksum of the final norm equals the exported one's
     final = load_file(str(run / "final-model" / "model.safetensors"))
     sums = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}).json()["checksums"]
@@ -63,8 +65,9 @@ def test_three_steps_against_vllm_serve_every_sync_verified(setup, tmp_path):
 
 
 def test_client_parity_and_checksum_refusal(setup):
-    """The client alone: weights changed by an optimizer step pushed through `grpo_shm`; vLLM's prompt logprobs
-    (the probe) and sampled logprobs at temperature 0.7 equal the trainer's; a checksum that differs is refused."""
+    """The client alone: generation without the API key is refused; weights changed by an optimizer step pushed
+    through `grpo_shm`; vLLM's prompt logprobs (the probe) and sampled logprobs at temperature 0.7 equal the
+    trainer's; a checksum that differs is refused."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -78,7 +81,10 @@ def test_client_parity_and_checksum_refusal(setup):
     trainer(input_ids=ids, labels=ids).loss.backward()
     torch.optim.AdamW(trainer.parameters(), lr=1e-2).step()
     trainer.eval()
-    eng = VLLMServeEngine([setup["server"].url], model=setup["model"], stop_token_ids=[1],
+    url = setup["server"].url
+    refused = httpx.post(f"{url}/inference/v1/generate", json={"token_ids": [3], "sampling_params": {}})
+    assert refused.status_code == 401  # vLLM's --api-key guards generation (not the RL routes: docs/server-mode.md)
+    eng = VLLMServeEngine([url], model=setup["model"], stop_token_ids=[1], token=KEY,
                           policy=Policy(connect_timeout_s=30, request_timeout_s=120, retries=0))
     try:
         assert eng.dtype == "float32"
@@ -121,7 +127,7 @@ def test_vllm_serve_killed_mid_run_stops_with_checkpoint_then_resumes(setup, tmp
     ckpts = sorted(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     assert ckpts and (ckpts[-1] / "MANIFEST.json").exists()
     last = int(ckpts[-1].name.split("-")[1])
-    second = VLLMServe(setup["model"], setup["shim"], setup["root"] / "server-2.log")
+    second = VLLMServe(setup["model"], setup["shim"], setup["root"] / "server-2.log", api_key=KEY)
     try:
         resumed = _train(tmp_path, run, second.url, "--set", f"train.steps={last + 2}",
                          "--set", "checkpoint.resume=auto", "--set", "checkpoint.every_steps=2")
@@ -132,4 +138,5 @@ def test_vllm_serve_killed_mid_run_stops_with_checkpoint_then_resumes(setup, tmp
     assert resumed.returncode == 0, out
     assert f"step {last}" in out and "engine re-synced" in out, out
     assert (run / f"checkpoint-{last + 2}" / "MANIFEST.json").exists()
-    assert version == str(last + 2), version
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert version == str(int(rows[-1]["weight_version"])), (version, rows[-1])

@@ -41,9 +41,10 @@ def _free_port() -> int:
 
 class VLLMServe:
     """One `vllm serve MODEL` process group on 127.0.0.1 (its engine core and worker are children: `kill` ends the
-    whole group)."""
+    whole group); with `api_key`, vLLM's `--api-key` (generation then needs it as a bearer token)."""
 
-    def __init__(self, model: str, shim: Path, log: Path, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, model: str, shim: Path, log: Path, *, api_key: str | None = None,
+                 extra: tuple[str, ...] = (), timeout_s: float = 600.0) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
@@ -52,7 +53,8 @@ class VLLMServe:
         cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), "--enable-scale-out",
                "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", '{"backend": "grpo_shm"}',
-               "--dtype", "float32", "--max-model-len", "128", "--enforce-eager"]
+               "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
+               *(["--api-key", api_key] if api_key else []), *extra]
         self.log = log
         self._out = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env,

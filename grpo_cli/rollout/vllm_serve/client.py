@@ -86,6 +86,7 @@ class VLLMServeEngine:
         self.facts: dict[str, ServerFacts] = {}
         self.dtype: str | None = None
         self.last_sync: dict[str, float] = {}
+        self._held_names: set[str] | None = None
         self._calls = 0
         self._pool = ThreadPoolExecutor(max_workers=MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-serve")
         self.routes = RLRoutes(self.http, self.urls, self._pool)
@@ -207,7 +208,9 @@ class VLLMServeEngine:
         the 1-D tensors sent under names the server holds. Not retried: a caller pushes again after
         RolloutServerDown(recovered=True)."""
         start = time.perf_counter()
-        held = self._checksums(self.urls[0]) if self.verify else {}
+        if self.verify and self._held_names is None:  # parameter names do not change: asked once
+            self._held_names = set(self._checksums(self.urls[0]))
+        held = self._held_names if self.verify else set()
         digests: dict[str, str] = {}
 
         def tapped() -> Iterator[tuple[str, torch.Tensor]]:
