@@ -42,7 +42,8 @@ class VLLMConfig(Section):
 
 class ServerConfig(Section):
     urls: list[str] = Field(default_factory=list)
-    """Rollout servers (`grpo serve-rollout` or SGLang); generation is split across them round-robin."""
+    """Rollout servers (`grpo serve-rollout`, SGLang, or `vllm serve` with `engine: vllm-serve`); generation is split
+    across them round-robin."""
     connect_timeout_s: float = Field(60.0, gt=0)
     """How long to wait for `/health` at start before stopping with a message."""
     request_timeout_s: float = Field(600.0, gt=0)
@@ -55,7 +56,8 @@ class ServerConfig(Section):
     wait_for_recovery_s: float = Field(300.0, gt=0)
     """With `on_failure: wait`, how long to wait for a dead server."""
     token_env: str = "GRPO_ROLLOUT_TOKEN"
-    """Environment variable holding the bearer token sent to the server (unset: no token)."""
+    """Environment variable holding the bearer token sent to the server (unset: no token); for `vllm serve`, its
+    `--api-key`."""
     weight_transport: Literal["http", "shm", "nccl"] = "http"
     """`grpo serve-rollout` weight sync: `http` streams checksummed safetensors chunks; `shm` (server on the
     trainer's host, same user) writes those chunks once to a file in /dev/shm and sends only its name (token-guarded
