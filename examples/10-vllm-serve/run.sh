@@ -23,21 +23,12 @@ VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 "${SERVE[@]}" --host 127.0.0.1 -
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
 
-python - "$URL" "$SERVER" <<'PY'
-import os, sys, time, urllib.request
-url, pid = sys.argv[1], int(sys.argv[2])
-for _ in range(1200):
-    try:
-        urllib.request.urlopen(url + "/health", timeout=2)
-        sys.exit(0)
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            sys.exit("vllm serve exited; see its log")
-        time.sleep(0.5)
-sys.exit(f"no /health from {url} after 10 minutes")
-PY
+for _ in $(seq 1200); do  # vLLM loads and warms up the model first: up to 10 minutes
+  curl -sf "$URL/health" > /dev/null && break
+  kill -0 "$SERVER" 2> /dev/null || { echo "vllm serve exited; see $OUT/server.log" >&2; exit 1; }
+  sleep 0.5
+done
+curl -sf "$URL/health" > /dev/null || { echo "no /health from $URL after 10 minutes" >&2; exit 1; }
 echo "vllm serve up at $URL (pid $SERVER)"
 
 grpo train --preset tiny-cpu-vllm-serve --set "rollout.server.urls=[\"$URL\"]" --set "train.steps=$STEPS" \
