@@ -43,7 +43,8 @@ class VLLMConfig(Section):
 
 class ServerConfig(Section):
     urls: list[str] = Field(default_factory=list)
-    """Rollout servers (`grpo serve-rollout` or SGLang); generation is split across them round-robin."""
+    """Rollout servers (`grpo serve-rollout`, SGLang, or `vllm serve` with `engine: vllm-serve`); generation is split
+    across them round-robin."""
     connect_timeout_s: float = Field(60.0, gt=0)
     """How long to wait for `/health` at start before stopping with a message."""
     request_timeout_s: float = Field(600.0, gt=0)
@@ -56,7 +57,8 @@ class ServerConfig(Section):
     wait_for_recovery_s: float = Field(300.0, gt=0)
     """With `on_failure: wait`, how long to wait for a dead server."""
     token_env: str = "GRPO_ROLLOUT_TOKEN"
-    """Environment variable holding the bearer token sent to the server (unset: no token)."""
+    """Environment variable holding the bearer token sent to the server (unset: no token); for `vllm serve`, its
+    `--api-key`."""
     weight_transport: Literal["http", "shm", "nccl", "disk", "tensor"] | None = None
     """How weights reach the servers at each sync (default: the engine's first below). `grpo serve-rollout`
     (engines hf, vllm): `http` streams checksummed safetensors chunks; `shm` (server on the trainer's host, same
@@ -64,7 +66,9 @@ class ServerConfig(Section):
     each chunk's XXH3-128 checksum is checked by the server); `nccl` broadcasts over a NCCL group set up through
     `/init_communicator` (CUDA on both sides). SGLang: `disk` writes a safetensors checkpoint to `weight_sync_dir`
     and calls `/update_weights_from_disk`; `tensor` uses `/update_weights_from_tensor` (CUDA IPC handles: a trainer
-    on CUDA on the server's machine; refused for a server with `--dp-size` > 1). Table and measured throughput:
+    on CUDA on the server's machine; refused for a server with `--dp-size` > 1). `vllm-serve` (a stock `vllm
+    serve`, through vLLM's RL API, which has no HTTP data path): `shm` (grpo-cli's `grpo_shm` vLLM plugin engine
+    loads the file) or `nccl` (vLLM's own NCCL engine). Table and measured throughput:
     docs/server-mode.md."""
     shm_keep_file: bool = True
     """With `weight_transport: shm`: keep the /dev/shm file between syncs and overwrite it in place (about twice as
@@ -104,7 +108,8 @@ class RayConfig(Section):
 class RolloutConfig(Section):
     engine: str = "hf"
     """`hf`: the policy itself samples (grpo-cli's KV-cached decode loop on transformers models); `vllm`: vLLM;
-    `sglang`: an SGLang server. Each engine runs in the modes `config/engine_modes.MODES` declares for it."""
+    `sglang`: an SGLang server; `vllm-serve`: a stock `vllm serve` started in dev mode (docs/server-mode.md gives
+    its command). Each engine runs in the modes `config/engine_modes.MODES` declares for it."""
     mode: Literal["colocate", "server", "async"] = "colocate"
     """`colocate`: the engine runs inside the training processes; `server`: a separate HTTP rollout server;
     `async`: rollouts for step k+1 are generated while step k trains (Ray actors)."""

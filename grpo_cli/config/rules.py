@@ -132,7 +132,8 @@ def _check_weight_transport(cfg: GRPOConfig) -> None:
             "its weights in-process); remove it or set rollout.mode=server.")
     valid = r.layout.transports
     if name not in valid:
-        server = "an SGLang server" if r.engine == "sglang" else f"`grpo serve-rollout --engine {r.engine}`"
+        server = {"sglang": "an SGLang server", "vllm-serve": "a stock `vllm serve` (vLLM's RL API has no HTTP data path)"}.get(
+            r.engine, f"`grpo serve-rollout --engine {r.engine}`")
         raise ValueError(
             f"rollout.server.weight_transport={name} is not a weight transport of rollout.engine '{r.engine}': "
             f"{server} takes {', '.join(valid)} (default {valid[0]}); set rollout.server.weight_transport to one "

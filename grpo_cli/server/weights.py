@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 from fastapi import FastAPI, Request
 
-from grpo_cli.rollout.transport.codec import SHM_DIR, Frame, FrameError, FrameReader, read_stream
+from grpo_cli.rollout.transport.codec import SHM_DIR, FrameReader, checked_frames, read_stream
 from grpo_cli.server.state import CommBody, DiskBody, NcclUpdateBody, RequestError, ShmBody, State, reset_cache
 from grpo_cli.server.upload import StreamedBody
 
@@ -298,26 +298,10 @@ def _frames(body: StreamedBody, reader: FrameReader, apply: _Apply, version: int
 
 
 def _checked(frames, apply: _Apply, version: int):
-    """Tensors of a frame stream, checked: every frame for `version`, nothing after the end frame, and the counts
-    the end frame announces equal what arrived."""
-    end: Frame | None = None
-    count = 0
-    for frame in frames:
-        count += 1
-        if end is not None:
-            raise FrameError("data after the end frame")
-        if frame.metadata.get("version") != str(version):
-            raise FrameError(f"frame for version {frame.metadata.get('version')} in an update to v{version}")
-        if frame.is_end:
-            end = frame
-        else:
-            yield from apply.counted(frame.tensors)
-    if end is None:
-        raise FrameError("weight stream ended without its end frame (client stopped mid-update)")
-    want = (end.metadata.get("frames"), end.metadata.get("tensors"))
-    if want != (str(count - 1), str(apply.tensors)):
-        raise FrameError(f"end frame announces {want[0]} frames / {want[1]} tensors, received "
-                         f"{count - 1} / {apply.tensors}")
+    """Tensors of a frame stream, checked (`codec.checked_frames`: every frame for `version`, nothing after the end
+    frame, its counts equal what arrived), each frame's through `apply.counted`."""
+    for frame in checked_frames(frames, version):
+        yield from apply.counted(frame.tensors)
 
 
 def _safetensors_files(path: str) -> list[Path]:

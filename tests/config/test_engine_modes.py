@@ -47,10 +47,10 @@ def toy(monkeypatch):
                         rehearsal_server="grpo-hf"))
 
 
-def test_the_default_table_has_every_mode_the_factory_built_before():
+def test_the_default_table_has_every_mode_the_factory_builds():
     assert sorted(MODES) == [("hf", "async"), ("hf", "colocate"), ("hf", "server"), ("sglang", "server"),
-                             ("vllm", "async"), ("vllm", "colocate"), ("vllm", "server")]
-    assert engines() == ["hf", "vllm", "sglang"]
+                             ("vllm", "async"), ("vllm", "colocate"), ("vllm", "server"), ("vllm-serve", "server")]
+    assert engines() == ["hf", "vllm", "sglang", "vllm-serve"]
     assert [k for k, row in MODES.items() if row.can_sleep] == [("vllm", "colocate")]
 
 

@@ -164,6 +164,28 @@ def read_stream(buffer: memoryview, *, max_frame_bytes: int) -> Iterator[Frame]:
         offset, index = offset + _PREFIX.size + length, index + 1
 
 
+def checked_frames(frames: Iterable[Frame], version: int) -> Iterator[Frame]:
+    """The data frames of a stream, checked: each for `version`, nothing after the end frame, and the frame and
+    tensor counts the end frame announces equal to what came before it (the last check when the stream ends)."""
+    end: Frame | None = None
+    count = tensors = 0
+    for frame in frames:
+        if end is not None:
+            raise FrameError("data after the end frame")
+        if frame.metadata.get("version") != str(version):
+            raise FrameError(f"frame for version {frame.metadata.get('version')} in an update to v{version}")
+        if frame.is_end:
+            end = frame
+            continue
+        count, tensors = count + 1, tensors + len(frame.tensors)
+        yield frame
+    if end is None:
+        raise FrameError("weight stream ended without its end frame (client stopped mid-update)")
+    want = (end.metadata.get("frames"), end.metadata.get("tensors"))
+    if want != (str(count), str(tensors)):
+        raise FrameError(f"end frame announces {want[0]} frames / {want[1]} tensors, received {count} / {tensors}")
+
+
 @dataclass
 class Frame:
     metadata: dict[str, str]

