@@ -118,8 +118,8 @@ def _check_weight_transport(cfg: GRPOConfig) -> None:
         return
     if r.mode != "server":
         raise ValueError(
-            f"rollout.server.weight_transport={name} applies only to rollout.mode=server (the {r.mode} engine gets "
-            "its weights in-process); remove it or set rollout.mode=server.")
+            f"rollout.server.weight_transport={name} applies only to rollout.mode=server (in {r.mode} mode the "
+            "engine gets its weights without a server transport); remove it or set rollout.mode=server.")
     valid = WEIGHT_TRANSPORTS[r.engine]
     if name not in valid:
         server = "an SGLang server" if r.engine == "sglang" else f"`grpo serve-rollout --engine {r.engine}`"
