@@ -128,8 +128,8 @@ def _check_weight_transport(cfg: GRPOConfig) -> None:
         return
     if r.mode != "server":
         raise ValueError(
-            f"rollout.server.weight_transport={name} applies only to rollout.mode=server (the {r.mode} engine gets "
-            "its weights in-process); remove it or set rollout.mode=server.")
+            f"rollout.server.weight_transport={name} applies only to rollout.mode=server (in {r.mode} mode the "
+            "engine gets its weights without a server transport); remove it or set rollout.mode=server.")
     valid = r.layout.transports
     if name not in valid:
         server = {"sglang": "an SGLang server", "vllm-serve": "a stock `vllm serve` (vLLM's RL API has no HTTP data path)"}.get(

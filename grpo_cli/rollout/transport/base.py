@@ -21,16 +21,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from grpo_cli.rollout.base import RolloutError
 
 if TYPE_CHECKING:
-    import torch
-
     from grpo_cli.rollout.transport.http_client import HttpClient
 
-NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
+NamedTensors = Iterable[tuple[str, Any]]
+"""(name, torch.Tensor) pairs, read once, in order (torch is imported by the transports that need it)."""
 
 
 @dataclass
