@@ -246,6 +246,15 @@ def plan_rehearsal(cfg: GRPOConfig, *, deepspeed_ready: bool, server_url: str = 
     """The CPU rehearsal of `cfg`: same backend, ZeRO stage, offload, engine, mode, TP (≤ processes), sleep level,
     Ray and server; `builtin:tiny` with the tiny task; ≤ 2 processes. `deepspeed_ready`: the deepspeed backend can
     run here (otherwise ZeRO-3 is rehearsed with fsdp2, ZeRO-1/2 with ddp, and the notes say so)."""
+    row = cfg.rollout.layout
+    if row.remote and row.rehearsal_server is None:
+        from grpo_cli.config.errors import UserError
+
+        raise UserError(
+            f"--rehearse cannot start the server of rollout.engine '{cfg.rollout.engine}' ({row.about}): it starts only "
+            "grpo-cli's own servers. Start that server yourself and run `grpo train` against it for a few steps "
+            "(docs/server-mode.md gives the command pair), or rehearse the same topology with rollout.engine=vllm "
+            "(`grpo serve-rollout --engine vllm`).")
     notes: list[str] = []
     tiny = build_config(DEFAULT_PRESET)
     tree = cfg.model_dump(mode="json")

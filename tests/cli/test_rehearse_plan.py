@@ -143,3 +143,13 @@ def test_gpu_only_lists_what_cpu_cannot_exercise():
     tensor = build_config("qwen-7b-sglang-server", overrides=["rollout.server.weight_transport=tensor"])
     assert "CUDA IPC" in dict(plan_rehearsal(tensor, deepspeed_ready=True).gpu_only)
     assert "CUDA IPC" not in dict(_plan("qwen-7b-sglang-server").gpu_only)
+
+
+def test_a_server_the_rehearsal_cannot_start_is_refused_naming_what_to_do():
+    """`rollout.engine: vllm-serve` is a client of a `vllm serve` the user starts: the rehearsal refuses it (it would
+    otherwise train against URLs nobody serves) and names the command pair's page and the engine it can rehearse."""
+    from grpo_cli.config.errors import UserError
+
+    with pytest.raises(UserError, match=r"cannot start the server of rollout.engine 'vllm-serve'.*"
+                                        r"docs/server-mode.md.*rollout.engine=vllm"):
+        plan_rehearsal(build_config("tiny-cpu-vllm-serve"), deepspeed_ready=True)
