@@ -69,8 +69,7 @@ class ServerEngine(RolloutEngine):
     @classmethod
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> ServerEngine:
         s = cfg.rollout.server
-        policy = Policy(connect_timeout_s=s.connect_timeout_s, request_timeout_s=s.request_timeout_s,
-                        retries=s.retries, on_failure=s.on_failure, wait_for_recovery_s=s.wait_for_recovery_s)
+        policy = Policy.of(s)
         hint = f"GRPO_ROLLOUT_TOKEN=... grpo serve-rollout --engine hf --model {ctx.model_path}"
         return cls(list(s.urls), policy=policy, token=os.environ.get(s.token_env) or None,
                    stop_token_ids=ctx.eos_token_ids, expected=model_identity(ctx.model_path),

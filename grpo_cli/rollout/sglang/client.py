@@ -86,8 +86,7 @@ class SGLangEngine(RolloutEngine):
     @classmethod
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> SGLangEngine:
         s = cfg.rollout.server
-        policy = Policy(connect_timeout_s=s.connect_timeout_s, request_timeout_s=s.request_timeout_s,
-                        retries=s.retries, on_failure=s.on_failure, wait_for_recovery_s=s.wait_for_recovery_s)
+        policy = Policy.of(s)
         return cls(list(s.urls), policy=policy, api_key=os.environ.get(s.token_env) or None,
                    stop_token_ids=ctx.eos_token_ids, model_path=ctx.model_path,
                    weight_transport=cfg.rollout.transport, weight_sync_dir=s.weight_sync_dir,

@@ -4,6 +4,8 @@ that went away."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import ipaddress
 import os
 import time
@@ -39,6 +41,11 @@ class Policy:
     on_failure: str = "stop"
     wait_for_recovery_s: float = 300.0
     backoff_s: float = 0.5
+
+    @classmethod
+    def of(cls, server_config) -> Policy:
+        """The policy `rollout.server` sets (its fields of the same names; `backoff_s` keeps its default)."""
+        return cls(**server_config.model_dump(include={f.name for f in dataclasses.fields(cls)}))
 
 
 def is_loopback(url: str) -> bool:

@@ -18,7 +18,6 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
@@ -98,9 +97,9 @@ class VLLMServeEngine:
     @classmethod
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> VLLMServeEngine:
         s = cfg.rollout.server
-        policy = Policy(**s.model_dump(include={f.name for f in fields(Policy)}))  # the same-named settings
+        policy = Policy.of(s)
         return cls(list(s.urls), model=ctx.model_path, policy=policy, token=os.environ.get(s.token_env) or None,
-                   stop_token_ids=ctx.eos_token_ids, chunk_mb=s.weight_chunk_mb, transport=s.weight_transport,
+                   stop_token_ids=ctx.eos_token_ids, chunk_mb=s.weight_chunk_mb, transport=cfg.rollout.transport,
                    verify=cfg.rollout.vllm.verify_sync)
 
     # -- start-up ---------------------------------------------------------------------------------------
