@@ -47,8 +47,8 @@ def test_the_old_sglang_key_is_refused_with_the_new_spelling():
 def test_the_config_table_is_the_registry():
     from grpo_cli.rollout.transport.base import TRANSPORTS, names_for
 
-    client = {"hf": "serve-rollout", "vllm": "serve-rollout", "sglang": "sglang"}
-    # vllm-serve's shm and nccl go through vLLM's RL API: its client holds them (rollout/vllm_serve/weights.py)
-    table = {engine: row.transports for (engine, mode), row in MODES.items() if mode == "server" and engine in client}
+    client = {"hf": "serve-rollout", "vllm": "serve-rollout", "sglang": "sglang", "vllm-serve": "vllm-serve"}
+    table = {engine: row.transports for (engine, mode), row in MODES.items() if mode == "server"}
+    assert set(table) == set(client)
     assert {engine: names_for(client[engine]) for engine in table} == table
-    assert {n for names in table.values() for n in names} == set(TRANSPORTS)
+    assert {(client[engine], n) for engine, names in table.items() for n in names} == set(TRANSPORTS)

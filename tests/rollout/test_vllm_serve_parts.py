@@ -115,8 +115,9 @@ def test_nccl_transport_refuses_without_cuda():
         pytest.skip("CUDA present: the refusal is for CPU trainers")
     from concurrent.futures import ThreadPoolExecutor
 
-    from grpo_cli.rollout.vllm_serve.weights import NcclPush, RLRoutes
+    from grpo_cli.rollout.transport import base
 
-    push = NcclPush(RLRoutes(None, ["http://127.0.0.1:1"], ThreadPoolExecutor(1)), 1 << 20, [1], 5.0)
+    link = base.Link(None, ["http://127.0.0.1:1"], ThreadPoolExecutor(1))
+    push = base.create("nccl", link, client="vllm-serve", offered={"tp_size": lambda url: 1})
     with pytest.raises(RolloutError, match="needs CUDA"):
-        push.send(iter([("w", torch.zeros(1))]), 1)
+        push.send(iter([("w", torch.zeros(1))]), 1, chunk_bytes=1 << 20)

