@@ -86,3 +86,15 @@ def test_derived_lengths_and_steps():
     cfg = build_config(overrides=["data.max_prompt_length=40", "rollout.max_completion_length=24", "train.steps=7",
                                   "algorithm.num_iterations=3"])
     assert cfg.max_sequence_length == 64 and cfg.total_optimizer_steps == 21
+
+
+def test_every_row_builds_a_class_on_the_contract():
+    """A row whose builder is a class's `from_config` builds an engine on `RolloutEngine` (an engine outside the
+    contract would miss the members the trainer asks of every engine, e.g. `bind_prompts`)."""
+    from grpo_cli.rollout.base import RolloutEngine
+    from grpo_cli.rollout.factory import resolve
+
+    classes = {row.build.rpartition(".")[0] for row in MODES.values() if row.build.endswith(".from_config")}
+    assert len(classes) >= 4
+    for where in classes:
+        assert issubclass(resolve(where), RolloutEngine), where

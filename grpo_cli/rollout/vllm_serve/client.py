@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
 from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
 from grpo_cli.rollout.transport import base as transports
 from grpo_cli.rollout.transport.http_client import HttpClient as Transport
@@ -64,7 +64,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-class VLLMServeEngine:
+class VLLMServeEngine(RolloutEngine):
     """RolloutEngine over stock `vllm serve` servers; groups stay whole on one server."""
 
     shares_policy_weights = False
