@@ -3,7 +3,10 @@ fsdp2 stand-in with vLLM TP 8→2, sleep 2 and offload; async on Ray; a vLLM rol
 the SGLang contract server) each exit 0, checkpoint, resume, and learn the tiny task (reward first 10% → last 10%
 rises). Measured on this 2-core machine at load ~5: 85 s (72b, fsdp2 stand-in), 70 s (tp2), 89 s (async), 72 s
 (vLLM server), 49 s (SGLang); at load ~13-20 with DeepSpeed 0.19.8 merged: 296 s (72b ZeRO-3), 174 s (tp2 ZeRO-2),
-188 s (SGLang). The ZeRO-2 + vLLM TP 2 preset (qwen-7b-colocate-tp2) has no rehearsal here (CI time): its ZeRO-2 path
+188 s (SGLang). Marked `extended` (left out of the default run for CI time; `pytest -m extended`): the async rehearsal (async
+runs in tests/e2e/test_async_run.py), the SGLang one (the contract server in tests/server/test_server_sglang.py)
+and the megatron MoE one (expert-parallel syncs into vLLM in tests/train/test_megatron_run.py). The ZeRO-2 + vLLM
+TP 2 preset (qwen-7b-colocate-tp2) has no rehearsal here (CI time): its ZeRO-2 path
 runs in tests/e2e/test_dp_parity.py and its colocated vLLM TP 2 in the 72B rehearsal."""
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def test_rehearse_72b_zero3_vllm_tp8_sleep2_offload(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.extended
 def test_rehearse_7b_async_on_ray(tmp_path):
     out, root = _rehearse("qwen-7b-async", tmp_path)
     _check_passed(out, root, "qwen-7b-async")
@@ -91,6 +95,7 @@ def test_rehearse_1_5b_vllm_server(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_rehearse_7b_sglang_against_the_contract_server(tmp_path):
     out, root = _rehearse("qwen-7b-sglang-server", tmp_path)
     _check_passed(out, root, "qwen-7b-sglang-server")
@@ -100,6 +105,7 @@ def test_rehearse_7b_sglang_against_the_contract_server(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.extended
 def test_rehearse_qwen3_30b_a3b_megatron(tmp_path):
     """The Megatron-core MoE preset on the tiny MoE (4 experts, top 2) at expert parallel 2: trained by the megatron
     backend, every weight sync (every expert, gathered over the expert-parallel ranks) streamed from its HF-named

@@ -89,6 +89,9 @@ CASES = [("tiny-cpu", signal.SIGKILL), ("tiny-cpu", signal.SIGINT), ("tiny-cpu",
          ("tiny-cpu-async", signal.SIGKILL), ("tiny-cpu-async", signal.SIGINT),
          ("fsdp2", signal.SIGKILL), ("zero3", signal.SIGKILL), ("megatron", signal.SIGKILL),
          ("tiny-cpu-lora", signal.SIGKILL), ("fsdp2-lora", signal.SIGKILL)]
+EXTENDED = {("tiny-cpu-async", signal.SIGINT), ("fsdp2", signal.SIGKILL)}
+"""Left out of the default run (CI time; `pytest -m extended`): SIGINT's save path runs in sync mode, async resume
+under SIGKILL, and fsdp2's sharded resume in the fsdp2-lora case."""
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +117,8 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,sig", CASES, ids=[f"{v}-{s.name}" for v, s in CASES])
+@pytest.mark.parametrize("preset,sig", [pytest.param(v, s, marks=[pytest.mark.extended] if (v, s) in EXTENDED else [],
+                                                  id=f"{v}-{s.name}") for v, s in CASES])
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, reference_runs, preset, sig):
     run = tmp_path / "run"
     log = tmp_path / "interrupted.log"  # a file, not a pipe: nobody reads a pipe while waiting, and a full one blocks
