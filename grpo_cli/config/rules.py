@@ -5,14 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grpo_cli.config.engine_modes import engine_mode, modes_of
+from grpo_cli.config.rules_megatron import check_megatron, divisors
 from grpo_cli.config.rules_offload import check_offload
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _check_batch(cfg: GRPOConfig) -> None:
@@ -28,7 +25,7 @@ def _check_batch(cfg: GRPOConfig) -> None:
         raise ValueError(
             f"train.micro_batch_size={t.micro_batch_size} does not divide the {per_rank} sequences each process "
             f"trains per step (prompts_per_step/processes x generations_per_prompt); valid values: "
-            f"{_divisors(per_rank)}."
+            f"{divisors(per_rank)}."
         )
     if t.micro_batch_tokens is not None:
         _check_token_budget(cfg)
@@ -89,7 +86,7 @@ def _check_rollout(cfg: GRPOConfig) -> None:
     if r.colocated_vllm and world % tp:
         raise ValueError(
             f"rollout.vllm.tensor_parallel_size={tp} must divide distributed.num_processes={world} in colocate "
-            f"mode (each TP group is made of training processes); valid values: {_divisors(world)}."
+            f"mode (each TP group is made of training processes); valid values: {divisors(world)}."
         )
     if r.mode == "async":
         _check_async(cfg)
@@ -266,114 +263,6 @@ def _check_lora_and_eval(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_megatron(cfg: GRPOConfig) -> None:
-    """The Megatron-core grid (tensor × pipeline × data, experts over expert × expert-tensor × pipeline) fits the
-    processes and the model; the settings the backend cannot honour are refused."""
-    d, m, model = cfg.distributed, cfg.distributed.megatron, cfg.model
-    if d.backend != "megatron":
-        return
-    from grpo_cli.config.plan import local_model_config, megatron_layout, model_shape, num_experts
-
-    lay = megatron_layout(cfg)
-    world, tp, pp, ep = lay["world"], lay["tp"], lay["pp"], lay["ep"]
-    if world % (tp * pp):
-        grids = [f"{t}x{world // t}" for t in _divisors(world)]
-        raise ValueError(
-            f"distributed.megatron.tensor_parallel={tp} × pipeline_parallel={pp} = {tp * pp} does not divide the "
-            f"{world} training processes (num_processes × num_machines); data parallel is what is left, "
-            f"world / (tensor_parallel × pipeline_parallel). Pick a product that divides {world}: tensor_parallel x "
-            f"pipeline_parallel in {grids[:6]}."
-        )
-    if world % (ep * lay["etp"] * pp):
-        valid = [e for e in _divisors(world // (lay["etp"] * pp))]
-        raise ValueError(
-            f"distributed.megatron.expert_parallel={ep} does not fit the grid: Megatron splits the experts over "
-            f"expert_parallel × expert tensor parallel (= tensor_parallel {lay['etp']}) × pipeline_parallel {pp} "
-            f"ranks, which must divide the {world} processes, i.e. expert_parallel must divide data parallel "
-            f"{lay['dp']}; valid values: {valid}."
-        )
-    if m.virtual_pipeline is not None and pp == 1:
-        raise ValueError(
-            f"distributed.megatron.virtual_pipeline={m.virtual_pipeline} interleaves model chunks between pipeline "
-            "stages, but pipeline_parallel is 1; set pipeline_parallel > 1 or virtual_pipeline: null."
-        )
-    if m.sequence_parallel:
-        raise ValueError(
-            "distributed.megatron.sequence_parallel cannot take effect here: the megatron backend builds "
-            "megatron-core's pure-torch layer spec (no Transformer Engine), whose RMSNorm (WrappedTorchNorm, "
-            "transformer/torch_norm.py) refuses sequence parallelism at model build, on any device. Set "
-            "sequence_parallel=false; tensor_parallel still splits the weights and the attention/MLP activations."
-        )
-    if any(d.offload.model_dump().values()):
-        on = [k for k, v in d.offload.model_dump().items() if v]
-        raise ValueError(
-            f"distributed.offload ({', '.join(on)}) is not implemented for distributed.backend 'megatron': its "
-            "weights, float32 gradient buffers and optimizer state stay on the GPU while the colocated engine "
-            "generates. Turn the distributed.offload flags off (and leave room for the engine: lower "
-            "rollout.vllm.gpu_memory_utilization, or raise tensor/expert parallelism; `grpo plan` shows the fit)."
-        )
-    if model.gradient_checkpointing:
-        raise ValueError(
-            f"model.gradient_checkpointing={model.gradient_checkpointing!r} applies to the Hugging Face backends; "
-            "distributed.backend 'megatron' recomputes activations per distributed.megatron.recompute. Set "
-            "model.gradient_checkpointing=false and distributed.megatron.recompute=selective (or full)."
-        )
-    if model.master_weights != "float32":
-        raise ValueError(
-            "model.master_weights 'compute_dtype' is not available with distributed.backend 'megatron': its "
-            "optimizer always keeps float32 main weights for bf16/fp16 models; set model.master_weights=float32."
-        )
-    c = local_model_config(model.name_or_path)
-    if c is not None:
-        _check_megatron_model(cfg, c, num_experts(c))
-    experts = num_experts(c) if c is not None else model_shape(model.name_or_path).experts
-    if experts and tp > 1:
-        raise ValueError(
-            f"distributed.megatron.tensor_parallel={tp} cannot train {model.name_or_path}, a mixture-of-experts "
-            "model: megatron-core refuses a MoE layer with tensor parallelism but no sequence parallelism "
-            "(transformer/moe/moe_layer.py), and this backend's pure-torch layer spec cannot do sequence "
-            "parallelism. Set tensor_parallel=1 and split the experts with expert_parallel (and the layers with "
-            "pipeline_parallel) instead."
-        )
-
-
-def _check_megatron_model(cfg: GRPOConfig, c: dict, experts: int) -> None:
-    """Head, layer and expert counts from the model's config.json against the Megatron grid."""
-    m, name = cfg.distributed.megatron, cfg.model.name_or_path
-    tp, pp, ep, vp = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.virtual_pipeline or 1
-    heads = c.get("num_attention_heads")
-    kv = c.get("num_key_value_heads", heads)
-    if heads and heads % tp:
-        raise ValueError(
-            f"distributed.megatron.tensor_parallel={tp} does not divide {name}'s num_attention_heads={heads} (each "
-            f"tensor-parallel rank takes whole heads); valid values: {_divisors(heads)}."
-        )
-    if kv and kv % tp and tp % kv:
-        valid = sorted({t for t in _divisors(heads) if kv % t == 0 or t % kv == 0})
-        raise ValueError(
-            f"distributed.megatron.tensor_parallel={tp} does not fit {name}'s num_key_value_heads={kv}: Megatron "
-            f"splits the key/value heads over the tensor-parallel ranks (tensor_parallel divides them) or replicates "
-            f"each over a group of ranks (they divide tensor_parallel); valid values: {valid}."
-        )
-    layers = c.get("num_hidden_layers")
-    if layers and layers % (pp * vp):
-        what = f"pipeline_parallel={pp} × virtual_pipeline={vp} = {pp * vp}" if vp > 1 else f"pipeline_parallel={pp}"
-        raise ValueError(
-            f"distributed.megatron.{what} does not divide {name}'s num_hidden_layers={layers} (every stage "
-            f"{'chunk ' if vp > 1 else ''}gets the same number of layers); valid products: {_divisors(layers)}."
-        )
-    if ep > 1 and not experts:
-        raise ValueError(
-            f"distributed.megatron.expert_parallel={ep} splits MoE experts, but {name} is a dense model (no "
-            "num_experts / num_local_experts in its config.json); set expert_parallel=1."
-        )
-    if experts and experts % ep:
-        raise ValueError(
-            f"distributed.megatron.expert_parallel={ep} does not divide {name}'s {experts} experts (each rank holds "
-            f"the same number of whole experts); valid values: {_divisors(experts)}."
-        )
-
-
 def _check_agent(cfg: GRPOConfig) -> None:
     if cfg.rollout.custom and cfg.agent is not None:
         raise ValueError(
@@ -402,7 +291,7 @@ def check_rules(cfg: GRPOConfig) -> None:
     _check_rollout(cfg)
     _check_distributed(cfg)
     _check_sharding(cfg)
-    _check_megatron(cfg)
+    check_megatron(cfg)
     _check_lora_and_eval(cfg)
     _check_agent(cfg)
     _check_reward_models(cfg)
