@@ -81,6 +81,32 @@ def host_copy(tensor: torch.Tensor, *, pinned: bool) -> torch.Tensor:
     return out.copy_(tensor, non_blocking=pinned)
 
 
+def stream_event(device: torch.device):
+    """A CUDA event to record behind work queued on `device`'s current stream (waiting on it waits for that work
+    only, not the whole stream); None elsewhere, where queued work is already done."""
+    return torch.cuda.Event() if is_cuda(device) else None
+
+
+class HostReadback:
+    """One device value read on the host without waiting for the whole stream: on CUDA `put` copies it
+    (non_blocking) into pinned host memory and records an event behind the copy, and `get` waits for that event
+    only, so work queued after `put` keeps the device busy meanwhile; elsewhere the value is copied as it is."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.long) -> None:
+        self.event = stream_event(device)
+        self.host = host_copy(torch.zeros((), dtype=dtype), pinned=self.event is not None)
+
+    def put(self, value: torch.Tensor) -> None:
+        self.host.copy_(value, non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+
+    def get(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host.numpy())  # a host buffer: read through numpy, no aten::item (a device read's op)
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` on `device`: itself when it is there already (CPU runs, shards already on the GPU), else one copy
     (a host buffer bound for a CUDA collective)."""

@@ -123,3 +123,33 @@ def test_the_chance_of_a_drop():
     assert count.read(128) == 30 and not count.launch_first(rows=128, threshold=32)  # 2 more likely
     count.dropped()
     assert count.launch_first(rows=98, threshold=24.5)
+
+
+def test_host_readback_cuda_branch_waits_on_its_event_only(monkeypatch):
+    """The CUDA branch of `accel.HostReadback` (the finished count's read) on CPU with the CUDA calls patched: the
+    value goes into the (here unpinned) host buffer with non_blocking, an event is recorded behind the copy, and
+    `get` waits on that event before reading; on the CPU no event is made."""
+    from grpo_cli.runtime import accel
+
+    calls = []
+
+    class Event:
+        def record(self):
+            calls.append("record")
+
+        def synchronize(self):
+            calls.append("synchronize")
+
+    copies = []
+    real_host_copy = accel.host_copy
+    monkeypatch.setattr(accel, "stream_event", lambda device: Event() if accel.is_cuda(device) else None)
+    monkeypatch.setattr(accel, "host_copy",
+                        lambda t, *, pinned: copies.append(pinned) or real_host_copy(t, pinned=False))
+    readback = accel.HostReadback(torch.device("cuda"))
+    assert copies == [True]  # asked for pinned memory, as an asynchronous device → host copy needs
+    readback.put(torch.tensor(7))
+    assert calls == ["record"]
+    assert readback.get() == 7 and calls == ["record", "synchronize"]
+    cpu = accel.HostReadback(torch.device("cpu"))
+    cpu.put(torch.tensor(3))
+    assert cpu.event is None and cpu.get() == 3

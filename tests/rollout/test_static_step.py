@@ -6,6 +6,7 @@ compiled step compiles at most once per bucket and not again for the next decode
 from __future__ import annotations
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -142,6 +143,10 @@ def test_each_bucket_is_captured_once_and_replayed_on_cuda(model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    # the finished count's read (accel.HostReadback) on its CUDA branch: an event, a host buffer (pinning needs CUDA)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda: None, synchronize=lambda: None))
+    real_host_copy = accel.host_copy
+    monkeypatch.setattr(accel, "host_copy", lambda t, *, pinned: real_host_copy(t, pinned=False))
     out = decode(model, PROMPTS, SAMPLING, eos_token_ids=EOS, pad_token_id=0)
     batches = [g.batch for g in FakeGraph.made]
     assert len(batches) == len(set(batches)) > 1 and set(batches) <= BUCKETS  # one capture per bucket

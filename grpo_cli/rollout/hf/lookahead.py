@@ -41,29 +41,24 @@ def at_least(k: int, n: int, p: float) -> float:
 
 
 class FinishedCount:
-    """The finished-row count of each step: `put` (done.sum() on the device), `read` it on the host. On CUDA it is
-    copied (non_blocking) into pinned host memory with an event recorded behind the copy, and `read` waits for that
-    event only, so a step launched between the two keeps the device busy meanwhile; elsewhere it is read as it is.
+    """The finished-row count of each step: `put` (done.sum() on the device), `read` it on the host through
+    `accel.HostReadback` (on CUDA: a pinned copy and an event, so a step launched between the two keeps the device
+    busy meanwhile).
 
     It also keeps the decode's stop rate: rows that stopped over row-steps run unfinished (`hazard`), so that
     `launch_first` can weigh the chance that a step reaches the count that drops rows."""
 
     def __init__(self, device: torch.device) -> None:
-        self.event = torch.cuda.Event() if device.type == "cuda" else None
-        self.host = torch.zeros((), dtype=torch.long, pin_memory=self.event is not None)
+        self.value = accel.HostReadback(device)
         self.known = 0  # finished rows among the active ones, as of the last count read
         self.stops = self.exposure = 0
 
     def put(self, done: torch.Tensor) -> None:
-        self.host.copy_(done.sum(), non_blocking=self.event is not None)
-        if self.event is not None:
-            self.event.record()
+        self.value.put(done.sum())
 
     def read(self, rows: int) -> int:
         """The count `put` last, of `rows` active rows."""
-        if self.event is not None:
-            self.event.synchronize()
-        count = int(self.host.numpy())
+        count = self.value.get()
         self.stops += count - self.known  # rows that stopped at this step, of the rows - known that ran unfinished
         self.exposure += rows - self.known
         self.known = count
