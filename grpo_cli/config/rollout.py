@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -90,6 +91,11 @@ class ServerConfig(Section):
                 f"rollout.server.weight_transport: {data['sglang_weight_transport']} instead (one key for every "
                 "engine; SGLang takes disk or tensor)")
         return data
+
+    @property
+    def token(self) -> str | None:
+        """The bearer token every server client sends: the value of `token_env` in the environment (None: unset)."""
+        return os.environ.get(self.token_env) or None
 
 
 class RayConfig(Section):

@@ -5,7 +5,6 @@ weight transport `rollout.server.weight_transport` names (`rollout.transport`: h
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -71,7 +70,7 @@ class ServerEngine(RolloutEngine):
         s = cfg.rollout.server
         policy = Policy.of(s)
         hint = f"GRPO_ROLLOUT_TOKEN=... grpo serve-rollout --engine hf --model {ctx.model_path}"
-        return cls(list(s.urls), policy=policy, token=os.environ.get(s.token_env) or None,
+        return cls(list(s.urls), policy=policy, token=s.token,
                    stop_token_ids=ctx.eos_token_ids, expected=model_identity(ctx.model_path),
                    chunk_mb=s.weight_chunk_mb, transport=cfg.rollout.transport, shm_keep_file=s.shm_keep_file,
                    start_hint=hint)

@@ -6,7 +6,6 @@ SGLang's returned logprobs are log_softmax(logits / temperature); top-p/top-k ar
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import warnings
@@ -87,7 +86,7 @@ class SGLangEngine(RolloutEngine):
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> SGLangEngine:
         s = cfg.rollout.server
         policy = Policy.of(s)
-        return cls(list(s.urls), policy=policy, api_key=os.environ.get(s.token_env) or None,
+        return cls(list(s.urls), policy=policy, api_key=s.token,
                    stop_token_ids=ctx.eos_token_ids, model_path=ctx.model_path,
                    weight_transport=cfg.rollout.transport, weight_sync_dir=s.weight_sync_dir,
                    chunk_mb=s.weight_chunk_mb)

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -100,7 +99,7 @@ class VLLMServeEngine(RolloutEngine):
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> VLLMServeEngine:
         s = cfg.rollout.server
         policy = Policy.of(s)
-        return cls(list(s.urls), model=ctx.model_path, policy=policy, token=os.environ.get(s.token_env) or None,
+        return cls(list(s.urls), model=ctx.model_path, policy=policy, token=s.token,
                    stop_token_ids=ctx.eos_token_ids, chunk_mb=s.weight_chunk_mb, transport=cfg.rollout.transport,
                    verify=cfg.rollout.vllm.verify_sync)
 
