@@ -153,3 +153,14 @@ def test_a_server_the_rehearsal_cannot_start_is_refused_naming_what_to_do():
     with pytest.raises(UserError, match=r"cannot start the server of rollout.engine 'vllm-serve'.*"
                                         r"docs/server-mode.md.*rollout.engine=vllm"):
         plan_rehearsal(build_config("tiny-cpu-vllm-serve"), deepspeed_ready=True)
+
+
+def test_the_nccl_weight_transport_is_named_among_what_only_a_gpu_checks():
+    """A server-mode preset with `rollout.server.weight_transport: nccl` syncs over NCCL, which the CPU rehearsal
+    cannot run: `gpu_only` names it (and does not for the default transport)."""
+    from grpo_cli.launch.rehearse import gpu_only
+
+    server = ["rollout.mode=server", 'rollout.server.urls=["http://127.0.0.1:1"]']
+    nccl = dict(gpu_only(build_config(overrides=[*server, "rollout.server.weight_transport=nccl"])))
+    assert "server weight broadcast" in nccl.get("NCCL", "")
+    assert "server weight broadcast" not in dict(gpu_only(build_config(overrides=server))).get("NCCL", "")
