@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from grpo_cli.config.agent import AgentConfig
 from grpo_cli.config.algorithm import AlgorithmConfig
 from grpo_cli.config.base import Section
+from grpo_cli.config.judge import JUDGE, JudgeConfig, judge_settings
 from grpo_cli.config.megatron import MegatronConfig
 from grpo_cli.config.rollout import RolloutConfig
 
@@ -89,24 +90,34 @@ class RewardFunctionConfig(Section):
     @classmethod
     def _model_shorthand(cls, data: Any) -> Any:
         """`{model: PATH, batch_size: N, device: D}` is `{name: reward_model, kwargs: {model: PATH, ...}}`;
-        `{url: URL, ...}` is `{name: served_reward_model, kwargs: {url: URL, ...}}` (also `tokenizer`, `retries`)."""
-        for key, name, extra in (("model", "reward_model", ("batch_size", "device")),
+        `{url: URL, ...}` is `{name: served_reward_model, kwargs: {url: URL, ...}}` (also `tokenizer`, `retries`);
+        `{judge: URL_OR_PATH, prompt: FILE, ...}` is `{name: judge, kwargs: {...}}` with every `JudgeConfig` key,
+        whose settings are then checked and written out in full (`config.judge.judge_settings`)."""
+        for key, name, extra in (("judge", JUDGE, tuple(k for k in JudgeConfig.model_fields if k != "judge")),
+                                 ("model", "reward_model", ("batch_size", "device")),
                                  ("url", "served_reward_model", ("batch_size", "tokenizer", "retries"))):
             if isinstance(data, dict) and key in data and "name" not in data:
                 data = dict(data)
                 moved = {k: data.pop(k) for k in (key, *extra) if k in data}
                 data = {**data, "name": name, "kwargs": {**moved, **data.get("kwargs", {})}}
+        if isinstance(data, dict) and data.get("name") == JUDGE and isinstance(data.get("kwargs", {}), dict):
+            data = {**data, "kwargs": judge_settings(data.get("kwargs", {}),
+                                                     f"rewards.functions[{data.get('alias') or JUDGE}]")}
         return data
 
     name: str
-    """A built-in (`length`, `format`, `exact_match`, `math`, `overlong`, `code_tests`, `reward_model`) or a user
+    """A built-in (`length`, `format`, `exact_match`, `math`, `overlong`, `code_tests`, `reward_model`, `judge`) or a user
     function `module:function` / `path/to/file.py:function` with signature `f(prompts, completions, **columns) ->
     list[float | None]`. A function that names `completion_ids`, `max_completion_length`, `messages` (tool-calling
     trajectories) or `prompt_messages` (the chat messages of each prompt) as parameters also receives them.
     `overlong` is DAPO's soft length penalty: 0 up to max_completion_length - buffer tokens, then falling linearly
     to -1 at the cap (kwargs: `buffer`, required). `{model: PATH}` (optionally `batch_size`) is short for
     `{name: reward_model, kwargs: {model: PATH}}`: a sequence-classification checkpoint's score; `{url: URL}`
-    (optionally `tokenizer`, `batch_size`, `retries`) for `served_reward_model`, a served one (`/classify`)."""
+    (optionally `tokenizer`, `batch_size`, `retries`) for `served_reward_model`, a served one (`/classify`).
+    `{judge: URL_OR_PATH, prompt: FILE}` (optionally `parse`, `api`, `model`, `tokenizer`, `max_tokens`,
+    `temperature`, `batch_size`, `retries`, `timeout_s`, `token_env`, `device`) is a generative judge: the judge
+    model answers the rendered prompt and `parse` turns its answer into the score (docs/rewards-and-data.md,
+    "Generative judges")."""
     alias: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]+$")
     """Name of this function in metrics (`reward/<alias>/mean`); default: the function's name (`length`,
     `my_fn` for `path/to/file.py:my_fn`), never a path. Letters, digits, `_`, `-`, `.`."""
@@ -142,6 +153,10 @@ class RewardFunctionConfig(Section):
         if self.isolation == "inline" and process_only:
             raise ValueError(f"rewards.functions[{self.name}]: {', '.join(sorted(process_only))} apply to "
                              "isolation: process only; set isolation: process or drop them.")
+        if self.name == JUDGE and self.isolation == "process":
+            raise ValueError(f"rewards.functions[{self.alias or JUDGE}]: a judge runs inline (its requests run "
+                             "`batch_size` at a time, each with its own timeout_s and retries); drop isolation: "
+                             "process.")
         if self.name == "code_tests" and self.isolation != "process":
             raise ValueError("rewards.functions[code_tests] runs generated code: it needs isolation: process "
                              "(with timeout_s, and memory_mb to cap memory).")

@@ -98,11 +98,12 @@ def served_reward_model(prompts, completions, *, url: str, tokenizer: str | None
     one `{"embedding": [score, ...]}` per text, in order (SGLang's reward-model route,
     `python/sglang/srt/entrypoints/http_server.py`; also `grpo serve-rollout --task reward`). With `tokenizer` (a
     local folder of the reward model's tokenizer) chat prompts are rendered in its template, else prompt text +
-    completion. A connection error or a 5xx is retried `retries` times (0.5 s, 1 s, 2 s …)."""
+    completion. A connection error, a timeout, a 429 or a 5xx is retried `retries` times (0.5 s, 1 s, 2 s …)."""
     import os
-    import time
 
     import httpx
+
+    from grpo_cli.rewards.http_retry import post_json
 
     tok = None
     if tokenizer:
@@ -117,18 +118,7 @@ def served_reward_model(prompts, completions, *, url: str, tokenizer: str | None
     with httpx.Client(timeout=timeout_s, headers=headers) as client:
         for start in range(0, len(texts), batch_size):
             chunk = texts[start:start + batch_size]
-            for attempt in range(retries + 1):
-                try:
-                    resp = client.post(f"{url.rstrip('/')}/classify", json={"text": chunk})
-                    if resp.status_code < 500:
-                        resp.raise_for_status()
-                        break
-                except httpx.TransportError:
-                    if attempt == retries:
-                        raise
-                if attempt == retries:
-                    resp.raise_for_status()
-                time.sleep(0.5 * 2**attempt)
+            resp = post_json(client, f"{url.rstrip('/')}/classify", {"text": chunk}, retries=retries)
             body = resp.json()
             if not isinstance(body, list) or len(body) != len(chunk):
                 raise ValueError(f"{url}/classify answered {len(body) if isinstance(body, list) else body!r} "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_cli.config.errors import UserError
+from grpo_cli.config.judge import JUDGE
 from grpo_cli.config.reward_models import REWARD_MODEL
 from grpo_cli.rewards.builtin import BUILTIN_REWARDS
 
@@ -93,13 +94,34 @@ def metric_labels(functions) -> list[str]:
 
 def build_reward_fns(functions, *, device=None, dtype: str | None = None, park: bool = False) -> list[RewardFn]:
     """Resolve every `rewards.functions` entry (fails before training starts). A local reward model
-    (`reward_model`) is placed as the run says (`_placed_kwargs`); without `device`/`dtype` its own settings stay."""
-    return [RewardFn(f.name, resolve(f.name), f.weight,
+    (`reward_model`) is placed as the run says (`_placed_kwargs`); without `device`/`dtype` its own settings stay.
+    A judge entry becomes its own `rewards.judge.Judge` (its settings are its state, not call kwargs)."""
+    return [_judge_fn(f, label) if f.name == JUDGE else
+            RewardFn(f.name, resolve(f.name), f.weight,
                      _placed_kwargs(dict(f.kwargs), device=device, dtype=dtype, park=park)
                      if f.name == REWARD_MODEL else dict(f.kwargs), label, f.kind,
                      {"workers": f.workers, "timeout_s": f.timeout_s, "memory_mb": f.memory_mb,
                       "on_error": f.on_error} if getattr(f, "isolation", "inline") == "process" else None)
             for f, label in zip(functions, metric_labels(functions), strict=True)]
+
+
+def _judge_fn(f, label: str) -> RewardFn:
+    from grpo_cli.config.judge import JudgeConfig
+    from grpo_cli.rewards.judge import Judge
+
+    return RewardFn(f.name, Judge(JudgeConfig.model_validate(f.kwargs), label), f.weight, {}, label, f.kind)
+
+
+def pop_reward_metrics(fns: list[RewardFn]) -> dict[str, float]:
+    """The reward functions' own metrics since the last call (a judge's `judge/<name>/...` counts), which also
+    ends their step (a judge's answer cache is emptied): called once per training step and once per evaluation."""
+    from grpo_cli.rewards.judge import Judge
+
+    out: dict[str, float] = {}
+    for rf in fns:
+        if isinstance(rf.fn, Judge):
+            out.update(rf.fn.pop_metrics())
+    return out
 
 
 def _placed_kwargs(kwargs: dict, *, device, dtype: str | None, park: bool) -> dict:

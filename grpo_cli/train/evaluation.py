@@ -12,7 +12,7 @@ from grpo_cli.data.prompts import Prompt, tokenize_prompts
 from grpo_cli.data.sources import DataError, load_rows
 from grpo_cli.train.eval_metrics import local_sums, reduce_means
 from grpo_cli.runtime.dist import DistInfo
-from grpo_cli.rewards.resolve import RewardFn
+from grpo_cli.rewards.resolve import RewardFn, pop_reward_metrics
 from grpo_cli.rollout.base import RolloutBatch, SamplingParams
 from grpo_cli.train.scoring.rewards_phase import score_rollout
 
@@ -73,6 +73,7 @@ class Evaluator:
         sums = local_sums(self.cfg.eval, per_func=scored.per_func, reward_fns=self.reward_fns,
                           completion_ids=rollout.completion_ids, group_size=sampling.n)
         out = reduce_means(sums, self.dist)
+        out.update({f"eval/{k}": v for k, v in pop_reward_metrics(self.reward_fns).items()})  # this process's
         out["time/eval"] = time.perf_counter() - start
         return out
 

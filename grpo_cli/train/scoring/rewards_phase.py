@@ -10,7 +10,7 @@ import torch
 from grpo_cli.algo.advantages import informative_groups, weighted_rewards
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import Prompt
-from grpo_cli.rewards.resolve import RewardFn, score
+from grpo_cli.rewards.resolve import RewardFn, pop_reward_metrics, score
 from grpo_cli.rollout.base import RolloutBatch
 from grpo_cli.train.loss import compute_advantages
 from grpo_cli.train.scoring.step_rewards import StepRewards
@@ -85,6 +85,7 @@ def reward_metrics(cfg: GRPOConfig, fns: list[RewardFn], scored: ScoredRollout) 
     for fn, col in zip(fns, scored.per_func.T, strict=True):
         ok = col[~col.isnan()]
         metrics[fn.metric] = float(ok.mean()) if len(ok) else float("nan")
+    metrics.update(pop_reward_metrics(fns))  # a judge's counts over every round of the step
     return metrics
 
 
