@@ -6,11 +6,12 @@ left out of the means and of its group's statistics like any function's None), c
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from grpo_cli.config.judge import JudgeConfig
 from grpo_cli.rewards.judge_backends import JudgeStats, make_backend
-from grpo_cli.rewards.judge_parse import build_parser, parsed_score
+from grpo_cli.rewards.judge_parse import parsed_score
 
 
 class Judge:
@@ -18,13 +19,12 @@ class Judge:
     by rendered judge prompt, so a (prompt, completion) repeated within a step — identical samples of a group, or
     again in a dynamic-sampling round — is asked once; `pop_metrics` (once per step) empties the cache."""
 
-    def __init__(self, cfg: JudgeConfig, label: str = "judge") -> None:
+    def __init__(self, cfg: JudgeConfig, parser: Callable[[str], float | None], label: str = "judge") -> None:
         import jinja2
 
-        self.cfg, self.label = cfg, label
+        self.cfg, self.parser, self.label = cfg, parser, label
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
         self.template = env.from_string(Path(cfg.prompt).read_text())
-        self.parser = build_parser(cfg.parse)
         self.stats = JudgeStats()
         self.backend = make_backend(cfg, self.stats)
         self.cache: dict[str, float] = {}
@@ -32,15 +32,13 @@ class Judge:
 
     def render(self, prompt: str, completion: str, messages, columns: dict) -> str:
         """The judge prompt of one completion; a variable the template uses that is neither built in nor a data
-        column raises a `RewardError` naming it and the file."""
+        column raises a ValueError naming it and the file (`rewards.resolve.score` reports it with the function)."""
         import jinja2
-
-        from grpo_cli.rewards.resolve import RewardError
 
         try:
             return self.template.render(**columns, prompt=prompt, completion=completion, prompt_messages=messages)
         except jinja2.UndefinedError as exc:
-            raise RewardError(f"the judge prompt {self.cfg.prompt}: {exc.message}; it may use completion, prompt, "
+            raise ValueError(f"the judge prompt {self.cfg.prompt}: {exc.message}; it may use completion, prompt, "
                               f"prompt_messages and the data columns ({', '.join(columns) or 'none'}).") from None
 
     def __call__(self, prompts: list[str], completions: list[str], *, prompt_messages: list | None = None,

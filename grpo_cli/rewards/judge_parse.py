@@ -1,4 +1,5 @@
-"""Turn a judge's answer into a score: a regex whose one group holds the number, or a user function."""
+"""Turn a judge's answer into a score: a regex whose one group holds the number, or a user function (imported by
+`rewards.resolve`, like a reward function)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import math
 import re
 from collections.abc import Callable
 
-from grpo_cli.config.judge import parse_kind
 
 
 def regex_parser(pattern: str) -> Callable[[str], float | None]:
@@ -25,19 +25,6 @@ def regex_parser(pattern: str) -> Callable[[str], float | None]:
         return value if math.isfinite(value) else None
 
     return parse
-
-
-def build_parser(parse: str) -> Callable[[str], float | None]:
-    """The parser `parse` names (`config.judge.parse_kind`): a regex, or a function `pkg.mod:fn` /
-    `path/to/file.py:fn` (imported now, so a wrong name stops the run before training, naming `parse`)."""
-    if parse_kind(parse) == "regex":
-        return regex_parser(parse)
-    from grpo_cli.rewards.resolve import RewardError, resolve
-
-    try:
-        return resolve(parse)
-    except RewardError as exc:
-        raise RewardError(f"rewards.functions[judge].parse: {exc}") from None
 
 
 def parsed_score(parser: Callable[[str], float | None], text: str) -> float | None:

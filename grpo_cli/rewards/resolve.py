@@ -106,10 +106,18 @@ def build_reward_fns(functions, *, device=None, dtype: str | None = None, park: 
 
 
 def _judge_fn(f, label: str) -> RewardFn:
-    from grpo_cli.config.judge import JudgeConfig
+    """A judge entry's `Judge`, its parser a regex or a function imported like a reward function (a wrong name
+    stops the run before training, naming `parse`)."""
+    from grpo_cli.config.judge import JudgeConfig, parse_kind
     from grpo_cli.rewards.judge import Judge
+    from grpo_cli.rewards.judge_parse import regex_parser
 
-    return RewardFn(f.name, Judge(JudgeConfig.model_validate(f.kwargs), label), f.weight, {}, label, f.kind)
+    cfg = JudgeConfig.model_validate(f.kwargs)
+    try:
+        parser = regex_parser(cfg.parse) if parse_kind(cfg.parse) == "regex" else resolve(cfg.parse)
+    except RewardError as exc:
+        raise RewardError(f"rewards.functions[{label}].parse: {exc}") from None
+    return RewardFn(f.name, Judge(cfg, parser, label), f.weight, {}, label, f.kind)
 
 
 def pop_reward_metrics(fns: list[RewardFn]) -> dict[str, float]:

@@ -8,14 +8,16 @@ import http.server
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from grpo_cli.cli.main import app
+from grpo_cli.config.judge import JudgeConfig
 from grpo_cli.config.schema import RewardFunctionConfig
-from grpo_cli.rewards.judge_parse import build_parser, parsed_score
-from grpo_cli.rewards.resolve import build_reward_fns, pop_reward_metrics, score
+from grpo_cli.rewards.judge_parse import parsed_score, regex_parser
+from grpo_cli.rewards.resolve import build_reward_fns, pop_reward_metrics, resolve, score
 
 
 class StubJudge:
@@ -128,11 +130,24 @@ def test_a_repeated_prompt_and_completion_is_asked_once_per_step(judge_prompt):
     assert [r[0] for r in first + again] == [3.0] * 6 and len(stub.seen) == 2
 
 
+def test_a_judge_with_a_parser_function(judge_prompt):
+    stub = StubJudge({"Q: q A: x ref=r": "good", "Q: q A: y ref=r": "bad", "Q: q A: z ref=r": "unsure"})
+    try:
+        fns = _judge(stub.url, judge_prompt, parse=f"{Path(__file__).parent / 'judge_parsers.py'}:verdict")
+        table, _ = score(fns, ["q"] * 3, ["x", "y", "z"], {"answer": ["r"] * 3}, on_error="raise")
+    finally:
+        stub.close()
+    assert [r[0] for r in table[:2]] == [1.0, 0.0] and table[2][0] != table[2][0]
+    assert pop_reward_metrics(fns)["judge/judge/missing"] == 1
+
+
 def test_the_regex_and_function_parsers():
-    last_number = build_parser(r"(-?\d+(?:\.\d+)?)")
+    last_number = regex_parser(JudgeConfig.model_fields["parse"].default)
     assert [parsed_score(last_number, t) for t in ("7", "a 1 then -2.5", "none", "")] == [7.0, -2.5, None, None]
-    verdict = build_parser("tests.rewards.judge_parsers:verdict")
+    verdict = resolve(f"{Path(__file__).parent / 'judge_parsers.py'}:verdict")  # as `_judge_fn` imports it
     assert [parsed_score(verdict, t) for t in ("good", " bad\n", "meh")] == [1.0, 0.0, None]
+    loads = resolve("json:loads")  # a module's function: a number, or it raises
+    assert [parsed_score(loads, t) for t in ("7", "[1]", "x")] == [7.0, None, None]
     assert parsed_score(lambda _: 1 / 0, "x") is None and parsed_score(lambda _: float("inf"), "x") is None
 
 
