@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from grpo_cli.config.judge import JudgeConfig
 from grpo_cli.config.schema import GRPOConfig
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
@@ -59,9 +60,15 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     return rows
 
 
+ENTRY_SETTINGS = {"rewards.functions[judge].": JudgeConfig}
+"""Settings of a kind of list entry (the keys of a `{judge: ...}` reward entry), listed after the fields."""
+
+
 def reference_markdown() -> str:
-    """One table of every leaf field: dotted key (as used by --set), default, documentation."""
-    lines = [BEGIN, "| key | default | meaning |", "|---|---|---|", *_rows(GRPOConfig, ""), END]
+    """One table of every leaf field: dotted key (as used by --set), default, documentation; then the settings of
+    list entries (`ENTRY_SETTINGS`, written in the entry, not with --set)."""
+    entries = [row for prefix, model in ENTRY_SETTINGS.items() for row in _rows(model, prefix)]
+    lines = [BEGIN, "| key | default | meaning |", "|---|---|---|", *_rows(GRPOConfig, ""), *entries, END]
     return "\n".join(lines)
 
 

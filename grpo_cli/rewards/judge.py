@@ -36,7 +36,8 @@ class Judge:
         import jinja2
 
         try:
-            return self.template.render(**columns, prompt=prompt, completion=completion, prompt_messages=messages)
+            return self.template.render({**columns, "prompt": prompt, "completion": completion,
+                                         "prompt_messages": messages})
         except jinja2.UndefinedError as exc:
             raise ValueError(f"the judge prompt {self.cfg.prompt}: {exc.message}; it may use completion, prompt, "
                               f"prompt_messages and the data columns ({', '.join(columns) or 'none'}).") from None
