@@ -205,17 +205,19 @@ def test_reward_model(tmp_path):
 @pytest.mark.slow
 def test_judge_served_by_serve_rollout(tmp_path):
     """Three steps whose reward is a generative judge served by `grpo serve-rollout` (the tiny model behind a
-    bearer token, `api: grpo`): every step asks it (no failed request) and logs its score and counts."""
+    bearer token, `api: grpo`): every step and the evaluation after the last ask it (no failed request) and log
+    its score and counts."""
     out_dir = tmp_path / "out"
     out = _run(["bash", str(EXAMPLES / "11-judge" / "run.sh"), "--output-dir", str(tmp_path / "run"),
                 "--set", "train.steps=3", "--set", "train.prompts_per_step=4", "--set",
                 "train.generations_per_prompt=4", "--set", "train.micro_batch_size=16", "--set",
-                "logging.progress=plain"], tmp_path,
-               _env(tmp_path, OUT=str(out_dir)))
+                "eval.every_steps=3", "--set", "eval.num_prompts=2", "--set", "eval.generations_per_prompt=2",
+                "--set", "logging.progress=plain"], tmp_path, _env(tmp_path, OUT=str(out_dir)))
     assert out.returncode == 0, out.stdout + out.stderr
     rows = _metrics(tmp_path / "run")
     assert len(rows) == 3, rows
     for r in rows:  # 16 completions a step, one /generate request of batch_size 16 (fewer when some repeat)
         assert r["judge/judge/requests"] == 1 and r["judge/judge/failed_requests"] == 0, r
         assert r["judge/judge/missing"] < 16 and 0 <= r["reward/judge/mean"] <= 1, r
+    assert rows[-1]["eval/judge/judge/requests"] == 1 and rows[-1]["eval/judge/judge/failed_requests"] == 0
     assert "listening on" in (out_dir / "judge.log").read_text()
