@@ -40,10 +40,12 @@ class Judge:
                                          "prompt_messages": messages})
         except jinja2.UndefinedError as exc:
             raise ValueError(f"the judge prompt {self.cfg.prompt}: {exc.message}; it may use completion, prompt, "
-                              f"prompt_messages and the data columns ({', '.join(columns) or 'none'}).") from None
+                             f"prompt_messages and the data columns ({', '.join(columns) or 'none'}).") from None
 
     def __call__(self, prompts: list[str], completions: list[str], *, prompt_messages: list | None = None,
                  **columns) -> list[float | None]:
+        """One score per completion, None where the judge's request failed or its answer has no score; only
+        judge prompts not answered earlier in the step are sent, each once."""
         n = len(completions)
         messages = prompt_messages or [None] * n
         texts = [self.render(prompts[j], completions[j], messages[j], {k: v[j] for k, v in columns.items()})
