@@ -75,9 +75,13 @@ class Backend:
             if len(answers) != len(texts) or not all(isinstance(a, str) for a in answers):
                 raise ValueError(f"{len(answers)} answers for {len(texts)} prompts, or an answer that is not text")
         except Exception as exc:  # noqa: BLE001 - a failed request is a missing score, counted
+            first = self.stats.failed_requests == 0  # warn once per step; the metric counts the rest
             self.stats.add(requests=1, failed_requests=1, latency_s=time.perf_counter() - started)
-            log.warning("judge %s: a request for %d prompt(s) failed (%s: %s); they score missing", self.cfg.judge,
-                        len(texts), type(exc).__name__, str(exc)[:300])
+            if first:
+                hint = " (a 404: is `api` right? a grpo serve-rollout judge is api: grpo)" if "404" in str(exc) else ""
+                log.warning("judge %s: a request for %d prompt(s) failed (%s: %s)%s; they score missing, and so do "
+                            "those of further failed requests this step (judge/<name>/failed_requests)",
+                            self.cfg.judge, len(texts), type(exc).__name__, str(exc)[:300], hint)
             return [None] * len(texts)
         self.stats.add(requests=1, latency_s=time.perf_counter() - started)
         return answers

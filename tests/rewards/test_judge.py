@@ -98,7 +98,7 @@ def test_a_503_is_retried_then_succeeds_and_a_malformed_answer_is_missing(judge_
     assert len(stub.seen) == 3  # the 503, its retry, the second completion
 
 
-def test_failures_after_retries_and_timeouts_are_missing_within_the_timeout(judge_prompt):
+def test_failures_after_retries_and_timeouts_are_missing_within_the_timeout(judge_prompt, caplog):
     stub = StubJudge({}, statuses=(500, 500, 500))
     slow = StubJudge({}, delay_s=2.0)
     try:
@@ -114,6 +114,8 @@ def test_failures_after_retries_and_timeouts_are_missing_within_the_timeout(judg
     assert failed[0][0] != failed[0][0] and len(stub.seen) == 2  # a try and one retry, then missing
     assert all(row[0] != row[0] for row in timed_out) and took < 1.5  # both in flight, each cut at 0.3 s
     assert pop_reward_metrics(fns)["judge/judge/failed_requests"] == 2
+    warned = [r for r in caplog.records if r.name == "grpo_cli.rewards.judge_backends"]
+    assert len(warned) == 2 and "500 Internal Server Error" in warned[0].getMessage()  # one per judge and step
 
 
 def test_a_repeated_prompt_and_completion_is_asked_once_per_step(judge_prompt):
