@@ -48,3 +48,13 @@ def local_teacher(cfg) -> str | None:
     from grpo_cli.models.tiny import resolve_model_path
 
     return resolve_model_path(d.teacher)
+
+
+def local_teacher_params(cfg) -> int:
+    """Parameters of a local teacher (0 without one), from its config.json (`grpo plan`)."""
+    d = cfg.algorithm.distill
+    if d is None or d.served:
+        return 0
+    from grpo_cli.config.model_shape import model_shape
+
+    return model_shape(d.teacher).params
