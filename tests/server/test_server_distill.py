@@ -5,7 +5,6 @@ logprobs line up token for token with the trainer's; one position off would give
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
