@@ -13,7 +13,7 @@ from grpo_cli.config.base import Section
 class DistillConfig(Section):
     """On-policy distillation: a teacher scores the tokens the student sampled, and the per-token signal
     −clamp(logp_student − logp_teacher, ±clip) (reverse KL on the student's own samples), times `coef`, is added to
-    the reward's advantage or replaces it (docs/algorithm.md, "On-policy distillation")."""
+    the reward's advantage or replaces it (docs/distillation.md)."""
 
     teacher: str
     """The teacher: a local checkpoint folder (or a `builtin:` model), scored by the training backend like the KL

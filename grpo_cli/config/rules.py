@@ -295,6 +295,9 @@ def _check_distill(cfg: GRPOConfig) -> None:
             f"logprobs, but rollout.temperature={cfg.rollout.temperature}: the student's and the teacher's logprobs "
             "would be at different temperatures. Set rollout.temperature: 1.0, or give a local teacher checkpoint "
             "(scored at the rollout temperature).")
+    if not d.served and "token_env" in d.model_fields_set:
+        raise ValueError(f"algorithm.distill.token_env is the bearer token of a served teacher, but the teacher "
+                         f"{d.teacher} is a local checkpoint: remove token_env (or give the teacher's server URL).")
     if not d.served and cfg.distributed.backend == "megatron":
         raise ValueError(
             "algorithm.distill.teacher is a local checkpoint, which the megatron backend does not load (it builds "

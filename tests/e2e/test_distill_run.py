@@ -15,7 +15,7 @@ import pytest
 def sharp_teacher(path: Path) -> Path:
     """A teacher made in a second: the tiny architecture and tokenizer from another seed, its final norm ×10, so
     its next-token distributions are peaked (a random init is near uniform, as is the untrained student; the
-    preset's real teacher is the default preset's trained model, docs/algorithm.md)."""
+    preset's real teacher is the default preset's trained model, docs/distillation.md)."""
     from safetensors.torch import load_file, save_file
 
     from grpo_cli.models.tiny import build_tiny_checkpoint

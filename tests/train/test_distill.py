@@ -46,6 +46,7 @@ def test_tokenizer_difference_sees_special_tokens(tiny_checkpoint):
      "megatron backend does not load"),
     (["algorithm.distill.teacher=builtin:tiny", "algorithm.distill.mode=sum"], "mode"),
     (["algorithm.distill.coef=1"], "teacher"),
+    (["algorithm.distill.teacher=builtin:tiny", "algorithm.distill.token_env=T"], "remove token_env"),
 ])
 def test_config_rules(sets, needle):
     with pytest.raises(ConfigError, match=needle):
