@@ -55,10 +55,17 @@ def check_local_teacher(student_path: str, teacher_path: str) -> None:
 def served_teacher(cfg: GRPOConfig, student_path: str, student_tokenizer) -> TeacherScore:
     """Connect to the teacher's `grpo serve-rollout` server and check its tokenizer: fully when the folder its
     /info names exists here, else by vocabulary size and EOS ids. Returns the batch scorer (its /score route)."""
+    from grpo_cli.rollout.base import RolloutError
     from grpo_cli.rollout.remote.client import ServerEngine, model_identity
 
     d = cfg.algorithm.distill
-    server = ServerEngine([d.teacher], token=d.token, start_hint="grpo serve-rollout --engine hf --model TEACHER")
+    try:
+        server = ServerEngine([d.teacher], token=d.token, start_hint="grpo serve-rollout --engine hf --model TEACHER")
+    except RolloutError as exc:
+        raise UserError(f"algorithm.distill.teacher {d.teacher} is not a ready `grpo serve-rollout` server ({exc}). "
+                        "A served teacher is scored through serve-rollout's /score route: start it with `grpo "
+                        "serve-rollout --model TEACHER`; a stock `vllm serve` (prompt logprobs) is not supported as a "
+                        "teacher yet.") from exc
     info = server.info[server.urls[0]]
     where = f"{d.teacher} (serving {info.get('model')})"
     if info.get("model") and Path(info["model"]).is_dir():

@@ -89,3 +89,31 @@ def test_phase_uses_behaviour_logprobs_and_trained_mask(mu):
     assert metrics["distill/teacher_logprob"] == pytest.approx(-1.0)
     assert metrics["distill/clipped_frac"] == pytest.approx(0.5)
     assert metrics["distill/advantage_share"] == pytest.approx(0.75 / 2.75)
+
+
+def test_a_server_without_serve_rollouts_routes_is_refused_with_the_fix(tiny_checkpoint):
+    """A stock `vllm serve` answers /health but has no /info or /score: refused at start, naming the fix."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from grpo_cli.config.errors import UserError
+    from grpo_cli.train.distill import served_teacher
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        cfg = build_config("tiny-cpu", overrides=[f"algorithm.distill.teacher={url}"])
+        with pytest.raises(UserError, match="grpo serve-rollout --model TEACHER") as err:
+            served_teacher(cfg, tiny_checkpoint, None)
+        assert url in str(err.value) and "vllm serve" in str(err.value)
+    finally:
+        httpd.shutdown()
