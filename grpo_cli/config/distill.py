@@ -1,4 +1,4 @@
-"""The `algorithm.distill:` section: on-policy distillation from a teacher model (formula in `grpo_cli.algo.distill`)."""
+"""The `algorithm.distill:` section: on-policy distillation from a teacher (the formula: `grpo_cli.algo.distill`)."""
 
 from __future__ import annotations
 

@@ -295,7 +295,7 @@ def _check_distill(cfg: GRPOConfig) -> None:
             f"logprobs, but rollout.temperature={cfg.rollout.temperature}: the student's and the teacher's logprobs "
             "would be at different temperatures. Set rollout.temperature: 1.0, or give a local teacher checkpoint "
             "(scored at the rollout temperature).")
-    if not d.served and "token_env" in d.model_fields_set:
+    if not d.served and d.token_env != type(d).model_fields["token_env"].default:  # a dumped config sets every field
         raise ValueError(f"algorithm.distill.token_env is the bearer token of a served teacher, but the teacher "
                          f"{d.teacher} is a local checkpoint: remove token_env (or give the teacher's server URL).")
     if not d.served and cfg.distributed.backend == "megatron":

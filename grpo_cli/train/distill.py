@@ -47,7 +47,8 @@ def check_local_teacher(student_path: str, teacher_path: str) -> None:
     if not Path(teacher_path).is_dir():
         raise UserError(f"algorithm.distill.teacher {teacher_path} is not a folder: give a checkpoint folder (e.g. "
                         "the final-model/ of a `grpo train` run) or the URL of a `grpo serve-rollout` server.")
-    diff = tokenizer_difference(AutoTokenizer.from_pretrained(student_path), AutoTokenizer.from_pretrained(teacher_path))
+    load = AutoTokenizer.from_pretrained
+    diff = tokenizer_difference(load(student_path), load(teacher_path))
     if diff:
         _refuse_tokenizers(student_path, teacher_path, diff)
 

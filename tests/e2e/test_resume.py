@@ -34,7 +34,8 @@ VARIANTS = {
               "--set", "distributed.backend=deepspeed", "--set", "distributed.deepspeed.zero_stage=3"],
     "megatron": ["--preset", "tiny-cpu", "--set", "distributed.num_processes=2",
                  "--set", "distributed.backend=megatron", "--set", "distributed.megatron.tensor_parallel=2"],
-    "tiny-cpu-lora": ["--preset", "tiny-cpu-lora", "--set", "algorithm.distill={teacher: 'builtin:tiny', coef: 0.5}"],
+    "tiny-cpu-lora": ["--preset", "tiny-cpu-lora",
+                      "--set", "algorithm.distill={teacher: 'builtin:tiny', coef: 0.5}"],
     "fsdp2-lora": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set",
                    "distributed.backend=fsdp2", "--set", "model.lora={modules_to_save: [lm_head]}"],
 }

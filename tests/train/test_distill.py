@@ -74,7 +74,8 @@ def _batch(adv: torch.Tensor) -> TrainBatch:
 @pytest.mark.parametrize("mu", [1, 2])
 def test_phase_uses_behaviour_logprobs_and_trained_mask(mu):
     cfg = build_config("tiny-cpu", overrides=["algorithm.distill.teacher=builtin:tiny", "algorithm.distill.clip=1.0",
-                                              "algorithm.distill.coef=0.5", "algorithm.mask_truncated_completions=true"])
+                                              "algorithm.distill.coef=0.5",
+                                              "algorithm.mask_truncated_completions=true"])
     batch = _batch(torch.tensor([1.0, -1.0]))
     student = torch.tensor([[-1.0, -2.0, -9.0], [-1.0, -1.0, -1.0]])
     teacher = torch.tensor([[-1.5, -0.5, -9.0], [-3.0, -3.0, -3.0]])
@@ -117,3 +118,11 @@ def test_a_server_without_serve_rollouts_routes_is_refused_with_the_fix(tiny_che
         assert url in str(err.value) and "vllm serve" in str(err.value)
     finally:
         httpd.shutdown()
+
+
+def test_a_dumped_distill_config_validates_again():
+    """Ray actors and resumed runs rebuild the config from its full dump (every field set)."""
+    from grpo_cli.config.schema import GRPOConfig
+
+    cfg = build_config("tiny-cpu", overrides=["algorithm.distill.teacher=builtin:tiny"])
+    assert GRPOConfig.model_validate(cfg.model_dump(mode="json")) == cfg
