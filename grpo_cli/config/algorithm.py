@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from grpo_cli.config.base import Section
+from grpo_cli.config.distill import DistillConfig
 
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp"]
@@ -206,6 +207,8 @@ class AlgorithmConfig(Section):
     """Per-token policy objective and its clip ranges."""
     kl: KLConfig = Field(default_factory=KLConfig)
     """KL penalty to the reference model."""
+    distill: DistillConfig | None = None
+    """On-policy distillation from a teacher model (per-token advantages); None (default) disables it."""
     is_correction: ISCorrectionConfig = Field(default_factory=ISCorrectionConfig)
     """Importance-sampling correction of the training/inference mismatch (needs sampler logprobs)."""
     off_policy_sequence_mask_delta: float | None = Field(None, ge=0)

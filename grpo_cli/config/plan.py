@@ -12,6 +12,7 @@ from grpo_cli.config.model_shape import (  # noqa: F401  (re-exported: `grpo pla
 from grpo_cli.config.plan_megatron import (  # noqa: F401
     BYTES, megatron_activation_bytes, megatron_layout, megatron_state_bytes)
 from grpo_cli.config.plan_tokens import activation_bytes_per_position, micro_batch_positions, token_budget_lines
+from grpo_cli.config.distill import local_teacher_params
 from grpo_cli.config.reward_models import parks_reward_models, reward_model_bytes
 from typing import TYPE_CHECKING
 
@@ -46,8 +47,7 @@ def batch_plan(cfg: GRPOConfig) -> dict[str, int]:
     world = d.num_processes * d.num_machines
     per_rank = t.prompts_per_step // world * t.generations_per_prompt
     return {
-        "processes": world,
-        "prompts_per_step": t.prompts_per_step,
+        "processes": world, "prompts_per_step": t.prompts_per_step,
         "generations_per_prompt": t.generations_per_prompt,
         "sequences_per_step": t.prompts_per_step * t.generations_per_prompt,
         "prompts_per_process": t.prompts_per_step // world,
@@ -179,9 +179,10 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     out = training_state_bytes(cfg, p)
     out.update(gathered_bytes(cfg, shape))
     megatron = cfg.distributed.backend == "megatron"
-    if cfg.algorithm.kl.beta > 0:
-        world = cfg.distributed.num_processes * cfg.distributed.num_machines
-        out["reference"] = out["weights"] if megatron else p * wbytes / (world if sharding(cfg)["weights"] else 1)
+    split = cfg.distributed.num_processes * cfg.distributed.num_machines if sharding(cfg)["weights"] else 1
+    if cfg.algorithm.kl.beta > 0:  # the frozen copies (reference, a local distillation teacher) shard like the policy
+        out["reference"] = out["weights"] if megatron else p * wbytes / split
+    out.update({"teacher": teacher * wbytes / split} if (teacher := local_teacher_params(cfg)) else {})
     out["activations"] = megatron_activation_bytes(cfg, shape, batch_plan(cfg)) if megatron else \
         micro_batch_positions(cfg) * activation_bytes_per_position(cfg, shape)
     if megatron and cfg.rollout.layout.shares_policy_weights:
@@ -218,13 +219,13 @@ def _offload_flags(cfg: GRPOConfig) -> dict[str, bool]:
 
 
 def resident_while_generating(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, float]:
-    """What stays on the GPU while generating: the state `distributed.offload` does not move, the reference, and a
-    reward model that is not parked in host memory (`config.reward_models.parks_reward_models`)."""
+    """What stays on the GPU while generating: the state `distributed.offload` does not move, the reference, a local
+    distillation teacher, and a reward model not parked in host memory (`config.reward_models.parks_reward_models`)."""
     moved = _offload_flags(cfg)
     state = state_between_steps(cfg, mem)
     rm = 0.0 if parks_reward_models(cfg) else mem.get("reward_model", 0.0)
     return ({k: (0.0 if moved[k] else v) for k, v in state.items()} | {"reference": mem.get("reference", 0.0)}
-            | ({"reward_model": rm} if rm else {}))
+            | {k: v for k, v in (("teacher", mem.get("teacher")), ("reward_model", rm)) if v})
 
 
 def peak_bytes(cfg: GRPOConfig, mem: dict[str, float]) -> float:
@@ -234,7 +235,7 @@ def peak_bytes(cfg: GRPOConfig, mem: dict[str, float]) -> float:
     vllm = mem.get("vllm_weights", 0.0) + mem.get("vllm_kv_cache", 0.0)
     rm = mem.get("reward_model", 0.0) if parks_reward_models(cfg) else 0.0
     train = sum(v for k, v in mem.items() if not k.startswith("vllm")) - rm
-    scoring = sum(state_between_steps(cfg, mem).values()) + mem.get("reference", 0.0) + rm
+    scoring = sum(state_between_steps(cfg, mem).values()) + mem.get("reference", 0.0) + mem.get("teacher", 0.0) + rm
     if cfg.rollout.vllm.sleep_level == 0:
         return max(train, scoring) + vllm
     return max(train, scoring, vllm + sum(resident_while_generating(cfg, mem).values()))

@@ -285,6 +285,26 @@ def _check_reward_models(cfg: GRPOConfig) -> None:
             )
 
 
+def _check_distill(cfg: GRPOConfig) -> None:
+    d = cfg.algorithm.distill
+    if d is None:
+        return
+    if d.served and cfg.rollout.temperature != 1.0:
+        raise ValueError(
+            f"algorithm.distill.teacher is a served teacher ({d.teacher}), whose /score route gives temperature-1 "
+            f"logprobs, but rollout.temperature={cfg.rollout.temperature}: the student's and the teacher's logprobs "
+            "would be at different temperatures. Set rollout.temperature: 1.0, or give a local teacher checkpoint "
+            "(scored at the rollout temperature).")
+    if not d.served and d.token_env != type(d).model_fields["token_env"].default:  # a dumped config sets every field
+        raise ValueError(f"algorithm.distill.token_env is the bearer token of a served teacher, but the teacher "
+                         f"{d.teacher} is a local checkpoint: remove token_env (or give the teacher's server URL).")
+    if not d.served and cfg.distributed.backend == "megatron":
+        raise ValueError(
+            "algorithm.distill.teacher is a local checkpoint, which the megatron backend does not load (it builds "
+            "its reference from Megatron chunks only). Serve the teacher with `grpo serve-rollout --model TEACHER` "
+            "and set algorithm.distill.teacher to its URL, or use distributed.backend ddp, fsdp2 or deepspeed.")
+
+
 def check_rules(cfg: GRPOConfig) -> None:
     """Raise ValueError (naming the field and the fix) when fields contradict each other."""
     _check_batch(cfg)
@@ -295,3 +315,4 @@ def check_rules(cfg: GRPOConfig) -> None:
     _check_lora_and_eval(cfg)
     _check_agent(cfg)
     _check_reward_models(cfg)
+    _check_distill(cfg)

@@ -17,6 +17,7 @@ from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutEngine, SamplingParams
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
+from grpo_cli.train.distill import TeacherScore, distill_phase
 from grpo_cli.train.scoring.dynamic_sampling import ROUND_SEED_STRIDE, fill_step
 from grpo_cli.train.loss import trained_mask
 from grpo_cli.train.pipeline import RolloutPipeline, take_step_prompts
@@ -57,6 +58,8 @@ class Trainer:
     """Async mode: batches generated ahead of the step that trains on them."""
     evaluate: Callable[[int], dict[str, float]] | None = None
     """`eval.every_steps`: held-out metrics after a step (empty when none is due)."""
+    teacher: TeacherScore | None = None
+    """`algorithm.distill`: the teacher's logprobs of a batch's completion tokens."""
 
 
 class TrainingStopped(UserError):
@@ -129,9 +132,9 @@ def generate_with_recovery(tr: Trainer, prompt_ids: list[list[int]], sampling):
     return generate_with_resync(tr.engine, tr.sync, tr.dist, lambda: tr.engine.generate(prompt_ids, sampling))
 
 
-def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:
+def logprob_phase(tr: Trainer, batch: TrainBatch) -> dict[str, float]:
     """Old-policy logprobs only when μ > 1 (at μ = 1 they equal the first forward, detached); reference only
-    when β > 0."""
+    when β > 0; with `algorithm.distill`, the teacher's, and the distilled advantages (returns its metrics)."""
     cfg, micro, temp = tr.cfg, tr.cfg.train.micro_batch_size, tr.cfg.rollout.temperature
     backend = tr.policy.backend
     with tr.timer.phase("logprobs"):
@@ -140,6 +143,10 @@ def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:
         if cfg.algorithm.kl.beta > 0:
             batch.ref_logprobs = backend.batch_logprobs(batch, micro_batch_size=micro, temperature=temp,
                                                         reference=True)
+        if tr.teacher is not None:  # the student's behaviour logprobs: the old ones, or the same no-grad pass
+            return distill_phase(cfg, batch, tr.teacher, lambda: backend.batch_logprobs(
+                batch, micro_batch_size=micro, temperature=temp))
+    return {}
 
 
 def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, float]:
@@ -197,7 +204,7 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
                         pad_token_id=tr.policy.tokenizer.pad_token_id)
     batch.advantages = advantages
     batch = batch.to(tr.policy.device)
-    logprob_phase(tr, batch)
+    metrics.update(logprob_phase(tr, batch))
     metrics.update(train_phase(tr, state, batch))
     if state.step == 0:
         local, total = tr.policy.backend.param_numel()

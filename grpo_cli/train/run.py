@@ -17,6 +17,8 @@ from grpo_cli.rollout.base import EngineContext
 from grpo_cli.rollout.factory import make_engine, sampling_params
 from grpo_cli.train import checkpoint as ckpt
 from grpo_cli.train.supervise.alarms import StepAlarms
+from grpo_cli.config.distill import local_teacher
+from grpo_cli.train.distill import check_local_teacher, make_teacher
 from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_seed
 from grpo_cli.train.pipeline import RolloutPipeline
 from grpo_cli.train.policy import eos_token_ids, load_policy
@@ -32,6 +34,8 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     """Load data, rewards, policy and engine for this process, on its resolved `device`."""
     model_path = resolve_model_path(cfg.model.name_or_path)
     reward_fns = reward_fns_for(cfg, device)  # a reward model with `device: auto` follows the training device
+    if (teacher_path := local_teacher(cfg)) is not None:  # refused before the policy loads
+        check_local_teacher(model_path, teacher_path)
     policy = load_policy(cfg, model_path, device=device, info=info)
     rows = load_rows(cfg.data.source, seed=cfg.train.seed)
     schemas = None
@@ -60,7 +64,8 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     if cfg.rollout.mode != "async":  # async: each Ray actor wraps its own engine with it (rollout/ray/actor.py)
         engine = wrap_rollout(engine, cfg, policy.tokenizer)
     offload = policy.backend.offloader()
-    trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload, timer=PhaseTimer(device))
+    trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload, timer=PhaseTimer(device),
+                      teacher=make_teacher(cfg, model_path, policy.tokenizer, policy.backend))
     if not engine.shares_policy_weights:
         from grpo_cli.train.weights.weight_sync import sync_weights
 

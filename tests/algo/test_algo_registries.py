@@ -13,9 +13,11 @@ import grpo_cli.algo
 import grpo_cli.train.loss
 from grpo_cli.algo.advantages import ADVANTAGE_ESTIMATORS, REWARD_SCALES, group_advantages, process_advantages
 from grpo_cli.algo.aggregation import AGGREGATIONS, aggregate_loss
+from grpo_cli.algo.distill import distill_advantages, distill_signal
 from grpo_cli.algo.importance import IS_ACTIONS, IS_LEVELS, off_policy_sequence_mask, rollout_correction
 from grpo_cli.algo.kl import KL_ESTIMATORS, kl_penalty
 from grpo_cli.algo.objectives import OBJECTIVES, policy_objective
+from grpo_cli.config.distill import DistillConfig
 from grpo_cli.config.algorithm import (
     AdvantageConfig,
     AlgorithmConfig,
@@ -111,12 +113,15 @@ def test_every_algorithm_setting_reaches_a_function():
     """Each leaf of `algorithm:` is a keyword of an algo function, or read by name in the train/loss.py bridge or
     the loop (listed here with where); a new setting must be added to one of them."""
     consumed = set().union(*(kw_only(f) for f in (group_advantages, policy_objective, kl_penalty,
-                                                   rollout_correction, off_policy_sequence_mask, aggregate_loss)))
+                                                   rollout_correction, off_policy_sequence_mask, aggregate_loss,
+                                                   distill_signal, distill_advantages)))
     bridge = {"loss": "preset expansion", "advantage": "section", "objective": "section", "kl": "section",
               "is_correction": "section", "num_iterations": "train/loop.py", "entropy_coef": "compute_loss",
-              "mask_truncated_completions": "trained_mask"}
+              "mask_truncated_completions": "trained_mask", "distill": "section",
+              "teacher": "train/distill.py make_teacher", "token_env": "train/distill.py served_teacher"}
     leaves = set(AlgorithmConfig.model_fields) | set(AdvantageConfig.model_fields) | set(
-        ObjectiveConfig.model_fields) | set(KLConfig.model_fields) | set(ISCorrectionConfig.model_fields)
+        ObjectiveConfig.model_fields) | set(KLConfig.model_fields) | set(ISCorrectionConfig.model_fields) | set(
+        DistillConfig.model_fields)
     assert leaves - {"kind"} - set(bridge) <= consumed, leaves - {"kind"} - set(bridge) - consumed
     source = Path(grpo_cli.train.loss.__file__).read_text()
     assert all(f"algorithm.{name}" in source for name in ("entropy_coef", "mask_truncated_completions"))

@@ -5,7 +5,8 @@ re-synced), and sharded: fsdp2 (DCP shards) and DeepSpeed ZeRO-3 (its own per-ra
 vLLM colocated, the whole process tree killed, as when a node dies, and Megatron at tensor parallel 2 (its
 dist_checkpointing shards, the hf engine's own copy re-synced from them); and a LoRA policy, on ddp (tiny-cpu-lora) and
 fsdp2 (the checkpoint holds the adapter and its optimizer state, the frozen base is read again; the adapter is
-compared). SIGINT and SIGHUP take the same save path as each other, so the sharded and LoRA variants run SIGKILL
+compared; the ddp one also distils from a local teacher, `algorithm.distill`, reloaded rather than checkpointed).
+SIGINT and SIGHUP take the same save path as each other, so the sharded and LoRA variants run SIGKILL
 only and SIGHUP runs in sync mode only (CI time)."""
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ VARIANTS = {
               "--set", "distributed.backend=deepspeed", "--set", "distributed.deepspeed.zero_stage=3"],
     "megatron": ["--preset", "tiny-cpu", "--set", "distributed.num_processes=2",
                  "--set", "distributed.backend=megatron", "--set", "distributed.megatron.tensor_parallel=2"],
-    "tiny-cpu-lora": ["--preset", "tiny-cpu-lora"],
+    "tiny-cpu-lora": ["--preset", "tiny-cpu-lora",
+                      "--set", "algorithm.distill={teacher: 'builtin:tiny', coef: 0.5}"],
     "fsdp2-lora": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set",
                    "distributed.backend=fsdp2", "--set", "model.lora={modules_to_save: [lm_head]}"],
 }

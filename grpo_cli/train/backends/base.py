@@ -111,6 +111,8 @@ class TrainingBackend:
         self.model: torch.nn.Module
         self.module: torch.nn.Module
         self.ref_model: torch.nn.Module | None = None
+        self.teacher_model: torch.nn.Module | None = None
+        """`algorithm.distill` with a local teacher: the frozen teacher, loaded like `ref_model` (`load_teacher`)."""
         self.optimizer: torch.optim.Optimizer
         self.scheduler: torch.optim.lr_scheduler.LambdaLR
 
@@ -138,15 +140,26 @@ class TrainingBackend:
             return contextlib.nullcontext(self.ref_model)
         return _adapter_disabled(self.module)
 
+    def load_teacher(self, load: Callable[[str], torch.nn.Module]) -> None:
+        """`algorithm.distill` with a local teacher: `teacher_model` = `load(folder)` (the backend's way of loading a
+        frozen copy, the one its reference uses)."""
+        from grpo_cli.config.distill import local_teacher
+
+        if (path := local_teacher(self.cfg)) is not None:
+            self.teacher_model = load(path)
+
     # ---- one optimizer step ------------------------------------------------------------------------
     @torch.no_grad()
     def batch_logprobs(self, batch: TrainBatch, *, micro_batch_size: int, temperature: float,
-                       reference: bool = False) -> torch.Tensor:
-        """No-grad completion logprobs (B, T), fp32, of the whole batch under the policy or (`reference`) the KL
-        reference, micro-batch by micro-batch. Collective for backends that split the model across ranks."""
+                       reference: bool = False, teacher: bool = False) -> torch.Tensor:
+        """No-grad completion logprobs (B, T), fp32, of the whole batch under the policy, (`reference`) the KL
+        reference or (`teacher`) the distillation teacher, micro-batch by micro-batch. Collective for backends that
+        split the model across ranks."""
         from grpo_cli.train.batch import batch_logprobs
 
-        with self.compute_context(), (self.reference() if reference else contextlib.nullcontext(self.model)) as m:
+        chosen = (contextlib.nullcontext(self.teacher_model) if teacher else self.reference() if reference
+                  else contextlib.nullcontext(self.model))
+        with self.compute_context(), chosen as m:
             return batch_logprobs(m, batch, micro_batch_size=micro_batch_size, temperature=temperature,
                                   micro_batch_tokens=self.cfg.train.micro_batch_tokens, agree=self.agree_count)
 

@@ -28,7 +28,9 @@ class DDPBackend(TrainingBackend):
         if cfg.algorithm.kl.beta > 0 and cfg.model.lora is None:
             ref = load_hf_model(cfg, model_path, dtype=compute_dtype(cfg)).to(self.device)
             self.ref_model = ref.eval().requires_grad_(False)
-        use_onednn_linear(cfg.model.cpu_linear, self.device, self.module, self.ref_model)
+        self.load_teacher(lambda path: load_hf_model(cfg, path, dtype=compute_dtype(cfg)).to(self.device)
+                          .eval().requires_grad_(False))
+        use_onednn_linear(cfg.model.cpu_linear, self.device, self.module, self.ref_model, self.teacher_model)
         self.model = self.module
         if self.info.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel

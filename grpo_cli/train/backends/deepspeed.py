@@ -139,6 +139,7 @@ class DeepSpeedBackend(TrainingBackend):
         self.scheduler = make_scheduler(cfg, client)  # stepped here, once per applied optimizer step
         if cfg.algorithm.kl.beta > 0:
             self.ref_model = self._reference(model_path, ds_config, dtype)
+        self.load_teacher(lambda path: self._reference(path, ds_config, dtype))
 
     def _reference(self, model_path: str, ds_config: dict, dtype: torch.dtype) -> torch.nn.Module:
         import deepspeed

@@ -170,6 +170,7 @@ class FSDP2Backend(TrainingBackend):
         self.module = self.model = self._sharded(model_path, trainable=True)
         if cfg.algorithm.kl.beta > 0 and cfg.model.lora is None:
             self.ref_model = self._sharded(model_path, trainable=False)
+        self.load_teacher(lambda path: self._sharded(path, trainable=False))
         self.optimizer = make_adamw(cfg, list(self.module.parameters()))
         self.scheduler = make_scheduler(cfg, self.optimizer)
 
