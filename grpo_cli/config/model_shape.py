@@ -70,6 +70,20 @@ def local_model_config(name: str) -> dict | None:
         return None
 
 
+VISION_BUILTINS = ("builtin:tiny-vlm",)
+
+
+def is_vision_model(name: str) -> bool:
+    """Whether `model.name_or_path` is a vision-language model: a built-in one, a local folder whose config.json
+    has a `vision_config`, or a hub name of the Qwen-VL families ('Qwen/Qwen2.5-VL-3B-Instruct': `-VL-` in it)."""
+    if name in VISION_BUILTINS:
+        return True
+    c = local_model_config(name)
+    if c is not None:
+        return "vision_config" in c
+    return bool(re.search(r"-VL(-|$)", name, re.IGNORECASE))
+
+
 def num_experts(c: dict) -> int:
     """Routed experts per MoE layer from a config.json (Qwen2/3-MoE `num_experts`, Mixtral `num_local_experts`,
     DeepSeek `n_routed_experts`); 0 for a dense model."""
