@@ -25,7 +25,9 @@ DCP_DIR = "dcp"
 
 
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one: the classes the model lists as `_no_split_modules`."""
+    """The repeated blocks to shard one by one: the classes the model lists as `_no_split_modules` (a vision-language
+    model lists its vision blocks there too, Qwen2-VL's `Qwen2VLVisionBlock`: the vision tower is sharded block by
+    block like the decoder)."""
     names = set(getattr(module, "_no_split_modules", None) or [])
     layers = [m for m in module.modules() if type(m).__name__ in names]
     if not layers:
@@ -37,13 +39,14 @@ def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
 def build_on_meta(cfg, model_path: str, *, dtype: torch.dtype) -> torch.nn.Module:
     """The model's structure with parameters on the meta device; buffers (rotary tables) real, on CPU."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from grpo_cli.models.attention import attention_implementation
+    from grpo_cli.models.vision import causal_lm_class
 
     config = AutoConfig.from_pretrained(model_path)
     with init_empty_weights(include_buffers=False):
-        module = AutoModelForCausalLM.from_config(
+        module = causal_lm_class(config).from_config(
             config, dtype=dtype, attn_implementation=attention_implementation(cfg.model.attn_implementation))
     module.tie_weights()  # init_empty_weights registers a separate meta tensor per module: tie them again
     return module

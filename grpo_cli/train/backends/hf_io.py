@@ -14,11 +14,12 @@ from grpo_cli.train.checkpoint import CheckpointError
 
 
 def load_hf_model(cfg: GRPOConfig, model_path: str, *, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from grpo_cli.models.attention import attention_implementation
+    from grpo_cli.models.vision import causal_lm_class
 
-    return AutoModelForCausalLM.from_pretrained(
+    return causal_lm_class(AutoConfig.from_pretrained(model_path)).from_pretrained(
         model_path, dtype=dtype, attn_implementation=attention_implementation(cfg.model.attn_implementation))
 
 
