@@ -122,14 +122,14 @@ def build(opts: ServeOptions, *, vllm_engine=None) -> Served:
 
 def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from grpo_cli.models.vision import causal_lm_class
     from grpo_cli.rollout.hf.engine import HFEngine
     from grpo_cli.models.weight_names import accepted_shapes
 
     from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 
-    model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=getattr(torch, dtype))
+    model = causal_lm_class(cfg).from_pretrained(opts.model, dtype=getattr(torch, dtype))
     model = model.to(resolve_device("auto", local_rank_from_env()))
     model.eval().requires_grad_(False)
     if opts.compile:
@@ -140,8 +140,9 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
                       compile_step=opts.compile)
     shapes = accepted_shapes(model)
     max_len = opts.max_model_len or int(cfg.get("max_position_embeddings", 2048))
+    caps = ["generate", "score", "update_weights", "update_weights_from_disk"]
     return Served(engine, "hf", opts.model, dtype, vocab, arch, max_len, shapes, eos_ids, pad_id,
-                  ["generate", "score", "update_weights", "update_weights_from_disk"])
+                  caps + (["images"] if engine.accepts_images else []))
 
 
 def _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id, engine) -> Served:
