@@ -13,12 +13,21 @@ VISION_PREFIXES = ("model.visual.", "visual.")
 embedding, the vision blocks and the merger that projects into the language model's width); a PEFT wrapper adds
 `base_model.model.` in front (`is_vision_parameter` strips it)."""
 
+VISION_MODULES = r".*\bvisual\b.*"
+"""PEFT's `exclude_modules` regex for the vision tower's modules: LoRA adapts the language model only."""
+
 
 def is_vision_config(config) -> bool:
     """Whether a Hugging Face config (or its dict) is a vision-language model's (it has a `vision_config`)."""
     if isinstance(config, dict):
         return "vision_config" in config
     return getattr(config, "vision_config", None) is not None
+
+
+def placeholder_ids(config) -> list[int]:
+    """A vision-language config's image and video placeholder token ids (what no completion may sample)."""
+    return [i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+            if i is not None]
 
 
 def causal_lm_class(config):

@@ -11,7 +11,7 @@ import torch
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.data.prompts import PromptCursor
+from grpo_cli.data.prompts import PromptCursor, images_of, vision_of
 from grpo_cli.runtime.dist import DistInfo, all_reduce_sum, mean_metrics
 from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutEngine, SamplingParams
@@ -91,7 +91,8 @@ def generate_phase(tr: Trainer, prompts, *, seed: int | None, sampling: Sampling
     compute = tr.policy.backend.compute_context() if tr.engine.shares_policy_weights else contextlib.nullcontext()
     tr.engine.bind_prompts(prompts)  # multi-turn: an environment is reset with each prompt's row
     with tr.timer.phase("generate"), compute:
-        rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling or sampling_params(tr.cfg, seed=seed))
+        rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling or sampling_params(tr.cfg, seed=seed),
+                                         images=images_of(prompts))
     if tr.offload is not None:
         with tr.timer.phase("offload"):
             tr.offload.reload()
@@ -123,10 +124,14 @@ def score_phase(tr: Trainer, state: LoopState) -> tuple[ScoredRollout, ScoredRol
                      group_size=cfg.train.generations_per_prompt, max_extra_rounds=ds.max_extra_rounds, dist=tr.dist)
 
 
-def generate_with_recovery(tr: Trainer, prompt_ids: list[list[int]], sampling):
-    """Generate; when a rollout server died and came back (`recovered`), push the weights again and retry once
+def generate_with_recovery(tr: Trainer, prompt_ids: list[list[int]], sampling, images: list[list] | None = None):
+    """Generate (with each prompt's `images` when some prompt has one: the engine `accepts_images`, checked when
+    the run starts); when a rollout server died and came back (`recovered`), push the weights again and retry once
     (`sync_ranks.generate_with_resync`: collectively where rank 0 alone pushes)."""
-    return generate_with_resync(tr.engine, tr.sync, tr.dist, lambda: tr.engine.generate(prompt_ids, sampling))
+    if images is None:
+        return generate_with_resync(tr.engine, tr.sync, tr.dist, lambda: tr.engine.generate(prompt_ids, sampling))
+    return generate_with_resync(tr.engine, tr.sync, tr.dist,
+                                lambda: tr.engine.generate(prompt_ids, sampling, images=images))
 
 
 def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:
@@ -194,7 +199,7 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
         advantages, rewards, metrics = reward_step(cfg, tr.reward_fns, scored, generated)
     metrics.update(sampling_metrics)
     batch = build_batch(rollout, group_size=cfg.train.generations_per_prompt,
-                        pad_token_id=tr.policy.tokenizer.pad_token_id)
+                        pad_token_id=tr.policy.tokenizer.pad_token_id, vision=vision_of(prompts))
     batch.advantages = advantages
     batch = batch.to(tr.policy.device)
     logprob_phase(tr, batch)

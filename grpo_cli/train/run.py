@@ -6,8 +6,10 @@ import dataclasses
 import os
 from pathlib import Path
 
+from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
+from grpo_cli.data.images import ImageProcessor
+from grpo_cli.data.prompts import PromptCursor, images_of, tokenize_prompts
 from grpo_cli.data.sources import load_rows
 from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 from grpo_cli.runtime.dist import DistInfo, barrier, broadcast_object, init_from_env, release_own_group, shutdown
@@ -31,6 +33,9 @@ from grpo_cli.train.supervise.watchdog import StallWatchdog
 def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trainer:
     """Load data, rewards, policy and engine for this process, on its resolved `device`."""
     model_path = resolve_model_path(cfg.model.name_or_path)
+    images = ImageProcessor.load(model_path, max_pixels=cfg.data.max_image_pixels)  # None: a text-only model
+    if images is not None:
+        check_vision_run(cfg)
     reward_fns = reward_fns_for(cfg, device)  # a reward model with `device: auto` follows the training device
     policy = load_policy(cfg, model_path, device=device, info=info)
     rows = load_rows(cfg.data.source, seed=cfg.train.seed)
@@ -44,6 +49,7 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     prompts, dropped = tokenize_prompts(
         rows, policy.tokenizer, prompt_column=cfg.data.prompt_column,
         max_prompt_length=cfg.data.max_prompt_length, overlong_prompts=cfg.data.overlong_prompts, tools=schemas,
+        images=images,
     )
     if dropped:
         log(f"data: dropped {dropped} of {len(rows)} prompts longer than {cfg.data.max_prompt_length} tokens")
@@ -59,6 +65,13 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
                          wrap=wrap_rollout)
     if cfg.rollout.mode != "async":  # async: each Ray actor wraps its own engine with it (rollout/ray/actor.py)
         engine = wrap_rollout(engine, cfg, policy.tokenizer)
+    if images_of(prompts) is not None and not engine.accepts_images:
+        engine.close()
+        raise UserError(
+            f"the prompts of {cfg.data.source} carry images, and the rollout engine here ({cfg.rollout.engine}, "
+            f"mode {cfg.rollout.mode}{', agent: loop' if cfg.agent is not None else ''}"
+            f"{', rollout.custom' if cfg.rollout.custom else ''}) generates from text only; use rollout.engine: hf "
+            "(docs/vision.md lists the engines that take images) or a text-only dataset.")
     offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload, timer=PhaseTimer(device))
     if not engine.shares_policy_weights:
@@ -84,6 +97,19 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
             sampling_for=lambda step: sampling_params(cfg, seed=step_seed(cfg, step)),
         )
     return trainer
+
+
+def check_vision_run(cfg: GRPOConfig) -> None:
+    """Settings a vision-language model cannot take yet, refused before anything runs: the token-budget
+    micro-batches and the packed trainer forward (whose rows are cut and re-laid without each row's images), and
+    megatron (no Megatron-core model of the vision tower)."""
+    if cfg.train.micro_batch_tokens is not None:
+        raise UserError("train.micro_batch_tokens cuts micro-batches by token budget, which does not yet carry "
+                        f"each row's images along; {cfg.model.name_or_path} is a vision-language model: set "
+                        "train.micro_batch_tokens: null (micro-batches of train.micro_batch_size rows).")
+    if cfg.distributed.backend == "megatron":
+        raise UserError(f"distributed.backend: megatron has no model of a vision tower; {cfg.model.name_or_path} "
+                        "is a vision-language model: use distributed.backend: ddp, fsdp2 or deepspeed.")
 
 
 def share_cores(cfg: GRPOConfig, device) -> None:

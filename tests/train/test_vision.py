@@ -1,0 +1,131 @@
+"""Vision-language rows through the trainer: the logprobs of image prompts equal a by-hand forward of each row alone
+(the model's own M-RoPE positions, no padding, float64 log-softmax) whatever the micro-batching, rows with 0, 1
+and 2 images of different sizes mixed; a frozen vision tower is left bit-identical by training."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from grpo_cli.data.images import ImageProcessor
+from grpo_cli.data.prompts import tokenize_prompts, vision_of
+from grpo_cli.data.tasks import draw_shapes
+from grpo_cli.rollout.base import RolloutBatch
+from grpo_cli.train.batch import batch_logprobs, build_batch
+
+
+def _image(size: tuple[int, int], colour: str = "red"):
+    return draw_shapes(colour, 2, "circle", random.Random(0)).resize(size)
+
+
+def vlm_prompts(path: str):
+    """Three prompts: no image, one 56×56 image, two images (28 wide × 56 high and 56×56)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+
+    def user(*parts):
+        return {"prompt": [{"role": "user", "content": list(parts)}]}
+
+    text = {"type": "text", "text": "how many shapes are there ?"}
+    rows = [user(text), user({"type": "image", "image": _image((56, 56))}, text),
+            user({"type": "image", "image": _image((28, 56), "blue")}, {"type": "image", "image": _image((56, 56))},
+                 text)]
+    images = ImageProcessor.load(path, max_pixels=10**6)
+    prompts, _ = tokenize_prompts(rows, tok, prompt_column="prompt", max_prompt_length=64, overlong_prompts="error",
+                                  images=images)
+    return tok, prompts
+
+
+def _model(path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def by_hand(model, prompt, completion: list[int]) -> torch.Tensor:
+    """float64 log-softmax of the full logits of one unpadded row, the model computing its own positions."""
+    ids = torch.tensor([prompt.ids + completion])
+    extra = {}
+    if prompt.vision is not None:
+        extra = dict(pixel_values=prompt.vision.pixel_values, image_grid_thw=prompt.vision.image_grid_thw,
+                     mm_token_type_ids=(ids == model.config.image_token_id).int())
+    model.model.rope_deltas = None
+    with torch.no_grad():
+        logits = model(input_ids=ids, **extra).logits[0].double()
+    logp = logits.log_softmax(-1)
+    p = len(prompt.ids)
+    return torch.stack([logp[p - 1 + t, tok] for t, tok in enumerate(completion)])
+
+
+def test_trainer_logprobs_of_image_prompts_equal_a_by_hand_forward_whatever_the_micro_batching(tiny_vlm):
+    tok, prompts = vlm_prompts(tiny_vlm)
+    assert [0 if p.vision is None else p.vision.num_images for p in prompts] == [0, 1, 2]
+    assert [p.ids.count(8) for p in prompts] == [0, 4, 2 + 4]  # 56×56 → 4 tokens, 28×56 → 2
+    model = _model(tiny_vlm)
+    g, rng = 2, random.Random(1)
+    words = [i for i in range(10, len(tok))]  # no special or vision token
+    completions = [[rng.choice(words) for _ in range(n)] for n in (3, 5, 1, 4, 2, 5)]
+    rollout = RolloutBatch(prompt_ids=[p.ids for p in prompts], completion_ids=completions,
+                           finish_reasons=["stop"] * len(completions))
+    batch = build_batch(rollout, group_size=g, pad_token_id=tok.pad_token_id, vision=vision_of(prompts))
+    assert batch.vision.images_per_row.tolist() == [0, 0, 1, 1, 2, 2]
+    expected = [by_hand(model, prompts[j // g], c) for j, c in enumerate(completions)]
+    for micro in (1, 2, len(batch)):
+        got = batch_logprobs(model, batch, micro_batch_size=micro, temperature=1.0)
+        for j, c in enumerate(completions):
+            torch.testing.assert_close(got[j, : len(c)].double(), expected[j], atol=1e-5, rtol=0)
+            assert torch.all(got[j, len(c):] == 0)
+    # the images matter: the same rows without them give other logprobs
+    blind = batch_logprobs(model, build_batch(rollout, group_size=g, pad_token_id=tok.pad_token_id),
+                           micro_batch_size=len(batch), temperature=1.0)
+    assert (blind[2:] - got[2:]).abs().max() > 1e-3
+
+
+def test_select_takes_each_rows_own_images(tiny_vlm):
+    _, prompts = vlm_prompts(tiny_vlm)
+    vision = build_batch(RolloutBatch(prompt_ids=[p.ids for p in prompts], completion_ids=[[10]] * 3,
+                                      finish_reasons=["stop"] * 3), group_size=1, pad_token_id=0,
+                         vision=vision_of(prompts)).vision
+    picked = vision.select([2, 1])
+    assert picked.images_per_row.tolist() == [2, 1]
+    assert picked.image_grid_thw.tolist() == [[1, 4, 2], [1, 4, 4], [1, 4, 4]]
+    torch.testing.assert_close(picked.pixel_values[:8], prompts[2].vision.pixel_values[:8], atol=0, rtol=0)
+    torch.testing.assert_close(picked.pixel_values[24:], prompts[1].vision.pixel_values, atol=0, rtol=0)
+    assert vision.rows(0, 1).num_images == 0
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_freeze_vision_keeps_the_tower_bit_identical(tiny_vlm, freeze):
+    """`model.freeze_vision`: the tower's parameters leave the optimizer and keep their bits through optimizer
+    steps that move the language model (with the flag off, they move too)."""
+    from grpo_cli.config.load import build_config
+    from grpo_cli.models.vision import is_vision_parameter
+    from grpo_cli.train.backends.base import make_adamw
+    from grpo_cli.train.backends.hf_io import load_hf_model
+
+    cfg = build_config(overrides=[f"model.freeze_vision={str(freeze).lower()}", "train.learning_rate=0.01"])
+    model = load_hf_model(cfg, tiny_vlm, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = make_adamw(cfg, list(model.parameters()))
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    vision = [n for n, _ in model.named_parameters() if is_vision_parameter(n)]
+    assert vision and all((id(p) in in_optimizer) != freeze for n, p in model.named_parameters() if n in vision)
+    _, prompts = vlm_prompts(tiny_vlm)
+    rollout = RolloutBatch(prompt_ids=[p.ids for p in prompts], completion_ids=[[10, 11]] * 3,
+                           finish_reasons=["stop"] * 3)
+    batch = build_batch(rollout, group_size=1, pad_token_id=0, vision=vision_of(prompts))
+    from grpo_cli.models.logprobs import completion_logprobs
+
+    for _ in range(2):
+        lp = completion_logprobs(model, batch.input_ids, batch.attention_mask, logits_to_keep=2, temperature=1.0,
+                                 vision=batch.vision)
+        lp.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in vision) == freeze
+    assert not torch.equal(before["model.language_model.layers.0.mlp.up_proj.weight"],
+                           after["model.language_model.layers.0.mlp.up_proj.weight"])
