@@ -223,7 +223,7 @@ def _images(sv: Served, rows: list[list[str]] | None, count: int, what: str):
     served engine does not take images or the lists do not match the prompts."""
     if rows is None:
         return None
-    if not sv.engine.accepts_images:
+    if "images" not in sv.capabilities:
         raise RequestError(f"this server's {sv.engine_name} engine does not take images (see /info capabilities): "
                            "start it with --engine hf for a vision-language model")
     if len(rows) != count:

@@ -136,13 +136,18 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
         from grpo_cli.rollout.hf.engine import require_compilable
 
         require_compilable(model, setting="--compile")
+    from grpo_cli.config.schema import DataConfig
+    from grpo_cli.data.images import ImageProcessor
+
+    # a VLM's image processor (None for a text model); the trainer has capped the images it sends already
+    images = ImageProcessor.load(opts.model, max_pixels=DataConfig.model_fields["max_image_pixels"].default)
     engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad_id, shares_policy_weights=False,
-                      compile_step=opts.compile)
+                      compile_step=opts.compile, images=images)
     shapes = accepted_shapes(model)
     max_len = opts.max_model_len or int(cfg.get("max_position_embeddings", 2048))
     caps = ["generate", "score", "update_weights", "update_weights_from_disk"]
     return Served(engine, "hf", opts.model, dtype, vocab, arch, max_len, shapes, eos_ids, pad_id,
-                  caps + (["images"] if engine.accepts_images else []))
+                  caps + (["images"] if images is not None else []))
 
 
 def _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id, engine) -> Served:

@@ -134,7 +134,7 @@ def _image_data(data, ids: list[list[int]], served) -> list | JSONResponse:
     if not isinstance(data, list) or len(data) != len(ids):
         return JSONResponse({"error": "The length of image_data should be equal to the batch size."},
                             status_code=400)
-    if not served.engine.accepts_images:
+    if "images" not in served.capabilities:
         return JSONResponse({"error": f"{served.model} is not a multimodal model"}, status_code=400)
     cfg = served.engine.model.config
     out = []

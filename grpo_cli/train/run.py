@@ -75,15 +75,16 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload, timer=PhaseTimer(device))
     if not engine.shares_policy_weights:
-        from grpo_cli.train.weights.weight_sync import sync_weights
+        from grpo_cli.train.weights.weight_sync import FrozenVision, probe_of, sync_weights
 
         source = policy.backend.weight_source()
         if info.is_main and (ties := source.describe_ties()):
             log(ties)
+        frozen = FrozenVision(cfg.model.freeze_vision and images is not None)
 
         def sync(version: int, verify: bool = cfg.rollout.vllm.verify_sync and cfg.rollout.mode != "async"):
             return sync_weights(engine, source, version=version, bucket_mb=cfg.distributed.weight_sync_bucket_mb,
-                                verify=verify, probe=[prompts[0].ids], info=info)
+                                verify=verify, info=info, skip=frozen.skip(), **probe_of(prompts[0]))
 
         trainer.sync = sync
     if cfg.eval.every_steps:

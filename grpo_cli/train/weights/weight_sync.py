@@ -78,6 +78,30 @@ def sync_weights(
     return agree(metrics, error, info) if main_only else metrics
 
 
+class FrozenVision:
+    """`model.freeze_vision` on a vision-language model: what each sync leaves out (`sync_weights(skip=)`): nothing
+    at the first (the engine may hold other weights than the trainer's), the vision tower at every later one (the
+    trainer's copy never changes, so the engine's stays equal to it)."""
+
+    def __init__(self, frozen: bool) -> None:
+        self.frozen, self.synced = frozen, False
+
+    def skip(self) -> Callable[[str], bool] | None:
+        from grpo_cli.models.vision import is_vision_parameter
+
+        skip = is_vision_parameter if self.frozen and self.synced else None
+        self.synced = True
+        return skip
+
+
+def probe_of(prompt) -> dict:
+    """`sync_weights`' probe arguments for one dataset prompt (`data.prompts.Prompt`): its ids, and where it has
+    images, them (for the engine) and its processor outputs (for the trainer's forward)."""
+    if not prompt.images:
+        return {"probe": [prompt.ids]}
+    return {"probe": [prompt.ids], "probe_images": [list(prompt.images)], "probe_vision": prompt.vision}
+
+
 def _engine_dtype(engine) -> torch.dtype | None:
     """The dtype the engine holds its weights in, when it says (a torch dtype or its name)."""
     dtype = engine.dtype
