@@ -16,6 +16,7 @@ from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_ad
 from grpo_cli.train.backends.activations import enable_checkpointing
 from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
 from grpo_cli.models.checkpoint_files import weight_files
+from grpo_cli.models.vision import freeze_vision
 from grpo_cli.train.backends.hf_io import check_names, save_hf_folder
 from grpo_cli.train.checkpoint import CheckpointError
 from grpo_cli.train.weights.lora import apply_lora, checkpoint_name, init_adapter
@@ -150,6 +151,8 @@ class FSDP2Backend(TrainingBackend):
         module = build_on_meta(cfg, model_path, dtype=master_dtype(cfg) if trainable else compute_dtype(cfg))
         if trainable:
             enable_checkpointing(module, cfg.model.gradient_checkpointing)
+            if cfg.model.freeze_vision:  # before sharding: the frozen vision blocks' units then reduce no gradient
+                freeze_vision(module)
         lora = trainable and cfg.model.lora is not None
         if lora:  # the adapter is added on meta too, then sharded with its layer
             module = apply_lora(cfg, module)
