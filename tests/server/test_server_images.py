@@ -14,27 +14,19 @@ import sys
 import pytest
 import torch
 from dist_env import clean_env
-from served_app import app_in_thread
+from served_app import app_in_thread, image_of
 
 from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import SamplingParams
 from grpo_cli.rollout.remote.client import ServerEngine
 from grpo_cli.rollout.transport.http_client import Policy
 from grpo_cli.server.app import create_app
-from grpo_cli.server.engines import ServeOptions, build
 
 FAST = Policy(connect_timeout_s=5, request_timeout_s=60, retries=0)
 
 
-def _image(seed: int, size=(56, 56)):
-    from PIL import Image
-
-    g = torch.Generator().manual_seed(seed)
-    return Image.fromarray(torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy())
-
-
 def test_data_urls_carry_exact_pixels_and_bad_ones_are_named():
-    im = _image(0, (30, 20))
+    im = image_of(0, (30, 20))
     back = wire_images.decode(wire_images.encode([[im], []]), what="images")
     assert back[1] == [] and back[0][0].size == (30, 20) and back[0][0].tobytes() == im.tobytes()  # PNG: lossless
     with pytest.raises(ValueError, match=r"images\[0\]\[0\]: expected a data URL"):
@@ -46,33 +38,8 @@ def test_data_urls_carry_exact_pixels_and_bad_ones_are_named():
         wire_images.from_data_url(wire_images.to_data_url(im), where="x", max_pixels=100)
 
 
-@pytest.fixture(scope="module")
-def vlm():
-    from grpo_cli.models.tiny import resolve_model_path
-
-    path = resolve_model_path("builtin:tiny-vlm")
-    return path, build(ServeOptions(engine="hf", model=path))
-
-
-def _prompts(path):
-    """Two chat prompts with one image each, expanded as the trainer's data loader expands them."""
-    from transformers import AutoTokenizer
-
-    from grpo_cli.data.images import ImageProcessor
-    from grpo_cli.data.prompts import tokenize_prompts
-
-    rows = [{"prompt": [{"role": "user", "content": [{"type": "image", "image": _image(s)},
-                                                     {"type": "text", "text": "how many shapes are there ?"}]}]}
-            for s in (1, 2)]
-    prompts, _ = tokenize_prompts(rows, AutoTokenizer.from_pretrained(path), prompt_column="prompt",
-                                  max_prompt_length=64, overlong_prompts="error",
-                                  images=ImageProcessor.load(path, max_pixels=10**6))
-    return [p.ids for p in prompts], [p.images for p in prompts]
-
-
-def test_server_generates_and_scores_with_images_sent_once_per_prompt(vlm):
-    path, served = vlm
-    ids, images = _prompts(path)
+def test_server_generates_and_scores_with_images_sent_once_per_prompt(served_vlm):
+    served, ids, images = served_vlm
     sampling = SamplingParams(n=3, max_tokens=4, seed=11)
     local = served.engine.generate(ids, sampling, images=images)
     local_scores = served.engine.score([i + c for i, c in zip(ids, local.completion_ids[::3])], images=images)
@@ -108,7 +75,7 @@ def test_a_text_only_server_refuses_images(served_tiny):
         assert "images" not in info["capabilities"]
         assert not ServerEngine([url], policy=FAST).accepts_images
         r = httpx.post(f"{url}/generate", json={"prompt_ids": [[3, 4]], "sampling": {"max_tokens": 2},
-                                                "images": [[wire_images.to_data_url(_image(0))]]})
+                                                "images": [[wire_images.to_data_url(image_of(0))]]})
     assert r.status_code == 400 and "does not take images" in r.json()["error"]
 
 
