@@ -82,7 +82,7 @@ MODES: dict[tuple[str, str], EngineMode] = {row.key: row for row in (
     EngineMode("vllm-serve", "server", "grpo_cli.rollout.vllm_serve.client:VLLMServeEngine.from_config", remote=True,
                transports=("shm", "nccl"),
                about="a stock `vllm serve` in dev mode (vLLM's RL API; docs/server-mode.md gives its command)"),
-    EngineMode("hf", "async", _ASYNC, ("broadcast", "wrap"), transports=("ray",),
+    EngineMode("hf", "async", _ASYNC, ("broadcast", "wrap"), transports=("ray",), images=True,
                actor_build="grpo_cli.rollout.ray.actor:hf_actor_engine",
                about="Ray actors, each with an hf copy, one step ahead"),
     EngineMode("vllm", "async", _ASYNC, ("broadcast", "wrap"), transports=("ray",),
