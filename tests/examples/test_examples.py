@@ -200,3 +200,12 @@ def test_reward_model(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     rows = _metrics(tmp_path / "run")
     assert len(rows) == 2 and all(math.isfinite(r["reward/rm/mean"]) for r in rows), rows
+
+
+@pytest.mark.slow
+def test_vision(tmp_path):
+    """Three hf steps of the tiny VLM on the example's rows: image files, an `images` column and a data URL."""
+    run, rows = _train_example("11-vision", 3, tmp_path)
+    assert len(rows) == 3 and all(0 <= r["reward/exact_match/mean"] <= 1 for r in rows), rows
+    samples = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert all(s["prompt"].count("<|image_pad|>") == 1 for s in samples)  # the text rewards see: one placeholder
