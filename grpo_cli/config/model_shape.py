@@ -70,6 +70,14 @@ def local_model_config(name: str) -> dict | None:
         return None
 
 
+def is_vision_config(config) -> bool:
+    """Whether a Hugging Face config (or its config.json dict) is a vision-language model's (it has a
+    `vision_config`); `models.vision` re-exports it."""
+    if isinstance(config, dict):
+        return "vision_config" in config
+    return getattr(config, "vision_config", None) is not None
+
+
 def num_experts(c: dict) -> int:
     """Routed experts per MoE layer from a config.json (Qwen2/3-MoE `num_experts`, Mixtral `num_local_experts`,
     DeepSeek `n_routed_experts`); 0 for a dense model."""

@@ -13,7 +13,6 @@ from typing import Any
 from grpo_cli.config.load import DEFAULT_PRESET, build_config, deep_merge, validate_tree
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.models.tiny import MOE_NAME, TINY_NAME, VLM_NAME
-from grpo_cli.models.vision import is_vision_config
 
 MAX_PROCESSES = 2
 """Processes a rehearsal runs on this kind of machine (2 CPU cores in CI)."""
@@ -56,7 +55,7 @@ def server_kind(cfg: GRPOConfig) -> str | None:
 def is_vision_model(name: str) -> bool:
     """Whether `name` is a vision-language model: its local config.json has a `vision_config`, or (not on disk) it
     is the tiny VLM or its name says VL (`Qwen/Qwen2.5-VL-3B-Instruct`)."""
-    from grpo_cli.config.model_shape import local_model_config
+    from grpo_cli.config.model_shape import is_vision_config, local_model_config
 
     config = local_model_config(name)
     if config is not None:

@@ -84,3 +84,22 @@ def test_freeze_vision_keeps_the_tower_bit_identical(tiny_vlm, freeze):
     assert all(torch.equal(before[n], after[n]) for n in vision) == freeze
     assert not torch.equal(before["model.language_model.layers.0.mlp.up_proj.weight"],
                            after["model.language_model.layers.0.mlp.up_proj.weight"])
+
+
+def test_a_vision_run_refuses_token_budgets_and_engines_without_images(tiny_vlm):
+    """`train.micro_batch_tokens` is refused for a VLM (before the model loads); a rollout loop that passes no
+    images (`rollout.custom`, whose wrapper does not declare `accepts_images`) is refused once the prompts show
+    images (never called: any callable does)."""
+    from grpo_cli.config.errors import UserError
+    from grpo_cli.config.load import build_config
+    from grpo_cli.runtime.dist import DistInfo
+    from grpo_cli.train.run import build_trainer
+
+    base = ["model.name_or_path=builtin:tiny-vlm", "data.source=builtin:shapes"]
+    with pytest.raises(UserError, match="train.micro_batch_tokens: null"):
+        build_trainer(build_config(overrides=[*base, "train.micro_batch_tokens=512"]), DistInfo(),
+                      torch.device("cpu"), log=lambda *_: None)
+    cfg = build_config(overrides=[*base, "rollout.custom=json:dumps"])
+    with pytest.raises(UserError, match=r"carry images, and the rollout engine here \(hf, mode colocate, "
+                                        r"rollout.custom\) generates from text only"):
+        build_trainer(cfg, DistInfo(), torch.device("cpu"), log=lambda *_: None)
