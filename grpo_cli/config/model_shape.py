@@ -70,17 +70,26 @@ def local_model_config(name: str) -> dict | None:
         return None
 
 
+def is_vision_config(config) -> bool:
+    """Whether a Hugging Face config (or its config.json dict) is a vision-language model's (it has a
+    `vision_config`); `models.vision` re-exports it."""
+    if isinstance(config, dict):
+        return "vision_config" in config
+    return getattr(config, "vision_config", None) is not None
+
+
 VISION_BUILTINS = ("builtin:tiny-vlm",)
 
 
 def is_vision_model(name: str) -> bool:
     """Whether `model.name_or_path` is a vision-language model: a built-in one, a local folder whose config.json
-    has a `vision_config`, or a hub name of the Qwen-VL families ('Qwen/Qwen2.5-VL-3B-Instruct': `-VL-` in it)."""
+    has a `vision_config` (`is_vision_config`), or a hub name of the Qwen-VL families
+    ('Qwen/Qwen2.5-VL-3B-Instruct': `-VL-` in it)."""
     if name in VISION_BUILTINS:
         return True
     c = local_model_config(name)
     if c is not None:
-        return "vision_config" in c
+        return is_vision_config(c)
     return bool(re.search(r"-VL(-|$)", name, re.IGNORECASE))
 
 

@@ -14,6 +14,9 @@ from pathlib import Path
 from grpo_cli.config.errors import UserError
 from grpo_cli.models.vision import VisionInputs, is_vision_config
 
+PROCESSOR_FILES = ("preprocessor_config.json",)
+"""What a saved folder needs beside the weights and tokenizer to load as a vision-language model again (the image
+processor's settings)."""
 IMAGE_COLUMNS = ("images", "image")
 """Dataset columns that hold a row's images (one image or a list), in the order of its image placeholders."""
 
@@ -106,6 +109,16 @@ def with_image_parts(messages, count: int):
     text = first["content"] if isinstance(first["content"], list) else [{"type": "text", "text": first["content"]}]
     first["content"] = [{"type": "image"} for _ in range(count)] + text
     return out
+
+
+def copy_processor_files(source: str, folder: str | Path) -> None:
+    """Copy the checkpoint folder `source`'s image-processor files (`PROCESSOR_FILES`, where it has them) into
+    `folder` (a checkpoint or exported model of it), so that it loads as a vision-language model again."""
+    import shutil
+
+    for name in PROCESSOR_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(folder) / name)
 
 
 class ImageProcessor:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_cli.config.model_shape import is_vision_config
+
 VISION_PREFIXES = ("model.visual.", "visual.")
 """Hugging Face parameter names of the vision tower start with one of these (Qwen2-VL / Qwen2.5-VL: the patch
 embedding, the vision blocks and the merger that projects into the language model's width); a PEFT wrapper adds
@@ -15,13 +17,6 @@ embedding, the vision blocks and the merger that projects into the language mode
 
 VISION_MODULES = r".*\bvisual\b.*"
 """PEFT's `exclude_modules` regex for the vision tower's modules: LoRA adapts the language model only."""
-
-
-def is_vision_config(config) -> bool:
-    """Whether a Hugging Face config (or its dict) is a vision-language model's (it has a `vision_config`)."""
-    if isinstance(config, dict):
-        return "vision_config" in config
-    return getattr(config, "vision_config", None) is not None
 
 
 def placeholder_ids(config) -> list[int]:

@@ -172,6 +172,15 @@ def _overrides(engine: RolloutEngine, name: str) -> bool:
     return getattr(type(engine), name) is not getattr(RolloutEngine, name)
 
 
+def generate_with_images(engine: RolloutEngine, prompt_ids: list[list[int]], sampling: SamplingParams,
+                         images: list[list[PILImage]] | None) -> RolloutBatch:
+    """`engine.generate`, passing `images=` only when some prompt has images (`data.prompts.images_of`), so an
+    engine without `accepts_images` keeps its text-only signature."""
+    if images is None:
+        return engine.generate(prompt_ids, sampling)
+    return engine.generate(prompt_ids, sampling, images=images)
+
+
 def held_awake(engine) -> AbstractContextManager[None]:
     """The block during which `engine` stays awake between generations: its `hold_awake()` (the contract's default
     changes nothing), or that default for an object outside the contract. Looked up on the class, so a wrapper

@@ -14,7 +14,7 @@ from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor, images_of, vision_of
 from grpo_cli.runtime.dist import DistInfo, all_reduce_sum, mean_metrics
 from grpo_cli.rewards.resolve import RewardFn
-from grpo_cli.rollout.base import RolloutEngine, SamplingParams
+from grpo_cli.rollout.base import RolloutEngine, SamplingParams, generate_with_images
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
 from grpo_cli.train.scoring.dynamic_sampling import ROUND_SEED_STRIDE, fill_step
@@ -128,10 +128,8 @@ def generate_with_recovery(tr: Trainer, prompt_ids: list[list[int]], sampling, i
     """Generate (with each prompt's `images` when some prompt has one: the engine `accepts_images`, checked when
     the run starts); when a rollout server died and came back (`recovered`), push the weights again and retry once
     (`sync_ranks.generate_with_resync`: collectively where rank 0 alone pushes)."""
-    if images is None:
-        return generate_with_resync(tr.engine, tr.sync, tr.dist, lambda: tr.engine.generate(prompt_ids, sampling))
     return generate_with_resync(tr.engine, tr.sync, tr.dist,
-                                lambda: tr.engine.generate(prompt_ids, sampling, images=images))
+                                lambda: generate_with_images(tr.engine, prompt_ids, sampling, images))
 
 
 def logprob_phase(tr: Trainer, batch: TrainBatch) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.data.images import ImageProcessor
+from grpo_cli.data.images import ImageProcessor, copy_processor_files
 from grpo_cli.data.prompts import PromptCursor, images_of, tokenize_prompts
 from grpo_cli.data.sources import load_rows
 from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
@@ -172,6 +172,7 @@ def export_final_model(tr: Trainer, path: Path, log) -> None:
     if tr.dist.is_main:
         for what, out in folders:
             tr.policy.tokenizer.save_pretrained(out)
+            copy_processor_files(resolve_model_path(tr.cfg.model.name_or_path), out)  # a VLM's image processor
             log(f"{what} ({backend.name}, {tr.cfg.model.dtype}) exported to {out}")
     barrier(tr.dist)
 

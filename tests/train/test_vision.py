@@ -8,63 +8,18 @@ import random
 
 import pytest
 import torch
+from vision_rows import by_hand, load_vlm, vlm_prompts
 
-from grpo_cli.data.images import ImageProcessor
-from grpo_cli.data.prompts import tokenize_prompts, vision_of
-from grpo_cli.data.tasks import draw_shapes
+from grpo_cli.data.prompts import vision_of
 from grpo_cli.rollout.base import RolloutBatch
 from grpo_cli.train.batch import batch_logprobs, build_batch
-
-
-def _image(size: tuple[int, int], colour: str = "red"):
-    return draw_shapes(colour, 2, "circle", random.Random(0)).resize(size)
-
-
-def vlm_prompts(path: str):
-    """Three prompts: no image, one 56×56 image, two images (28 wide × 56 high and 56×56)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-
-    def user(*parts):
-        return {"prompt": [{"role": "user", "content": list(parts)}]}
-
-    text = {"type": "text", "text": "how many shapes are there ?"}
-    rows = [user(text), user({"type": "image", "image": _image((56, 56))}, text),
-            user({"type": "image", "image": _image((28, 56), "blue")}, {"type": "image", "image": _image((56, 56))},
-                 text)]
-    images = ImageProcessor.load(path, max_pixels=10**6)
-    prompts, _ = tokenize_prompts(rows, tok, prompt_column="prompt", max_prompt_length=64, overlong_prompts="error",
-                                  images=images)
-    return tok, prompts
-
-
-def _model(path):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def by_hand(model, prompt, completion: list[int]) -> torch.Tensor:
-    """float64 log-softmax of the full logits of one unpadded row, the model computing its own positions."""
-    ids = torch.tensor([prompt.ids + completion])
-    extra = {}
-    if prompt.vision is not None:
-        extra = dict(pixel_values=prompt.vision.pixel_values, image_grid_thw=prompt.vision.image_grid_thw,
-                     mm_token_type_ids=(ids == model.config.image_token_id).int())
-    model.model.rope_deltas = None
-    with torch.no_grad():
-        logits = model(input_ids=ids, **extra).logits[0].double()
-    logp = logits.log_softmax(-1)
-    p = len(prompt.ids)
-    return torch.stack([logp[p - 1 + t, tok] for t, tok in enumerate(completion)])
 
 
 def test_trainer_logprobs_of_image_prompts_equal_a_by_hand_forward_whatever_the_micro_batching(tiny_vlm):
     tok, prompts = vlm_prompts(tiny_vlm)
     assert [0 if p.vision is None else p.vision.num_images for p in prompts] == [0, 1, 2]
     assert [p.ids.count(8) for p in prompts] == [0, 4, 2 + 4]  # 56×56 → 4 tokens, 28×56 → 2
-    model = _model(tiny_vlm)
+    model = load_vlm(tiny_vlm)
     g, rng = 2, random.Random(1)
     words = [i for i in range(10, len(tok))]  # no special or vision token
     completions = [[rng.choice(words) for _ in range(n)] for n in (3, 5, 1, 4, 2, 5)]
@@ -129,3 +84,22 @@ def test_freeze_vision_keeps_the_tower_bit_identical(tiny_vlm, freeze):
     assert all(torch.equal(before[n], after[n]) for n in vision) == freeze
     assert not torch.equal(before["model.language_model.layers.0.mlp.up_proj.weight"],
                            after["model.language_model.layers.0.mlp.up_proj.weight"])
+
+
+def test_a_vision_run_refuses_token_budgets_and_engines_without_images(tiny_vlm):
+    """`train.micro_batch_tokens` is refused for a VLM (before the model loads); a rollout loop that passes no
+    images (`rollout.custom`, whose wrapper does not declare `accepts_images`) is refused once the prompts show
+    images (never called: any callable does)."""
+    from grpo_cli.config.errors import UserError
+    from grpo_cli.config.load import build_config
+    from grpo_cli.runtime.dist import DistInfo
+    from grpo_cli.train.run import build_trainer
+
+    base = ["model.name_or_path=builtin:tiny-vlm", "data.source=builtin:shapes"]
+    with pytest.raises(UserError, match="train.micro_batch_tokens: null"):
+        build_trainer(build_config(overrides=[*base, "train.micro_batch_tokens=512"]), DistInfo(),
+                      torch.device("cpu"), log=lambda *_: None)
+    cfg = build_config(overrides=[*base, "rollout.custom=json:dumps"])
+    with pytest.raises(UserError, match=r"carry images, and the rollout engine here \(hf, mode colocate, "
+                                        r"rollout.custom\) generates from text only"):
+        build_trainer(cfg, DistInfo(), torch.device("cpu"), log=lambda *_: None)
