@@ -1,4 +1,4 @@
-"""The built-in tiny VLM on the sharding backends, 2 real gloo processes each (`vlm_backends_worker.py`): one
+"""The built-in tiny VLM on the sharding backends, one launch of 2 real gloo processes (`vlm_backends_worker.py`): one
 optimizer step on image prompts trains the language model, leaves the frozen vision tower bit-identical (gathered
 from shards/partitions), fsdp2 makes every vision block its own FSDP2 unit like the decoder layers, and the weight
 sync streams the vision tower under its Hugging Face names (`model.visual.*`)."""
