@@ -103,3 +103,29 @@ def test_a_vision_run_refuses_token_budgets_and_engines_without_images(tiny_vlm)
     with pytest.raises(UserError, match=r"carry images, and the rollout engine here \(hf, mode colocate, "
                                         r"rollout.custom\) generates from text only"):
         build_trainer(cfg, DistInfo(), torch.device("cpu"), log=lambda *_: None)
+
+
+def test_lora_adapts_the_language_model_only(tiny_vlm):
+    """`model.lora` (all-linear) on a VLM: adapters on the language model's projections, none in the vision tower;
+    the PEFT-wrapped model takes image rows (positions from the base model) and, with B = 0 at init, gives the
+    base model's logprobs."""
+    from grpo_cli.config.load import build_config
+    from grpo_cli.models.logprobs import completion_logprobs
+    from grpo_cli.train.weights.lora import apply_lora
+
+    model = load_vlm(tiny_vlm)
+    _, prompts = vlm_prompts(tiny_vlm)
+    batch = build_batch(RolloutBatch(prompt_ids=[p.ids for p in prompts], completion_ids=[[10, 11]] * 3,
+                                     finish_reasons=["stop"] * 3), group_size=1, pad_token_id=0,
+                        vision=vision_of(prompts))
+
+    def logprobs(m):
+        return completion_logprobs(m, batch.input_ids, batch.attention_mask, logits_to_keep=2, temperature=1.0,
+                                   vision=batch.vision)
+
+    base = logprobs(model)
+    lora = apply_lora(build_config(overrides=["model.lora.r=4"]), model)
+    adapted = [n for n, _ in lora.named_parameters() if "lora_A" in n]
+    assert adapted and not any(".visual." in n for n in adapted)
+    assert any("language_model.layers.0.self_attn.q_proj" in n for n in adapted)
+    torch.testing.assert_close(logprobs(lora), base, atol=1e-6, rtol=0)
