@@ -1,6 +1,7 @@
 """Vision-language rows through the trainer: the logprobs of image prompts equal a by-hand forward of each row alone
-(the model's own M-RoPE positions, no padding, float64 log-softmax) whatever the micro-batching, rows with 0, 1
-and 2 images of different sizes mixed; a frozen vision tower is left bit-identical by training."""
+(the model's own M-RoPE positions, no padding, float64 log-softmax) whatever the micro-batching (rows or token
+budgets), rows with 0, 1 and 2 images of different sizes mixed; a frozen vision tower is left bit-identical by
+training; LoRA adapts the language model only; what a VLM run refuses."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def test_trainer_logprobs_of_image_prompts_equal_a_by_hand_forward_whatever_the_
     batch = build_batch(rollout, group_size=g, pad_token_id=tok.pad_token_id, vision=vision_of(prompts))
     assert batch.vision.images_per_row.tolist() == [0, 0, 1, 1, 2, 2]
     expected = [by_hand(model, prompts[j // g], c) for j, c in enumerate(completions)]
-    for micro in (1, 2, len(batch)):
-        got = batch_logprobs(model, batch, micro_batch_size=micro, temperature=1.0)
+    for micro, tokens in ((1, None), (2, None), (len(batch), None), (len(batch), 40)):
+        # (…, 40): token-budget micro-batches (`train.micro_batch_tokens`), rows regrouped longest first
+        got = batch_logprobs(model, batch, micro_batch_size=micro, temperature=1.0, micro_batch_tokens=tokens)
         for j, c in enumerate(completions):
             torch.testing.assert_close(got[j, : len(c)].double(), expected[j], atol=1e-5, rtol=0)
             assert torch.all(got[j, len(c):] == 0)
@@ -86,18 +88,18 @@ def test_freeze_vision_keeps_the_tower_bit_identical(tiny_vlm, freeze):
                            after["model.language_model.layers.0.mlp.up_proj.weight"])
 
 
-def test_a_vision_run_refuses_token_budgets_and_engines_without_images(tiny_vlm):
-    """`train.micro_batch_tokens` is refused for a VLM (before the model loads); a rollout loop that passes no
-    images (`rollout.custom`, whose wrapper does not declare `accepts_images`) is refused once the prompts show
-    images (never called: any callable does)."""
+def test_a_vision_run_refuses_megatron_and_engines_without_images(tiny_vlm):
+    """megatron is refused for a VLM (before the model loads); a rollout loop that passes no images
+    (`rollout.custom`, whose wrapper does not declare `accepts_images`) is refused once the prompts show images
+    (never called: any callable does)."""
     from grpo_cli.config.errors import UserError
     from grpo_cli.config.load import build_config
     from grpo_cli.runtime.dist import DistInfo
     from grpo_cli.train.run import build_trainer
 
     base = ["model.name_or_path=builtin:tiny-vlm", "data.source=builtin:shapes"]
-    with pytest.raises(UserError, match="train.micro_batch_tokens: null"):
-        build_trainer(build_config(overrides=[*base, "train.micro_batch_tokens=512"]), DistInfo(),
+    with pytest.raises(UserError, match="distributed.backend: megatron has no model of a vision tower"):
+        build_trainer(build_config(overrides=[*base, "distributed.backend=megatron"]), DistInfo(),
                       torch.device("cpu"), log=lambda *_: None)
     cfg = build_config(overrides=[*base, "rollout.custom=json:dumps"])
     with pytest.raises(UserError, match=r"carry images, and the rollout engine here \(hf, mode colocate, "
