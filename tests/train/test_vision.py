@@ -131,3 +131,14 @@ def test_lora_adapts_the_language_model_only(tiny_vlm):
     assert adapted and not any(".visual." in n for n in adapted)
     assert any("language_model.layers.0.self_attn.q_proj" in n for n in adapted)
     torch.testing.assert_close(logprobs(lora), base, atol=1e-6, rtol=0)
+
+
+def test_a_local_vlm_folder_is_sized_by_its_language_model_and_rehearsed_as_one(tiny_vlm):
+    """`grpo plan` and the config rules read a VLM's config.json (its sizes nested in `text_config`)."""
+    from grpo_cli.config.model_shape import model_shape
+    from grpo_cli.launch.rehearse import is_vision_model
+
+    shape = model_shape(tiny_vlm)
+    assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.vocab) == (64, 2, 2, 1, 82)
+    assert is_vision_model(tiny_vlm) and is_vision_model("Qwen/Qwen2.5-VL-3B-Instruct")
+    assert not is_vision_model("Qwen/Qwen2.5-7B-Instruct")
