@@ -62,12 +62,16 @@ TINY_MOE_CONFIG = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_lay
 
 def local_model_config(name: str) -> dict | None:
     """The model's config.json when `name` is a local folder that has one (never downloads; None otherwise): what
-    `grpo plan` sizes the model by and the config rules check head, layer and expert counts against."""
+    `grpo plan` sizes the model by and the config rules check head, layer and expert counts against. A
+    vision-language model's has its `text_config` fields on top (the vision tower is left out of the sizes)."""
     path = Path(name) / "config.json"
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
+        c = json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError):
         return None
+    if c is not None and is_vision_config(c):  # a VLM: its language model's sizes (the tower is not counted)
+        c = {**c, **(c.get("text_config") or {})}
+    return c
 
 
 def is_vision_config(config) -> bool:

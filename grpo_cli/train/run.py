@@ -101,13 +101,8 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
 
 
 def check_vision_run(cfg: GRPOConfig) -> None:
-    """Settings a vision-language model cannot take yet, refused before anything runs: the token-budget
-    micro-batches and the packed trainer forward (whose rows are cut and re-laid without each row's images), and
-    megatron (no Megatron-core model of the vision tower)."""
-    if cfg.train.micro_batch_tokens is not None:
-        raise UserError("train.micro_batch_tokens cuts micro-batches by token budget, which does not yet carry "
-                        f"each row's images along; {cfg.model.name_or_path} is a vision-language model: set "
-                        "train.micro_batch_tokens: null (micro-batches of train.micro_batch_size rows).")
+    """Settings a vision-language model cannot take, refused before the model loads: megatron (no Megatron-core
+    model of the vision tower)."""
     if cfg.distributed.backend == "megatron":
         raise UserError(f"distributed.backend: megatron has no model of a vision tower; {cfg.model.name_or_path} "
                         "is a vision-language model: use distributed.backend: ddp, fsdp2 or deepspeed.")

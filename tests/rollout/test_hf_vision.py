@@ -56,3 +56,15 @@ def test_hf_engine_generation_depends_on_the_image(tiny_vlm):
     b = engine.score([one.ids + [10, 11]], images=[other])[0]
     assert max(abs(x - y) for x, y in zip(a[-2:], b[-2:])) > 1e-4
     assert engine.generate([one.ids], sampling, images=[one.images]).completion_ids
+
+
+def test_rollout_compile_is_refused_for_a_vlm(tiny_vlm):
+    """The VLM decodes through its full forward (M-RoPE, images): the lean compiled step would change nothing."""
+    import pytest
+
+    from grpo_cli.config.errors import UserError
+    from grpo_cli.rollout.hf.engine import require_compilable
+
+    with pytest.raises(UserError, match="rollout.compile compiles the lean decode step .* "
+                                        "Qwen2VLForConditionalGeneration decodes through its full forward"):
+        require_compilable(load_vlm(tiny_vlm))
