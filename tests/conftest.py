@@ -15,6 +15,14 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     return str(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt"))
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm() -> str:
+    """The built-in tiny Qwen2-VL (`builtin:tiny-vlm`), built once into the tests' cache."""
+    from grpo_cli.models.tiny import resolve_model_path
+
+    return resolve_model_path("builtin:tiny-vlm")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
     """Keep `builtin:tiny` builds out of the user's ~/.cache during tests."""

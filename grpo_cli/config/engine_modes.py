@@ -51,6 +51,9 @@ class EngineMode:
     rehearsal_server: str | None = None
     """The server `--rehearse` starts beside the run (`launch/rehearse_run.server_command`): `grpo-hf`,
     `grpo-vllm` or `sglang-contract`; None for an engine the trainer builds."""
+    images: bool = False
+    """Prompts with images (a vision-language model) run on this row: its engine takes `images=` and generates
+    with them (docs/vision.md's matrix); on the other rows such a run is refused (`config/rules_vision.py`)."""
     about: str = ""
 
     @property
@@ -64,21 +67,22 @@ _HTTP = ("http", "shm", "nccl")
 
 MODES: dict[tuple[str, str], EngineMode] = {row.key: row for row in (
     EngineMode("hf", "colocate", "grpo_cli.rollout.factory:make_hf_engine", ("policy", "device"), colocated=True,
-               shares_policy_weights=True, transports=("in-process",),
+               shares_policy_weights=True, transports=("in-process",), images=True,
                about="the policy samples with grpo-cli's decode loop (a copy in another rollout.dtype)"),
     EngineMode("vllm", "colocate", "grpo_cli.rollout.vllm.engine:VLLMEngine.from_config", colocated=True,
                can_sleep=True, transports=("in-process",),
                about="vllm.LLM in every training process (tensor-parallel groups of training ranks)"),
-    EngineMode("hf", "server", _SERVER, remote=True, transports=_HTTP, rehearsal_server="grpo-hf",
+    EngineMode("hf", "server", _SERVER, remote=True, transports=_HTTP, rehearsal_server="grpo-hf", images=True,
                about="`grpo serve-rollout --engine hf`"),
     EngineMode("vllm", "server", _SERVER, remote=True, transports=_HTTP, rehearsal_server="grpo-vllm",
                about="`grpo serve-rollout --engine vllm`"),
     EngineMode("sglang", "server", "grpo_cli.rollout.sglang.client:SGLangEngine.from_config", remote=True,
-               transports=("disk", "tensor"), rehearsal_server="sglang-contract", about="SGLang servers"),
+               transports=("disk", "tensor"), rehearsal_server="sglang-contract", images=True,
+               about="SGLang servers"),
     EngineMode("vllm-serve", "server", "grpo_cli.rollout.vllm_serve.client:VLLMServeEngine.from_config", remote=True,
                transports=("shm", "nccl"),
                about="a stock `vllm serve` in dev mode (vLLM's RL API; docs/server-mode.md gives its command)"),
-    EngineMode("hf", "async", _ASYNC, ("broadcast", "wrap"), transports=("ray",),
+    EngineMode("hf", "async", _ASYNC, ("broadcast", "wrap"), transports=("ray",), images=True,
                actor_build="grpo_cli.rollout.ray.actor:hf_actor_engine",
                about="Ray actors, each with an hf copy, one step ahead"),
     EngineMode("vllm", "async", _ASYNC, ("broadcast", "wrap"), transports=("ray",),

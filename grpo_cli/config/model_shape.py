@@ -62,12 +62,39 @@ TINY_MOE_CONFIG = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_lay
 
 def local_model_config(name: str) -> dict | None:
     """The model's config.json when `name` is a local folder that has one (never downloads; None otherwise): what
-    `grpo plan` sizes the model by and the config rules check head, layer and expert counts against."""
+    `grpo plan` sizes the model by and the config rules check head, layer and expert counts against. A
+    vision-language model's has its `text_config` fields on top (the vision tower is left out of the sizes)."""
     path = Path(name) / "config.json"
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
+        c = json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError):
         return None
+    if c is not None and is_vision_config(c):  # a VLM: its language model's sizes (the tower is not counted)
+        c = {**c, **(c.get("text_config") or {})}
+    return c
+
+
+def is_vision_config(config) -> bool:
+    """Whether a Hugging Face config (or its config.json dict) is a vision-language model's (it has a
+    `vision_config`); `models.vision` re-exports it."""
+    if isinstance(config, dict):
+        return "vision_config" in config
+    return getattr(config, "vision_config", None) is not None
+
+
+VISION_BUILTINS = ("builtin:tiny-vlm",)
+
+
+def is_vision_model(name: str) -> bool:
+    """Whether `model.name_or_path` is a vision-language model: a built-in one, a local folder whose config.json
+    has a `vision_config` (`is_vision_config`), or a hub name of the Qwen-VL families
+    ('Qwen/Qwen2.5-VL-3B-Instruct': `-VL-` in it)."""
+    if name in VISION_BUILTINS:
+        return True
+    c = local_model_config(name)
+    if c is not None:
+        return is_vision_config(c)
+    return bool(re.search(r"-VL(-|$)", name, re.IGNORECASE))
 
 
 def num_experts(c: dict) -> int:

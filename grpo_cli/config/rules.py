@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from grpo_cli.config.engine_modes import engine_mode, modes_of
 from grpo_cli.config.rules_megatron import check_megatron, divisors
+from grpo_cli.config.rules_vision import check_vision
 from grpo_cli.config.rules_offload import check_offload
 
 if TYPE_CHECKING:
@@ -311,6 +312,7 @@ def check_rules(cfg: GRPOConfig) -> None:
     _check_rollout(cfg)
     _check_distributed(cfg)
     _check_sharding(cfg)
+    check_vision(cfg)
     check_megatron(cfg)
     _check_lora_and_eval(cfg)
     _check_agent(cfg)

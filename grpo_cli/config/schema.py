@@ -39,7 +39,8 @@ class ModelConfig(Section):
     name_or_path: str = "builtin:tiny"
     """Policy checkpoint: a local folder in Hugging Face format, a hub id already in the local cache, or
     `builtin:tiny`, a 2-layer model and word-level tokenizer that grpo-cli builds on first use (no network;
-    `builtin:tiny-moe` is its mixture-of-experts twin, 4 experts, top 2)."""
+    `builtin:tiny-moe` is its mixture-of-experts twin, 4 experts, top 2; `builtin:tiny-vlm` a tiny Qwen2-VL
+    vision-language model, docs/vision.md)."""
     dtype: DType = "float32"
     """Compute dtype of the policy's and reference's forward/backward passes (and of exported weights). bf16
     compute comes from the backend's mixed precision (ddp: autocast; fsdp2: MixedPrecisionPolicy; deepspeed: its
@@ -67,7 +68,12 @@ class ModelConfig(Section):
     lora: LoraConfig | None = None
     """Train a LoRA adapter (PEFT, `pip install 'grpo-cli[lora]'`) instead of every weight; null trains the full
     model. The reference model (β > 0) is the same model with the adapter disabled, and weight sync sends the
-    merged weights."""
+    merged weights. On a vision-language model the adapters go on the language model only (never the vision
+    tower)."""
+    freeze_vision: bool = True
+    """Vision-language models (docs/vision.md): the vision tower (`model.visual.*`: patch embedding, vision blocks,
+    merger) gets no gradient and is not in the optimizer, so its weights stay bit-identical; the weight sync sends
+    it once. `false` trains it with the rest. No effect on a text-only model."""
 
 
 class DataConfig(Section):
@@ -83,6 +89,10 @@ class DataConfig(Section):
     """`filter` drops prompts longer than `max_prompt_length` (the count is printed); `error` stops."""
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded by `train.seed`)."""
+    max_image_pixels: int = Field(1_003_520, ge=784)
+    """Vision-language models: an image with more pixels (w·h) is scaled down to this many, aspect ratio kept,
+    before the model's image processor sees it (which then rounds its sides to multiples of 28 within its own
+    min/max pixels). The default is Qwen2-VL's largest image, 1280 · 28²."""
 
 
 class RewardFunctionConfig(Section):

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from grpo_cli.data.images import ImageProcessor, row_images, with_image_parts
 from grpo_cli.data.sources import DataError
+
+if TYPE_CHECKING:
+    from grpo_cli.models.vision import VisionInputs
 
 
 @dataclass
@@ -18,6 +23,11 @@ class Prompt:
     messages: list | None = None
     """The chat messages the text was rendered from (None for a plain-string prompt): a reward model renders them
     with its own template."""
+    images: list | None = None
+    """A vision-language model's prompt: its images (RGB `PIL.Image`s, size-capped), in placeholder order; then
+    `ids` are the processor-expanded ids (one `<|image_pad|>` per merged patch group). None: a text model."""
+    vision: VisionInputs | None = None
+    """The image processor's outputs for `images` (one row; none when the prompt has no image)."""
 
 
 def render(tokenizer, value, column: str, *, tools: list[dict] | None = None) -> str:
@@ -32,28 +42,52 @@ def render(tokenizer, value, column: str, *, tools: list[dict] | None = None) ->
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, *, prompt_column: str, max_prompt_length: int,
-                     overlong_prompts: str, tools: list[dict] | None = None) -> tuple[list[Prompt], int]:
-    """Tokenise every row; prompts longer than `max_prompt_length` are dropped (`filter`) or rejected (`error`).
-    Returns the prompts kept and the number dropped."""
+                     overlong_prompts: str, tools: list[dict] | None = None,
+                     images: ImageProcessor | None = None) -> tuple[list[Prompt], int]:
+    """Tokenise every row; prompts longer than `max_prompt_length` (image tokens included) are dropped (`filter`)
+    or rejected (`error`). With `images` (a vision-language model's processor) each row's images are read
+    (`data.images.row_images`), processed, and the prompt's placeholders expanded. Returns the prompts kept and
+    the number dropped."""
     if rows and prompt_column not in rows[0]:
         raise DataError(f"data.prompt_column '{prompt_column}' is not a column of the data (columns: "
                         f"{sorted(rows[0])}); set data.prompt_column to the one holding the prompt.")
     kept, dropped = [], 0
     for i, row in enumerate(rows):
-        text = render(tokenizer, row[prompt_column], prompt_column, tools=tools)
+        value, pics, vision = row[prompt_column], None, None
+        if images is not None:
+            pics = row_images(row, prompt_column, where=f"data row {i}", max_pixels=images.max_pixels)
+            value = with_image_parts(value, len(pics))
+        text = render(tokenizer, value, prompt_column, tools=tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if images is not None:
+            vision = images.encode(pics) if pics else None
+            ids = images.expand(ids, vision, where=f"data row {i}") if pics else ids
         if len(ids) > max_prompt_length:
             if overlong_prompts == "error":
                 raise DataError(f"prompt {i} has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}; "
                                 "raise the limit or set data.overlong_prompts=filter.")
             dropped += 1
             continue
-        messages = row[prompt_column] if isinstance(row[prompt_column], list) else None
+        messages = value if isinstance(value, list) else None
         kept.append(Prompt(text=text, ids=ids, columns={k: v for k, v in row.items() if k != prompt_column},
-                           messages=messages))
+                           messages=messages, images=pics, vision=vision))
     if not kept:
         raise DataError(f"no prompt fits data.max_prompt_length={max_prompt_length} ({dropped} dropped); raise it.")
     return kept, dropped
+
+
+def images_of(prompts: list[Prompt]) -> list[list] | None:
+    """Each prompt's images (`[]` for one without) for an engine's `generate(images=)`; None when no prompt has an
+    image (a text-only batch: engines are then called without images)."""
+    if not any(p.images for p in prompts):
+        return None
+    return [list(p.images or []) for p in prompts]
+
+
+def vision_of(prompts: list[Prompt]) -> list | None:
+    """Each prompt's processor outputs (`Prompt.vision`, None for one without images) for `build_batch`; None when
+    no prompt has an image."""
+    return None if all(p.vision is None for p in prompts) else [p.vision for p in prompts]
 
 
 @dataclass

@@ -55,7 +55,8 @@ def load_training_model(cfg: GRPOConfig, model_path: str, device: torch.device):
 def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, object, dict]:
     """Sample `num_prompts` × G completions with `engine` (default: the configured one, closed afterwards) and
     recompute their logprobs with the training-side model. Returns the sample, the tokenizer and the setup."""
-    from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
+    from grpo_cli.data.images import ImageProcessor
+    from grpo_cli.data.prompts import PromptCursor, images_of, tokenize_prompts, vision_of
     from grpo_cli.data.sources import load_rows
     from grpo_cli.rollout.base import EngineContext
     from grpo_cli.rollout.factory import make_engine, sampling_params
@@ -73,6 +74,7 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
     prompts, _ = tokenize_prompts(
         load_rows(cfg.data.source, seed=cfg.train.seed), tokenizer, prompt_column=cfg.data.prompt_column,
         max_prompt_length=cfg.data.max_prompt_length, overlong_prompts=cfg.data.overlong_prompts,
+        images=ImageProcessor.load(model_path, max_pixels=cfg.data.max_image_pixels),  # None: a text model
     )
     prompts = PromptCursor(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle).take(num_prompts)
     if cfg.rollout.engine == "vllm" and not cfg.rollout.layout.remote and device.type == "cpu":
@@ -84,7 +86,9 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
         ctx = EngineContext(model_path, eos_token_ids(tokenizer, model), tokenizer.pad_token_id)
         engine = make_engine(cfg, ctx, policy=model)
     try:
-        rollout = engine.generate([p.ids for p in prompts], sampling_params(cfg, seed=cfg.train.seed))
+        images = images_of(prompts)  # a VLM's prompts: the engine samples with their images, as `train` does
+        rollout = engine.generate([p.ids for p in prompts], sampling_params(cfg, seed=cfg.train.seed),
+                                  **({} if images is None else {"images": images}))
         rollout_dtype = _engine_dtype(engine, cfg)
     finally:
         if own:
@@ -93,7 +97,8 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
         raise UserError(f"the {cfg.rollout.engine} engine ({cfg.rollout.mode}) reported no sampler logprobs, so "
                         "there is nothing to compare; use an engine that returns them (hf, vllm, grpo serve-rollout).")
     g = cfg.train.generations_per_prompt
-    batch = build_batch(rollout, group_size=g, pad_token_id=tokenizer.pad_token_id).to(device)
+    batch = build_batch(rollout, group_size=g, pad_token_id=tokenizer.pad_token_id,
+                        vision=vision_of(prompts)).to(device)
     train = batch_logprobs(model, batch, micro_batch_size=cfg.train.micro_batch_size,
                            temperature=cfg.rollout.temperature)
     smp = Sample(rollout.prompt_ids, rollout.completion_ids, g, train.float().cpu(),

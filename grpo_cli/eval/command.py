@@ -77,7 +77,8 @@ def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
     from grpo_cli.runtime.dist import DistInfo, release_own_group
     from grpo_cli.runtime.quiet import quiet_hf_stack
     from grpo_cli.rewards.resolve import reward_fns_for
-    from grpo_cli.rollout.base import EngineContext
+    from grpo_cli.data.prompts import images_of
+    from grpo_cli.rollout.base import EngineContext, generate_with_images
     from grpo_cli.rollout.factory import make_engine
     from grpo_cli.runtime.accel import resolve_device
     from grpo_cli.train.policy import eos_token_ids, load_policy
@@ -101,7 +102,7 @@ def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
 
             compute = policy.backend.compute_context() if engine.shares_policy_weights else contextlib.nullcontext()
             with compute:
-                return engine.generate([p.ids for p in prompts], sampling)
+                return generate_with_images(engine, [p.ids for p in prompts], sampling, images_of(prompts))
 
         return evaluator.run(generate)
     finally:

@@ -5,13 +5,14 @@ turned into a CPU run of the tiny task on at most 2 processes. A pure function o
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from grpo_cli.config.load import DEFAULT_PRESET, build_config, deep_merge, validate_tree
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.models.tiny import MOE_NAME, TINY_NAME
+from grpo_cli.models.tiny import MOE_NAME, TINY_NAME, VLM_NAME
 
 MAX_PROCESSES = 2
 """Processes a rehearsal runs on this kind of machine (2 CPU cores in CI)."""
@@ -19,6 +20,8 @@ REHEARSAL_STEPS = 20
 """Optimizer steps of the whole rehearsal: enough for the tiny task's reward to rise with tiny-cpu's learning rate."""
 RESUME_AT = 10
 """The first run stops (and checkpoints) after this step; the second resumes from it and runs to the end."""
+VLM_PRESET = "tiny-cpu-vlm"
+"""The tiny task of a vision-language preset's rehearsal (`builtin:tiny-vlm` on `builtin:shapes`)."""
 SERVER_PLACEHOLDER = "http://127.0.0.1:0"
 """Stands for the rollout server the rehearsal starts on a free port (its real URL replaces this one)."""
 
@@ -49,23 +52,40 @@ def server_kind(cfg: GRPOConfig) -> str | None:
     return cfg.rollout.layout.rehearsal_server
 
 
+def is_vision_model(name: str) -> bool:
+    """Whether `name` is a vision-language model: its local config.json has a `vision_config`, or (not on disk) it
+    is the tiny VLM or its name says VL (`Qwen/Qwen2.5-VL-3B-Instruct`)."""
+    from grpo_cli.config.model_shape import is_vision_config, local_model_config
+
+    config = local_model_config(name)
+    if config is not None:
+        return is_vision_config(config)
+    return name == VLM_NAME or re.search(r"(^|[-_/])VL([-_]|$)", name, re.IGNORECASE) is not None
+
+
 def stand_in_model(src: GRPOConfig) -> str:
-    """The built-in model a rehearsal trains: the tiny MoE for a mixture-of-experts model (so the router, expert
-    weights and, with megatron, expert parallelism run), else the tiny dense one."""
+    """The built-in model a rehearsal trains: the tiny VLM for a vision-language model (its images then go through
+    every pass), the tiny MoE for a mixture-of-experts model (so the router, expert weights and, with megatron,
+    expert parallelism run), else the tiny dense one."""
     from grpo_cli.config.model_shape import model_shape
 
+    if is_vision_model(src.model.name_or_path):
+        return VLM_NAME
     return MOE_NAME if model_shape(src.model.name_or_path).experts else TINY_NAME
 
 
 def _tiny_task(tiny: GRPOConfig, src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
-    """Model, data, rewards and learning settings of the tiny task; the preset's algorithm is kept."""
+    """Model, data, rewards and learning settings of the tiny task (`tiny`: the preset it comes from); the
+    preset's algorithm is kept."""
     t = tiny.model_dump(mode="json")
     stand_in = stand_in_model(src)
-    kind = ("2-layer Qwen3-MoE, 4 experts, top 2" if stand_in == MOE_NAME else "2-layer model") + ", built locally"
+    kind = {MOE_NAME: "2-layer Qwen3-MoE, 4 experts, top 2",
+            VLM_NAME: "Qwen2-VL, 2-block vision tower, 2-layer language model"}.get(stand_in, "2-layer model")
+    kind += ", built locally"
     notes.append(f"model {src.model.name_or_path} → {stand_in} ({kind}); dtype "
                  f"{src.model.dtype}, gradient_checkpointing {src.model.gradient_checkpointing} kept")
     notes.append(f"task: data {src.data.source} → {tiny.data.source}, rewards → "
-                 f"{', '.join(f.name for f in tiny.rewards.functions)} ({DEFAULT_PRESET}'s); algorithm "
+                 f"{', '.join(f.name for f in tiny.rewards.functions)} ({tiny.preset}'s); algorithm "
                  f"(loss {src.algorithm.loss or 'default'}, IS correction {src.algorithm.is_correction.level}) kept")
     train = {**t["train"], "steps": REHEARSAL_STEPS}
     per_rank = train["prompts_per_step"] // min(src.distributed.num_processes, MAX_PROCESSES)
@@ -73,7 +93,7 @@ def _tiny_task(tiny: GRPOConfig, src: GRPOConfig, notes: list[str]) -> dict[str,
     micro = src.train.micro_batch_size if sequences % src.train.micro_batch_size == 0 else sequences
     train["micro_batch_size"] = micro
     notes.append(f"train: {REHEARSAL_STEPS} steps of {train['prompts_per_step']}×{train['generations_per_prompt']} "
-                 f"sequences, lr {train['learning_rate']:g} ({DEFAULT_PRESET}'s learning settings); "
+                 f"sequences, lr {train['learning_rate']:g} ({tiny.preset}'s learning settings); "
                  f"micro_batch_size {src.train.micro_batch_size}"
                  + ("" if micro == src.train.micro_batch_size else f" → {micro}"))
     return {"model": {**src.model.model_dump(mode="json"), "name_or_path": stand_in},
@@ -155,9 +175,9 @@ def _megatron(src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
     return out
 
 
-def _rollout(src: GRPOConfig, procs: int, server_url: str, notes: list[str]) -> dict[str, Any]:
+def _rollout(src: GRPOConfig, procs: int, server_url: str, notes: list[str], *, tiny_len: int) -> dict[str, Any]:
+    """The preset's engine, mode, TP (≤ `procs`) and server on CPU; completions of the tiny task's `tiny_len`."""
     r, out = src.rollout, {}
-    tiny_len = build_config(DEFAULT_PRESET).rollout.max_completion_length
     out["max_completion_length"] = tiny_len
     vllm: dict[str, Any] = {"max_model_len": None, "max_num_seqs": None, "kv_cache_space_gib": 1.0}
     if r.engine == "vllm":
@@ -256,13 +276,14 @@ def plan_rehearsal(cfg: GRPOConfig, *, deepspeed_ready: bool, server_url: str = 
             "(docs/server-mode.md gives the command pair), or rehearse the same topology with rollout.engine=vllm "
             "(`grpo serve-rollout --engine vllm`).")
     notes: list[str] = []
-    tiny = build_config(DEFAULT_PRESET)
+    tiny = build_config(VLM_PRESET if stand_in_model(cfg) == VLM_NAME else DEFAULT_PRESET)
     tree = cfg.model_dump(mode="json")
     tree = deep_merge(tree, _tiny_task(tiny, cfg, notes))
     dist = _processes(cfg, notes)
     backend, substituted = _backend(cfg, deepspeed_ready, notes)
     tree = deep_merge(tree, {"distributed": {**dist, **backend}})
-    tree = deep_merge(tree, {"rollout": _rollout(cfg, dist["num_processes"], server_url, notes)})
+    tree = deep_merge(tree, {"rollout": _rollout(cfg, dist["num_processes"], server_url, notes,
+                                                    tiny_len=tiny.rollout.max_completion_length)})
     tree = deep_merge(tree, {"checkpoint": {"every_steps": 0, "keep_last": 2, "resume": None},
                              "logging": {"output_dir": None, "progress": "plain", "report_to": []}})
     if cfg.logging.report_to:

@@ -17,6 +17,7 @@ from grpo_cli.models.attention import LAYOUT_ATTR
 from grpo_cli.models.attention import NAME as ATTENTION
 from grpo_cli.models.linear_fn import LINEAR_FN_ATTR
 from grpo_cli.models.packing import attention_cost, completion_widths, packed_mask, plan_packing
+from grpo_cli.models.vision import VisionInputs, mrope_positions
 
 MIN_SAVING = 0.1
 """Packing is used only when it cuts the estimated forward cost (`attention_cost`) by at least this share."""
@@ -170,16 +171,24 @@ def _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len: i
 
 
 def _completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int,
-                       temperature: float, head: _HeadStats | None = None) -> torch.Tensor:
+                       temperature: float, head: _HeadStats | None = None,
+                       vision: VisionInputs | None = None) -> torch.Tensor:
     """Logits (B, T, V) / temperature predicting the last T = logits_to_keep tokens of `input_ids` (B, S); with
     `head` installed on the model's output layer, the statistics (B, T, k) it computes from the same positions.
 
     Position ids are (cumsum(mask) − 1) clamped at 0, as in generation. Rows run packed (`_packed_logits`) when the
-    model allows it and it pays, else as one padded batch; both compute the same logits.
+    model allows it and it pays, else as one padded batch; both compute the same logits. With `vision` (a
+    vision-language model's rows) the model also gets the rows' pixel patches and grids, positions are M-RoPE's
+    (`vision.mrope_positions`, (3, B, S)), and rows are not packed.
     """
     prompt_len = input_ids.shape[1] - logits_to_keep
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    hidden_size = _packable(model) if prompt_len > 0 else None
+    extra = {}
+    if vision is not None:
+        position_ids = mrope_positions(model, input_ids, attention_mask, vision)
+        extra = vision.model_kwargs()
+    else:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden_size = _packable(model) if prompt_len > 0 and vision is None else None
     logits = None
     if hidden_size is not None:
         logits = _packed_logits(model, input_ids, attention_mask, position_ids, prompt_len, hidden_size, head)
@@ -188,7 +197,7 @@ def _completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             head.select = lambda hidden: hidden[:, :-1]
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            use_cache=False, logits_to_keep=logits_to_keep + 1,
+            use_cache=False, logits_to_keep=logits_to_keep + 1, **extra,
         ).logits
         if head is not None:
             return logits
@@ -203,7 +212,7 @@ def _valid_positions(attention_mask: torch.Tensor, logits_to_keep: int) -> torch
 
 
 def _completion_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int,
-                      temperature: float, with_entropy: bool, entropy_grad: bool):
+                      temperature: float, with_entropy: bool, entropy_grad: bool, vision: VisionInputs | None):
     """(logprobs, entropy or None), each (B, T), through `algo.chunked_logprobs` inside the model's forward (the
     (B, T, V) logits never whole), or None for a model whose output layer cannot be stood in for."""
     head = _HeadStats.install(model, input_ids[:, input_ids.shape[1] - logits_to_keep :], temperature=temperature,
@@ -212,44 +221,46 @@ def _completion_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         return None
     with head:
         out = _completion_logits(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
-                                 temperature=temperature, head=head)
+                                 temperature=temperature, head=head, vision=vision)
     if head.result is None or out.shape != head.result.shape or not torch.equal(out, head.result):
         return None  # the model changed the output layer's result (a logit transform): the full-logits path
     return out[..., 0], (out[..., 1] if with_entropy else None)
 
 
 def completion_logprobs(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int, temperature: float
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int, temperature: float,
+    vision: VisionInputs | None = None,
 ) -> torch.Tensor:
     """Logprobs (B, T = logits_to_keep) of the last T tokens of `input_ids` (B, S), each given the tokens before it,
     from logits divided by `temperature` (matching the sampler's processed logprobs); 0 after a row's last
-    unmasked position. The logits are built a chunk of positions at a time (`algo.chunked_logprobs`)."""
+    unmasked position. The logits are built a chunk of positions at a time (`algo.chunked_logprobs`). `vision`:
+    the rows' images (a vision-language model)."""
     stats = _completion_stats(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
-                              temperature=temperature, with_entropy=False, entropy_grad=False)
+                              temperature=temperature, with_entropy=False, entropy_grad=False, vision=vision)
     if stats is not None:
         logprobs = stats[0]
     else:
         logits = _completion_logits(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
-                                    temperature=temperature)
+                                    temperature=temperature, vision=vision)
         logprobs = selective_log_softmax(logits, input_ids[:, input_ids.shape[1] - logits_to_keep :])
     return logprobs * _valid_positions(attention_mask, logits_to_keep)
 
 
 def completion_logprobs_entropy(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int, temperature: float,
-    entropy_grad: bool,
+    entropy_grad: bool, vision: VisionInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`completion_logprobs` and the entropy (B, T) of the tempered policy at the same positions, from the same
     logits chunk (no second forward, no (B, T, V) buffer); 0 after a row's last unmasked position. The entropy
     carries a gradient only with `entropy_grad` (the entropy bonus)."""
     valid = _valid_positions(attention_mask, logits_to_keep)
     stats = _completion_stats(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
-                              temperature=temperature, with_entropy=True, entropy_grad=entropy_grad)
+                              temperature=temperature, with_entropy=True, entropy_grad=entropy_grad, vision=vision)
     if stats is not None:
         entropy = stats[1] if entropy_grad else stats[1].detach()
         return stats[0] * valid, entropy * valid
     logits = _completion_logits(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
-                                temperature=temperature)
+                                temperature=temperature, vision=vision)
     logprobs = selective_log_softmax(logits, input_ids[:, input_ids.shape[1] - logits_to_keep :])
     entropy = token_entropy(logits if entropy_grad else logits.detach())
     return logprobs * valid, entropy * valid
@@ -267,10 +278,13 @@ def right_padded(sequences: list[list[int]], *, pad_token_id: int) -> tuple[torc
 
 
 @torch.no_grad()
-def score_sequences(model, sequences: list[list[int]], *, pad_token_id: int) -> list[list[float]]:
-    """Raw (temperature 1) logprob of every token after the first of each sequence (right-padded batch)."""
+def score_sequences(model, sequences: list[list[int]], *, pad_token_id: int,
+                    vision: VisionInputs | None = None) -> list[list[float]]:
+    """Raw (temperature 1) logprob of every token after the first of each sequence (right-padded batch); `vision`:
+    the sequences' images, one row each (a vision-language model)."""
     device = next(model.parameters()).device
     ids, mask = right_padded(sequences, pad_token_id=pad_token_id)
     width = ids.shape[1]
-    lp = completion_logprobs(model, ids.to(device), mask.to(device), logits_to_keep=width - 1, temperature=1.0)
+    lp = completion_logprobs(model, ids.to(device), mask.to(device), logits_to_keep=width - 1, temperature=1.0,
+                             vision=None if vision is None else vision.to(device))
     return [lp[i, : len(s) - 1].tolist() for i, s in enumerate(sequences)]

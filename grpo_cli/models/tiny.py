@@ -16,8 +16,11 @@ TOOLS_NAME = "builtin:tiny-tools"
 MOE_NAME = "builtin:tiny-moe"
 """A tiny Qwen3-MoE with the built-in tokenizer (4 experts, top 2, in both layers): the stand-in a MoE preset's
 `--rehearse` trains with expert parallelism."""
+VLM_NAME = "builtin:tiny-vlm"
+"""A tiny Qwen2-VL (`models/tiny_vlm.py`): a 2-block vision tower, the 2-layer language model, Qwen2-VL's vision
+tokens in the tokenizer and a PIL image processor; the built-in image task is `builtin:shapes`."""
 BUILTINS = {TINY_NAME: ("tiny", {}), TOOLS_NAME: ("tiny-tools", {"tools": True}),
-            MOE_NAME: ("tiny-moe", {"arch": "qwen3_moe"})}
+            MOE_NAME: ("tiny-moe", {"arch": "qwen3_moe"}), VLM_NAME: ("tiny-vlm", {"arch": "qwen2_vl"})}
 """Built-in model name → (cache folder stem, `build_tiny_checkpoint` arguments)."""
 SPECIAL = ["<pad>", "<eos>", "<unk>", "<system>", "<user>", "<assistant>"]
 WORDS = (
@@ -92,10 +95,11 @@ def build_tokenizer(path: Path, *, chars: bool = False, tools: bool = False, voc
     return tok
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "qwen3_moe", "qwen2_vl")
 """Tiny architectures `build_tiny_checkpoint` can write: Llama untied (the built-in), Qwen2 tied with q/k/v
 biases, Qwen3 tied with q/k norms, Gemma tied with its embedding scale (√hidden) and (1 + w) norms, Qwen3-MoE
-untied with 4 routed experts (top 2) in every layer and no router auxiliary loss."""
+untied with 4 routed experts (top 2) in every layer and no router auxiliary loss, Qwen2-VL tied with a vision tower
+(`tiny_vlm.build_tiny_vlm`; the shape arguments other than `seed` do not apply)."""
 
 
 def _config(arch: str, *, vocab: int, hidden_size: int, num_layers: int, head_dim: int, eos: int, pad: int):
@@ -137,6 +141,12 @@ def build_tiny_checkpoint(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if arch == "qwen2_vl":
+        from grpo_cli.models.tiny_vlm import build_tiny_vlm
+
+        build_tiny_vlm(path, special=SPECIAL, words=WORDS, seed=seed)
+        (path / "grpo_cli_tiny.json").write_text(json.dumps({"version": TINY_VERSION, "seed": seed, "arch": arch}))
+        return path
     tok = build_tokenizer(path, chars=chars, tools=tools, vocab_size=vocab_size)
     config = _config(arch, vocab=len(tok), hidden_size=hidden_size, num_layers=num_layers, head_dim=head_dim,
                      eos=tok.eos_token_id, pad=tok.pad_token_id)
@@ -173,7 +183,8 @@ def checkpoint_tensors(model) -> dict:
 
 
 def resolve_model_path(name: str) -> str:
-    """Map a built-in name (`BUILTINS`: `builtin:tiny`, `builtin:tiny-tools`, `builtin:tiny-moe`) to its cached
+    """Map a built-in name (`BUILTINS`: `builtin:tiny`, `builtin:tiny-tools`, `builtin:tiny-moe`,
+    `builtin:tiny-vlm`) to its cached
     folder (built once, atomically); other names pass through."""
     if name not in BUILTINS:
         return name

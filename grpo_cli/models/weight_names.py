@@ -59,12 +59,14 @@ def accepted_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 def checkpoint_aliases(model_dir: str) -> dict[str, list[str]]:
     """`tied_aliases` of the transformers model a checkpoint folder describes, built on the meta device (no
     weights); {} when transformers cannot build it (custom code, not a causal LM)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from grpo_cli.models.vision import causal_lm_class
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = causal_lm_class(config).from_config(config)
     except Exception:  # noqa: BLE001 - then only the checkpoint's own names are accepted, as before
         return {}
     return tied_aliases(model)

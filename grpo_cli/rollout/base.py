@@ -12,6 +12,7 @@ from grpo_cli.config.errors import UserError
 
 if TYPE_CHECKING:
     import torch
+    from PIL.Image import Image as PILImage
 
     from grpo_cli.config.schema import GRPOConfig
 
@@ -83,6 +84,11 @@ class RolloutEngine:
     client's stop ids here for one call); None: the engine's own."""
     model = None
     """The Hugging Face module the engine generates with, where it has one (hf): `grpo diagnose` reads its dtype."""
+    accepts_images: bool = False
+    """True when `generate` and `score` take `images=` (one list of RGB `PIL.Image.Image` per prompt/sequence, in
+    the order of the prompt's image placeholders) and generate with them: a run whose prompts carry images refuses
+    an engine without it (`config.rules`, `train/run.py`). Callers pass `images=` only to such an engine, and only
+    when some prompt has images, so an engine without it keeps its text-only signature."""
     last_probe: dict[str, float] | None = None
     """The last sync's probe figures when the engine scored them later (`probe_when_awake`); the loop takes them
     once (`train/loop.take_deferred_probe`)."""
@@ -102,11 +108,16 @@ class RolloutEngine:
         """Whether `continue_rows` is available (hf): multi-turn rollouts keep each row's KV between turns."""
         return _overrides(self, "continue_rows")
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 images: list[list[PILImage]] | None = None) -> RolloutBatch:
+        """`sampling.n` completions of each prompt. `images` (`accepts_images` engines only): prompt i's images;
+        its ids are then the processor-expanded ids (one `<|image_pad|>` per merged patch group, between
+        `<|vision_start|>` and `<|vision_end|>`), and no completion samples an image/video placeholder token."""
         raise NotImplementedError(f"{type(self).__name__} defines no generate")
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Temperature-1 logprob of each token after the first, given the tokens before it (weight-sync probes)."""
+    def score(self, sequences: list[list[int]], images: list[list[PILImage]] | None = None) -> list[list[float]]:
+        """Temperature-1 logprob of each token after the first, given the tokens before it (weight-sync probes);
+        `images` (`accepts_images` engines only): sequence i's images, as in `generate`."""
         raise NotImplementedError(f"{type(self).__name__} defines no score")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -159,6 +170,15 @@ class RolloutEngine:
 
 def _overrides(engine: RolloutEngine, name: str) -> bool:
     return getattr(type(engine), name) is not getattr(RolloutEngine, name)
+
+
+def generate_with_images(engine: RolloutEngine, prompt_ids: list[list[int]], sampling: SamplingParams,
+                         images: list[list[PILImage]] | None) -> RolloutBatch:
+    """`engine.generate`, passing `images=` only when some prompt has images (`data.prompts.images_of`), so an
+    engine without `accepts_images` keeps its text-only signature."""
+    if images is None:
+        return engine.generate(prompt_ids, sampling)
+    return engine.generate(prompt_ids, sampling, images=images)
 
 
 def held_awake(engine) -> AbstractContextManager[None]:

@@ -53,7 +53,7 @@ def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy, device=None) 
     its own copy of the checkpoint; weight sync keeps a copy up to date."""
     import torch
 
-    from grpo_cli.rollout.hf.engine import HFEngine
+    from grpo_cli.rollout.hf.engine import HFEngine, image_processor
 
     if policy is None:
         from grpo_cli.rollout.hf.generation_copy import hf_copy_engine
@@ -67,7 +67,7 @@ def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy, device=None) 
     shares = dtype == "auto" or getattr(torch, dtype) == next(policy.parameters()).dtype
     model = policy if shares else _frozen_copy(policy, getattr(torch, dtype))
     return HFEngine(model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                    shares_policy_weights=shares, compile_step=cfg.rollout.compile)
+                    shares_policy_weights=shares, compile_step=cfg.rollout.compile, images=image_processor(cfg, ctx))
 
 
 def _frozen_copy(policy, dtype):

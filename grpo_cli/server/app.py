@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 import grpo_cli
+from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.transport.codec import FrameError
 from grpo_cli.server.engines import Served
@@ -155,9 +156,10 @@ def _routes(app: FastAPI, st: State) -> None:
             _check_ids([stop], sv.vocab_size, "stop_token_ids", min_len=0)
         sampling = SamplingParams(n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                                   top_k=s.top_k, seed=s.seed)
+        images = _images(sv, body.images, len(body.prompt_ids), "images")
         async with st.lock:
             _require_ready(st)
-            batch = await anyio.to_thread.run_sync(_generate, sv.engine, body.prompt_ids, sampling, stop)
+            batch = await anyio.to_thread.run_sync(_generate, sv.engine, body.prompt_ids, sampling, stop, images)
             version = st.weight_version
         return {"completion_ids": batch.completion_ids, "finish_reasons": batch.finish_reasons,
                 "sampler_logprobs": batch.sampler_logprobs, "weight_version": version, "timings": batch.timings}
@@ -167,9 +169,10 @@ def _routes(app: FastAPI, st: State) -> None:
         _check_ids(body.sequences, sv.vocab_size, "sequences", min_len=2)
         if max(len(s) for s in body.sequences) > sv.max_model_len:
             raise RequestError(f"a sequence is longer than the server's max_model_len {sv.max_model_len}")
+        images = _images(sv, body.images, len(body.sequences), "images")
         async with st.lock:
             _require_ready(st)
-            logprobs = await anyio.to_thread.run_sync(sv.engine.score, body.sequences)
+            logprobs = await anyio.to_thread.run_sync(_score, sv.engine, body.sequences, images)
             version = st.weight_version
         return {"logprobs": logprobs, "weight_version": version}
 
@@ -215,13 +218,38 @@ def _require_no_session(st: State) -> None:
                        "between buckets): push the weights again, or wait for the update to complete")
 
 
-def _generate(engine, prompt_ids, sampling, stop_token_ids):
+def _images(sv: Served, rows: list[list[str]] | None, count: int, what: str):
+    """A request's images decoded (one list per prompt/sequence), or None without any; refused (400) when the
+    served engine does not take images or the lists do not match the prompts."""
+    if rows is None:
+        return None
+    if "images" not in sv.capabilities:
+        raise RequestError(f"this server's {sv.engine_name} engine does not take images (see /info capabilities): "
+                           "start it with --engine hf for a vision-language model")
+    if len(rows) != count:
+        raise RequestError(f"{what} has {len(rows)} lists for {count} prompts: send one list per prompt")
+    try:
+        return wire_images.decode(rows, what=what)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from exc
+
+
+def _with_images(images) -> dict:
+    """`images=` only where a request has images, so a text-only engine keeps its text-only signature."""
+    return {} if images is None else {"images": images}
+
+
+def _score(engine, sequences, images):
+    return engine.score(sequences, **_with_images(images))
+
+
+def _generate(engine, prompt_ids, sampling, stop_token_ids, images=None):
     """The hf/vllm engines stop at their own EOS ids; a client may pass the trainer's (e.g. chat end tokens)."""
     if stop_token_ids is None:
-        return engine.generate(prompt_ids, sampling)
+        return engine.generate(prompt_ids, sampling, **_with_images(images))
     saved = engine.eos_token_ids
     engine.eos_token_ids = list(stop_token_ids) or saved
     try:
-        return engine.generate(prompt_ids, sampling)
+        return engine.generate(prompt_ids, sampling, **_with_images(images))
     finally:
         engine.eos_token_ids = saved

@@ -122,26 +122,32 @@ def build(opts: ServeOptions, *, vllm_engine=None) -> Served:
 
 def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from grpo_cli.models.vision import causal_lm_class
     from grpo_cli.rollout.hf.engine import HFEngine
     from grpo_cli.models.weight_names import accepted_shapes
 
     from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 
-    model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=getattr(torch, dtype))
+    model = causal_lm_class(cfg).from_pretrained(opts.model, dtype=getattr(torch, dtype))
     model = model.to(resolve_device("auto", local_rank_from_env()))
     model.eval().requires_grad_(False)
     if opts.compile:
         from grpo_cli.rollout.hf.engine import require_compilable
 
         require_compilable(model, setting="--compile")
+    from grpo_cli.config.schema import DataConfig
+    from grpo_cli.data.images import ImageProcessor
+
+    # a VLM's image processor (None for a text model); the trainer has capped the images it sends already
+    images = ImageProcessor.load(opts.model, max_pixels=DataConfig.model_fields["max_image_pixels"].default)
     engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad_id, shares_policy_weights=False,
-                      compile_step=opts.compile)
+                      compile_step=opts.compile, images=images)
     shapes = accepted_shapes(model)
     max_len = opts.max_model_len or int(cfg.get("max_position_embeddings", 2048))
+    caps = ["generate", "score", "update_weights", "update_weights_from_disk"]
     return Served(engine, "hf", opts.model, dtype, vocab, arch, max_len, shapes, eos_ids, pad_id,
-                  ["generate", "score", "update_weights", "update_weights_from_disk"])
+                  caps + (["images"] if images is not None else []))
 
 
 def _build_vllm(opts, cfg, dtype, vocab, arch, eos_ids, pad_id, engine) -> Served:

@@ -4,7 +4,8 @@ Written from the sglang 0.5.23 wheel: `srt/entrypoints/http_server.py` (routes, 
 `srt/managers/io_struct.py` (request fields), `srt/sampling/sampling_params.py` (`top_k=-1` = off,
 `stop_token_ids`, `sampling_seed`, `n`), `srt/managers/tokenizer_manager.py` (`meta_info.output_token_logprobs` as
 `[logprob, token_id, text|None]`, `finish_reason` dicts, `input_token_logprobs` starting with a None logprob,
-batch outputs prompt-major). Each server-side rule the client must respect cites its upstream file below. It is
+batch outputs prompt-major), `srt/multimodal/processors/qwen_vl.py` and `base_processor.py` (`image_data` of a
+Qwen-VL model: one placeholder `<|vision_start|>(<|image_pad|>)+<|vision_end|>` per image). Each server-side rule the client must respect cites its upstream file below. It is
 configured from the `sglang.launch_server` argument list (`launch_args`), so a test can run the launcher's own
 command against it. Generation is backed by the hf engine on the tiny checkpoint.
 
@@ -105,15 +106,64 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
         ids = [ids] if single else ids
         params = obj.get("sampling_params") or {}
         params = params if isinstance(params, list) else [params] * len(ids)
+        images = _image_data(obj.get("image_data"), ids, served)
+        if isinstance(images, JSONResponse):
+            return images
         outs = []
-        for prompt, p in zip(ids, params, strict=True):
+        for prompt, p, imgs in zip(ids, params, images, strict=True):
             for _ in range(p.get("n", 1) or 1):
-                outs.append(_one(engine, prompt, p, obj, state))
+                outs.append(_one(engine, prompt, p, obj, state, imgs))
         return outs[0] if single and len(outs) == 1 else outs
 
     _weight_routes(app, engine, state, sessions)
     _memory_routes(app, engine, state)
     return app
+
+
+def _image_data(data, ids: list[list[int]], served) -> list | JSONResponse:
+    """Each input's images (None: none). `srt/managers/io_struct.py` GenerateReqInput._normalize_image_data: a list
+    must have one entry per input ("The length of image_data should be equal to the batch size.", a ValueError: 400),
+    an entry a list of images (or one image); `srt/utils` load_image decodes a `data:...;base64,` string. A Qwen-VL
+    input holds one `<|vision_start|>(<|image_pad|>)+<|vision_end|>` per image (`qwen_vl.py`'s image_token_regex,
+    which `base_processor.py` counts per modality against the images); a count that does not match is answered
+    400 here (not an upstream status code: SGLang's processor cannot pair them either)."""
+    from grpo_cli.rollout import images as wire_images
+
+    if data is None or data == []:
+        return [None] * len(ids)
+    if not isinstance(data, list) or len(data) != len(ids):
+        return JSONResponse({"error": "The length of image_data should be equal to the batch size."},
+                            status_code=400)
+    if "images" not in served.capabilities:
+        return JSONResponse({"error": f"{served.model} is not a multimodal model"}, status_code=400)
+    cfg = served.engine.model.config
+    out = []
+    for i, (entry, prompt) in enumerate(zip(data, ids, strict=True)):
+        entry = None if entry in (None, [None]) else (entry if isinstance(entry, list) else [entry])
+        found = _placeholders(prompt, cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id)
+        if found != len(entry or []):
+            return JSONResponse({"error": f"input {i} has {found} image placeholders for {len(entry or [])} "
+                                 "images"}, status_code=400)
+        try:
+            out.append(None if entry is None else [wire_images.from_data_url(u, where=f"image_data[{i}]")
+                                                   for u in entry])
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+    return out
+
+
+def _placeholders(ids: list[int], start: int, pad: int, end: int) -> int:
+    """How many runs `start pad+ end` `ids` holds."""
+    count, i = 0, 0
+    while i < len(ids):
+        if ids[i] == start:
+            j = i + 1
+            while j < len(ids) and ids[j] == pad:
+                j += 1
+            if j > i + 1 and j < len(ids) and ids[j] == end:
+                count, i = count + 1, j
+        i += 1
+    return count
 
 
 def _die(state: dict, why: str) -> JSONResponse:
@@ -222,13 +272,14 @@ def _after_update(state: dict, obj: dict) -> None:
         state["flushes"] += 1
 
 
-def _one(engine, prompt: list[int], p: dict, obj: dict, state: dict) -> dict:
+def _one(engine, prompt: list[int], p: dict, obj: dict, state: dict, images: list | None = None) -> dict:
     max_new = p.get("max_new_tokens", 128)
+    with_images = {} if images is None else {"images": [images]}
     meta: dict[str, Any] = {"id": "rid", "prompt_tokens": len(prompt), "weight_version": state["weight_version"]}
     if max_new == 0:
         out_ids: list[int] = []
         meta["finish_reason"] = {"type": "length", "length": 0}
-        lps = engine.score([prompt])[0] if len(prompt) > 1 else []
+        lps = engine.score([prompt], **with_images)[0] if len(prompt) > 1 else []
         meta["input_token_logprobs"] = [[None, prompt[0], None]] + [[lp, t, None] for lp, t in zip(lps, prompt[1:])]
         meta["output_token_logprobs"] = []
     else:
@@ -241,7 +292,7 @@ def _one(engine, prompt: list[int], p: dict, obj: dict, state: dict) -> dict:
         saved = engine.eos_token_ids
         engine.eos_token_ids = list(p.get("stop_token_ids") or saved)
         try:
-            batch = engine.generate([prompt], sampling)
+            batch = engine.generate([prompt], sampling, **with_images)
         finally:
             engine.eos_token_ids = saved
         out_ids, lps = batch.completion_ids[0], batch.sampler_logprobs[0]

@@ -27,10 +27,15 @@ class GenerateBody(_Strict):
     prompt_ids: list[list[int]] = Field(min_length=1, max_length=65536)
     sampling: SamplingBody
     stop_token_ids: list[int] | None = None
+    images: list[list[str]] | None = None
+    """Prompt i's images as data URLs (`rollout/images.py`), once per prompt: its `sampling.n` completions share
+    them. Only for an engine that `accepts_images` (`/info` capability `images`)."""
 
 
 class ScoreBody(_Strict):
     sequences: list[list[int]] = Field(min_length=1, max_length=65536)
+    images: list[list[str]] | None = None
+    """Sequence i's images, as in `GenerateBody.images`."""
 
 
 class DiskBody(_Strict):

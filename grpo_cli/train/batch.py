@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from grpo_cli.models.vision import VisionInputs
 from grpo_cli.rollout.base import RolloutBatch
 
 
@@ -23,6 +24,13 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
     """(B,) bool: the completion hit the length cap (finish reason `length`)."""
+    vision: VisionInputs | None = None
+    """A vision-language model's rows: each row's images as the processor made them (row j has its prompt's);
+    every micro-batch takes its own rows' (`rows`, `select`), and the forward passes them to the model."""
+
+    def _tensors(self) -> dict:
+        """The row tensors that are set (all but `vision`, which slices itself)."""
+        return {f.name: v for f in fields(self) if f.name != "vision" and (v := getattr(self, f.name)) is not None}
 
     @property
     def num_completion_tokens(self) -> int:
@@ -33,33 +41,44 @@ class TrainBatch:
 
     def rows(self, start: int, stop: int) -> TrainBatch:
         """Micro-batch of rows [start, stop)."""
-        return replace(self, **{
-            f.name: getattr(self, f.name)[start:stop] for f in fields(self) if getattr(self, f.name) is not None
-        })
+        vision = None if self.vision is None else self.vision.rows(start, stop)
+        return replace(self, vision=vision, **{name: v[start:stop] for name, v in self._tensors().items()})
 
     def select(self, index: list[int]) -> TrainBatch:
         """Micro-batch of the rows `index` (in that order), cut to their own padding: the prompt columns that are
         padding in every selected row and the completion columns after the longest selected completion go (position
         ids are cumsum(mask) − 1, so the kept tokens' logits do not change)."""
         at = torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
-        mb = replace(self, **{f.name: v[at] for f in fields(self) if (v := getattr(self, f.name)) is not None})
+        vision = None if self.vision is None else self.vision.select(index)
+        mb = replace(self, vision=vision, **{name: v[at] for name, v in self._tensors().items()})
         prompt_len, steps = mb.input_ids.shape[1] - mb.num_completion_tokens, mb.num_completion_tokens
         prompt, width = _row_lengths(mb.attention_mask, prompt_len)
         first, keep = prompt_len - int(prompt.max()), max(1, int(width.max()))
-        cut = {f.name: v[:, :keep] for f in fields(mb) if (v := getattr(mb, f.name)) is not None
-               and f.name not in ("input_ids", "attention_mask") and v.dim() == 2 and v.shape[1] == steps}
+        cut = {name: v[:, :keep] for name, v in mb._tensors().items()
+               if name not in ("input_ids", "attention_mask") and v.dim() == 2 and v.shape[1] == steps}
         return replace(mb, input_ids=mb.input_ids[:, first : prompt_len + keep],
                        attention_mask=mb.attention_mask[:, first : prompt_len + keep], **cut)
 
     def to(self, device: torch.device) -> TrainBatch:
-        return replace(self, **{
-            f.name: getattr(self, f.name).to(device) for f in fields(self) if getattr(self, f.name) is not None
-        })
+        vision = None if self.vision is None else self.vision.to(device)
+        return replace(self, vision=vision, **{name: v.to(device) for name, v in self._tensors().items()})
 
 
-def build_batch(rollout: RolloutBatch, *, group_size: int, pad_token_id: int) -> TrainBatch:
+def row_vision(prompts_vision: list[VisionInputs | None], group_size: int, *, patch_dim: int) -> VisionInputs | None:
+    """The batch's `vision`: completion j gets prompt j // group_size's images (none for a prompt without);
+    None when no prompt has an image."""
+    if all(v is None for v in prompts_vision):
+        return None
+    empty = VisionInputs.empty(1, patch_dim=patch_dim)
+    per_prompt = VisionInputs.cat([empty if v is None else v for v in prompts_vision])
+    return per_prompt.select([j // group_size for j in range(len(prompts_vision) * group_size)])
+
+
+def build_batch(rollout: RolloutBatch, *, group_size: int, pad_token_id: int,
+                vision: list[VisionInputs | None] | None = None) -> TrainBatch:
     """Completion j belongs to prompt j // group_size. Sampler logprobs are padded with 0 under the mask; a
-    multi-turn rollout's environment tokens (`loss_masks` 0) are inside the sequence but outside the mask."""
+    multi-turn rollout's environment tokens (`loss_masks` 0) are inside the sequence but outside the mask.
+    `vision`: each prompt's processor outputs (a vision-language model), repeated over its completions."""
     comps = rollout.completion_ids
     prompts = [rollout.prompt_ids[j // group_size] for j in range(len(comps))]
     p_len, t_len = max(map(len, prompts)), max(1, max(map(len, comps)))
@@ -77,7 +96,11 @@ def build_batch(rollout: RolloutBatch, *, group_size: int, pad_token_id: int) ->
         if sampler is not None:
             sampler[j, : len(c)] = torch.tensor(rollout.sampler_logprobs[j], dtype=torch.float32)
     truncated = torch.tensor([r == "length" for r in rollout.finish_reasons], dtype=torch.bool)
-    return TrainBatch(ids, attn, cmask, sampler_logprobs=sampler, truncated=truncated)
+    rows_vision = None
+    if vision is not None:
+        dim = next((v.pixel_values.shape[1] for v in vision if v is not None), 0)
+        rows_vision = row_vision(vision, group_size, patch_dim=dim)
+    return TrainBatch(ids, attn, cmask, sampler_logprobs=sampler, truncated=truncated, vision=rows_vision)
 
 
 def _row_lengths(attention_mask: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +173,8 @@ def forward_logprobs(model, mb: TrainBatch, *, temperature: float) -> torch.Tens
     from grpo_cli.models.logprobs import completion_logprobs
 
     return completion_logprobs(
-        model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens, temperature=temperature
+        model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens, temperature=temperature,
+        vision=mb.vision,
     ).float()
 
 

@@ -52,10 +52,15 @@ class Evaluator:
     @classmethod
     def build(cls, cfg: GRPOConfig, *, reward_fns: list[RewardFn], tokenizer, dist: DistInfo) -> Evaluator:
         """The first `eval.num_prompts` prompts of the eval source (in file order), split evenly over ranks."""
+        from grpo_cli.data.images import ImageProcessor
+        from grpo_cli.models.tiny import resolve_model_path
+
         source = eval_source(cfg)
         rows = load_rows(source, seed=cfg.train.seed)[: cfg.eval.num_prompts]
+        images = ImageProcessor.load(resolve_model_path(cfg.model.name_or_path), max_pixels=cfg.data.max_image_pixels)
         prompts, _ = tokenize_prompts(rows, tokenizer, prompt_column=cfg.data.prompt_column,
-                                      max_prompt_length=cfg.data.max_prompt_length, overlong_prompts="filter")
+                                      max_prompt_length=cfg.data.max_prompt_length, overlong_prompts="filter",
+                                      images=images)
         if len(prompts) < dist.world_size:
             raise DataError(f"eval.source '{source}' gives {len(prompts)} usable prompt(s) (at most "
                             f"data.max_prompt_length tokens); evaluation needs at least one per process.")

@@ -11,10 +11,10 @@ import torch
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.data.prompts import PromptCursor
+from grpo_cli.data.prompts import PromptCursor, images_of, vision_of
 from grpo_cli.runtime.dist import DistInfo, all_reduce_sum, mean_metrics
 from grpo_cli.rewards.resolve import RewardFn
-from grpo_cli.rollout.base import RolloutEngine, SamplingParams
+from grpo_cli.rollout.base import RolloutEngine, SamplingParams, generate_with_images
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
 from grpo_cli.train.distill import TeacherScore, distill_phase
@@ -94,7 +94,8 @@ def generate_phase(tr: Trainer, prompts, *, seed: int | None, sampling: Sampling
     compute = tr.policy.backend.compute_context() if tr.engine.shares_policy_weights else contextlib.nullcontext()
     tr.engine.bind_prompts(prompts)  # multi-turn: an environment is reset with each prompt's row
     with tr.timer.phase("generate"), compute:
-        rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling or sampling_params(tr.cfg, seed=seed))
+        rollout = generate_with_recovery(tr, [p.ids for p in prompts], sampling or sampling_params(tr.cfg, seed=seed),
+                                         images=images_of(prompts))
     if tr.offload is not None:
         with tr.timer.phase("offload"):
             tr.offload.reload()
@@ -126,10 +127,12 @@ def score_phase(tr: Trainer, state: LoopState) -> tuple[ScoredRollout, ScoredRol
                      group_size=cfg.train.generations_per_prompt, max_extra_rounds=ds.max_extra_rounds, dist=tr.dist)
 
 
-def generate_with_recovery(tr: Trainer, prompt_ids: list[list[int]], sampling):
-    """Generate; when a rollout server died and came back (`recovered`), push the weights again and retry once
+def generate_with_recovery(tr: Trainer, prompt_ids: list[list[int]], sampling, images: list[list] | None = None):
+    """Generate (with each prompt's `images` when some prompt has one: the engine `accepts_images`, checked when
+    the run starts); when a rollout server died and came back (`recovered`), push the weights again and retry once
     (`sync_ranks.generate_with_resync`: collectively where rank 0 alone pushes)."""
-    return generate_with_resync(tr.engine, tr.sync, tr.dist, lambda: tr.engine.generate(prompt_ids, sampling))
+    return generate_with_resync(tr.engine, tr.sync, tr.dist,
+                                lambda: generate_with_images(tr.engine, prompt_ids, sampling, images))
 
 
 def logprob_phase(tr: Trainer, batch: TrainBatch) -> dict[str, float]:
@@ -201,7 +204,7 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
         advantages, rewards, metrics = reward_step(cfg, tr.reward_fns, scored, generated)
     metrics.update(sampling_metrics)
     batch = build_batch(rollout, group_size=cfg.train.generations_per_prompt,
-                        pad_token_id=tr.policy.tokenizer.pad_token_id)
+                        pad_token_id=tr.policy.tokenizer.pad_token_id, vision=vision_of(prompts))
     batch.advantages = advantages
     batch = batch.to(tr.policy.device)
     metrics.update(logprob_phase(tr, batch))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from grpo_cli.data.prompts import Prompt, PromptCursor
+from grpo_cli.data.prompts import Prompt, PromptCursor, images_of
 from grpo_cli.rollout.base import RolloutBatch, RolloutError
 
 
@@ -57,7 +57,8 @@ class RolloutPipeline:
             j = self.next_step
             before = self.cursor.state_dict()
             prompts = take_step_prompts(self.cursor, **self._take)
-            self.engine.submit(j, [p.ids for p in prompts], self.sampling_for(j), [dict(p.columns) for p in prompts])
+            self.engine.submit(j, [p.ids for p in prompts], self.sampling_for(j), [dict(p.columns) for p in prompts],
+                               images_of(prompts))
             self.flight[j] = InFlight(j, prompts, before)
             self.next_step += 1
 

@@ -6,8 +6,10 @@ import dataclasses
 import os
 from pathlib import Path
 
+from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.data.prompts import PromptCursor, tokenize_prompts
+from grpo_cli.data.images import ImageProcessor, copy_processor_files
+from grpo_cli.data.prompts import PromptCursor, images_of, tokenize_prompts
 from grpo_cli.data.sources import load_rows
 from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 from grpo_cli.runtime.dist import DistInfo, barrier, broadcast_object, init_from_env, release_own_group, shutdown
@@ -33,6 +35,9 @@ from grpo_cli.train.supervise.watchdog import StallWatchdog
 def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trainer:
     """Load data, rewards, policy and engine for this process, on its resolved `device`."""
     model_path = resolve_model_path(cfg.model.name_or_path)
+    images = ImageProcessor.load(model_path, max_pixels=cfg.data.max_image_pixels)  # None: a text-only model
+    if images is not None:
+        check_vision_run(cfg)
     reward_fns = reward_fns_for(cfg, device)  # a reward model with `device: auto` follows the training device
     if (teacher_path := local_teacher(cfg)) is not None:  # refused before the policy loads
         check_local_teacher(model_path, teacher_path)
@@ -48,6 +53,7 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
     prompts, dropped = tokenize_prompts(
         rows, policy.tokenizer, prompt_column=cfg.data.prompt_column,
         max_prompt_length=cfg.data.max_prompt_length, overlong_prompts=cfg.data.overlong_prompts, tools=schemas,
+        images=images,
     )
     if dropped:
         log(f"data: dropped {dropped} of {len(rows)} prompts longer than {cfg.data.max_prompt_length} tokens")
@@ -63,19 +69,27 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
                          wrap=wrap_rollout)
     if cfg.rollout.mode != "async":  # async: each Ray actor wraps its own engine with it (rollout/ray/actor.py)
         engine = wrap_rollout(engine, cfg, policy.tokenizer)
+    if images_of(prompts) is not None and not engine.accepts_images:
+        engine.close()
+        raise UserError(
+            f"the prompts of {cfg.data.source} carry images, and the rollout engine here ({cfg.rollout.engine}, "
+            f"mode {cfg.rollout.mode}{', agent: loop' if cfg.agent is not None else ''}"
+            f"{', rollout.custom' if cfg.rollout.custom else ''}) generates from text only; use rollout.engine: hf "
+            "(docs/vision.md lists the engines that take images) or a text-only dataset.")
     offload = policy.backend.offloader()
     trainer = Trainer(cfg, policy, engine, cursor, reward_fns, info, offload=offload, timer=PhaseTimer(device),
                       teacher=make_teacher(cfg, model_path, policy.tokenizer, policy.backend))
     if not engine.shares_policy_weights:
-        from grpo_cli.train.weights.weight_sync import sync_weights
+        from grpo_cli.train.weights.weight_sync import FrozenVision, probe_of, sync_weights
 
         source = policy.backend.weight_source()
         if info.is_main and (ties := source.describe_ties()):
             log(ties)
+        frozen = FrozenVision(cfg.model.freeze_vision and images is not None)
 
         def sync(version: int, verify: bool = cfg.rollout.vllm.verify_sync and cfg.rollout.mode != "async"):
             return sync_weights(engine, source, version=version, bucket_mb=cfg.distributed.weight_sync_bucket_mb,
-                                verify=verify, probe=[prompts[0].ids], info=info)
+                                verify=verify, info=info, skip=frozen.skip(), **probe_of(prompts[0]))
 
         trainer.sync = sync
     if cfg.eval.every_steps:
@@ -89,6 +103,14 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
             sampling_for=lambda step: sampling_params(cfg, seed=step_seed(cfg, step)),
         )
     return trainer
+
+
+def check_vision_run(cfg: GRPOConfig) -> None:
+    """Settings a vision-language model cannot take, refused before the model loads: megatron (no Megatron-core
+    model of the vision tower)."""
+    if cfg.distributed.backend == "megatron":
+        raise UserError(f"distributed.backend: megatron has no model of a vision tower; {cfg.model.name_or_path} "
+                        "is a vision-language model: use distributed.backend: ddp, fsdp2 or deepspeed.")
 
 
 def share_cores(cfg: GRPOConfig, device) -> None:
@@ -150,6 +172,7 @@ def export_final_model(tr: Trainer, path: Path, log) -> None:
     if tr.dist.is_main:
         for what, out in folders:
             tr.policy.tokenizer.save_pretrained(out)
+            copy_processor_files(resolve_model_path(tr.cfg.model.name_or_path), out)  # a VLM's image processor
             log(f"{what} ({backend.name}, {tr.cfg.model.dtype}) exported to {out}")
     barrier(tr.dist)
 

@@ -24,15 +24,18 @@ def _plan(name: str, *, deepspeed_ready: bool = True):
 def test_every_gpu_preset_is_covered():
     assert set(GPU_PRESETS) == {"qwen-72b-colocate", "qwen-7b-colocate-tp2", "qwen-7b-async", "qwen-1.5b-server",
                                 "qwen-1.5b-colocate", "qwen-7b-sglang-server", "qwen2-0.5b-tldr-length",
-                                "qwen3-30b-a3b-megatron"}
+                                "qwen3-30b-a3b-megatron", "qwen2.5-vl-3b-colocate"}
 
 
 @pytest.mark.parametrize("name", GPU_PRESETS)
 def test_topology_kept_task_replaced(name):
     src, reh = build_config(name), _plan(name)
-    cfg, tiny = reh.config, build_config("tiny-cpu")
+    vlm = name == "qwen2.5-vl-3b-colocate"  # the only vision-language preset: the tiny VLM on its shapes task
+    cfg, tiny = reh.config, build_config("tiny-cpu-vlm" if vlm else "tiny-cpu")
     moe = name == "qwen3-30b-a3b-megatron"  # the only mixture-of-experts preset
-    assert cfg.distributed.device == "cpu" and cfg.model.name_or_path == ("builtin:tiny-moe" if moe else "builtin:tiny")
+    stand_in = "builtin:tiny-moe" if moe else "builtin:tiny-vlm" if vlm else "builtin:tiny"
+    assert cfg.distributed.device == "cpu" and cfg.model.name_or_path == stand_in
+    assert cfg.rollout.max_completion_length == tiny.rollout.max_completion_length
     assert cfg.distributed.num_processes == min(src.distributed.num_processes, MAX_PROCESSES)
     assert (cfg.distributed.backend, cfg.distributed.deepspeed, cfg.distributed.offload) == \
         (src.distributed.backend, src.distributed.deepspeed, src.distributed.offload)

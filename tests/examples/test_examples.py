@@ -221,3 +221,19 @@ def test_judge_served_by_serve_rollout(tmp_path):
         assert r["judge/judge/missing"] < 16 and 0 <= r["reward/judge/mean"] <= 1, r
     assert rows[-1]["eval/judge/judge/requests"] == 1 and rows[-1]["eval/judge/judge/failed_requests"] == 0
     assert "listening on" in (out_dir / "judge.log").read_text()
+
+
+@pytest.mark.slow
+def test_vision(tmp_path, monkeypatch):
+    """Three hf steps of the tiny VLM on the example's rows (image files, an `images` column and a data URL); the
+    exported model keeps its image processor, so `grpo eval` runs it on the same rows."""
+    from grpo_cli.eval.command import run_eval
+
+    run, rows = _train_example("11-vision", 3, tmp_path)
+    assert len(rows) == 3 and all(0 <= r["reward/exact_match/mean"] <= 1 for r in rows), rows
+    samples = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert all(s["prompt"].count("<|image_pad|>") == 1 for s in samples)  # the text rewards see: one placeholder
+    assert (run / "final-model" / "preprocessor_config.json").is_file()
+    monkeypatch.chdir(EXAMPLES / "11-vision")  # the rows' image paths are relative to it
+    report = run_eval(run, data="data.jsonl", out=tmp_path / "eval.json", overrides=["eval.num_prompts=6"])
+    assert report["num_prompts"] == 6 and 0 <= report["metrics"]["eval/reward/exact_match/mean"] <= 1

@@ -62,3 +62,25 @@ def served_tiny(tiny_checkpoint):
     from grpo_cli.server.engines import ServeOptions, build
 
     return build(ServeOptions(engine="hf", model=tiny_checkpoint))
+
+
+@pytest.fixture(scope="session")
+def served_vlm():
+    """The hf engine on the built-in tiny VLM as `grpo serve-rollout` builds it (in this process), and two chat
+    prompts with one image each, expanded as the trainer's data loader expands them: (served, ids, images)."""
+    from transformers import AutoTokenizer
+
+    from grpo_cli.data.images import ImageProcessor
+    from grpo_cli.data.prompts import tokenize_prompts
+    from grpo_cli.models.tiny import resolve_model_path
+    from grpo_cli.server.engines import ServeOptions, build
+    from served_app import image_of
+
+    path = resolve_model_path("builtin:tiny-vlm")
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image", "image": image_of(s)},
+                                                     {"type": "text", "text": "how many shapes are there ?"}]}]}
+            for s in (1, 2)]
+    prompts, _ = tokenize_prompts(rows, AutoTokenizer.from_pretrained(path), prompt_column="prompt",
+                                  max_prompt_length=64, overlong_prompts="error",
+                                  images=ImageProcessor.load(path, max_pixels=10**6))
+    return build(ServeOptions(engine="hf", model=path)), [p.ids for p in prompts], [p.images for p in prompts]

@@ -28,3 +28,12 @@ def app_in_thread(app):
         server.should_exit = True
         thread.join(timeout=5)
         sock.close()
+
+
+def image_of(seed: int, size=(56, 56)):
+    """A random RGB image (seeded)."""
+    import torch
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy())

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_cli.models.vision import VisionInputs, mrope_positions
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.hf.continuation import KeptRows, RowKV, chunk_inputs, continuable, seed_cache, stash_rows
 from grpo_cli.rollout.hf import lookahead
@@ -90,20 +91,30 @@ class _Rows:
             self.bias = self.bias.index_select(0, keep)
 
 
-def _prefill(model, prompt_ids: list[list[int]], n: int, steps: int, pad_token_id: int):
-    """Run each prompt once into a new KV cache, then repeat its rows n times (cache, logits, masks, positions)."""
+def _prefill(model, prompt_ids: list[list[int]], n: int, steps: int, pad_token_id: int,
+             vision: VisionInputs | None = None):
+    """Run each prompt once into a new KV cache, then repeat its rows n times (cache, logits, masks, positions).
+    With `vision` (one row per prompt) the prefill reads the images too, at M-RoPE positions (3, P, S); a row's
+    generated tokens then continue on all three axes from its last prompt position + 1 (Qwen2-VL's rope delta is
+    that position + 1 − the prompt's length)."""
     device = next(model.parameters()).device
     if not supports_cache(model):
         raise RolloutError(f"{type(model).__name__} has no standard KV cache; use rollout.engine: vllm for it")
     ids, mask = (t.to(device) for t in left_pad(prompt_ids, pad_token_id))
     cache = new_cache(model, max_len=ids.shape[1] + steps)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    if vision is None:
+        pos, extra = (mask.cumsum(-1) - 1).clamp(min=0), {}
+        last = pos[:, -1]
+    else:
+        vision = vision.to(device)
+        pos, extra = mrope_positions(model, ids, mask, vision), vision.model_kwargs()
+        last = pos[:, :, -1].max(dim=0).values
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                   logits_to_keep=1).logits[:, -1]
+                   logits_to_keep=1, **extra).logits[:, -1]
     expand = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)
     select_rows(cache, expand)
     full_mask = torch.cat([mask, mask.new_ones((len(prompt_ids), steps))], dim=1).index_select(0, expand)
-    rows = _Rows(torch.arange(len(expand), device=device), full_mask, pos[:, -1].index_select(0, expand) + 1)
+    rows = _Rows(torch.arange(len(expand), device=device), full_mask, last.index_select(0, expand) + 1)
     return cache, logits.index_select(0, expand), rows, ids.shape[1]
 
 
@@ -173,7 +184,8 @@ def _mark_dynamic(plan, keys, values, tokens, positions, slot, bias, noise) -> N
 
 @torch.no_grad()
 def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_token_ids: list[int],
-           pad_token_id: int, compile_step: bool = False, keep: bool = False) -> Decoded:
+           pad_token_id: int, compile_step: bool = False, keep: bool = False, vision: VisionInputs | None = None,
+           banned: list[int] | None = None) -> Decoded:
     """Sample `sampling.n` completions of each prompt (group-contiguous rows) with `model` in its current mode.
 
     Positions follow transformers' `generate` for left padding: position = (cumsum(mask) − 1), 0 on padding, and
@@ -183,11 +195,16 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
     `process_logits` of the fp32 logits and its logprob recorded (`sample_tokens`); a row stops after a stop token.
     The lean step runs at static shapes (`static_step.StaticStep`: rows padded to a bucket, CUDA graphs on CUDA).
     Without a seed, the generator's seed is drawn from torch's global RNG.
-    With `keep`, `Decoded.kept` holds each row's KV for `decode_continue`.
+    With `keep`, `Decoded.kept` holds each row's KV for `decode_continue`. `vision`: the prompts' images (one row
+    per prompt; a vision-language model, which decodes through its full forward); `banned`: token ids never
+    sampled (their logits set to −inf before processing: a VLM's image/video placeholders).
     """
-    prefilled = _prefill(model, prompt_ids, sampling.n, sampling.max_tokens, pad_token_id)
+    if vision is not None and keep:
+        raise RolloutError("the hf engine keeps no KV for prompts with images (multi-turn rollouts of a "
+                           "vision-language model are not supported)")
+    prefilled = _prefill(model, prompt_ids, sampling.n, sampling.max_tokens, pad_token_id, vision)
     return _sample(model, *prefilled, sampling, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                   compile_step=compile_step, keep=keep)
+                   compile_step=compile_step, keep=keep, banned=banned)
 
 
 @torch.no_grad()
@@ -201,7 +218,7 @@ def decode_continue(model, kept: list[RowKV], new_ids: list[list[int]], sampling
 
 
 def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingParams, *, eos_token_ids: list[int],
-            pad_token_id: int, compile_step: bool, keep: bool) -> Decoded:
+            pad_token_id: int, compile_step: bool, keep: bool, banned: list[int] | None = None) -> Decoded:
     """The decode loop from the prefilled state: one token per step for every active row until each stops.
 
     After step t the loop stops when every active row is done (or t is the last step) and drops the finished rows
@@ -222,9 +239,16 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
                   torch.zeros(batch, dtype=torch.bool, device=device))
     stop_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
     kept: list | None = [None] * batch if keep and continuable(cache) else None
-    parts = decoder_parts(model) if preallocated(cache, width + steps) else None
+    parts = decoder_parts(model) if preallocated(cache, width + steps) and not banned else None
     plan = None if parts is None else plan_decode(parts, max_positions=width + steps)
     knobs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    ban = torch.tensor(banned or [], dtype=torch.long, device=device)
+
+    def draw(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(ban):
+            logits = logits.index_fill(-1, ban, float("-inf"))
+        return sample_tokens(process_logits(logits, **knobs), generator)
+
     static = None
     if plan is not None:  # the slot is a tensor where the step is compiled or captured (CUDA graphs)
         rows.bias = step_bias(rows.mask, width)
@@ -239,11 +263,11 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
             return static(feed, rows.next_pos, width + t, rows.bias, generator)
         logits = model(input_ids=feed[:, None], attention_mask=rows.mask[:, : width + t + 1],
                        position_ids=rows.next_pos[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
-        return sample_tokens(process_logits(logits, **knobs), generator)
+        return draw(logits)
 
     ahead = static is not None and lookahead.runs_ahead(device)
     finished_count = lookahead.FinishedCount(device)
-    tokens, logprobs = sample_tokens(process_logits(logits, **knobs), generator)
+    tokens, logprobs = draw(logits)
     for t in range(steps):
         _record(out, rows, t, tokens, logprobs, stop_ids)
         if t == steps - 1:

@@ -11,7 +11,9 @@ from collections.abc import Iterable
 import torch
 
 from grpo_cli.config.errors import UserError
-from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+from grpo_cli.data.images import ImageProcessor
+from grpo_cli.models.vision import VisionInputs, placeholder_ids
+from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
 from grpo_cli.rollout.hf.decode import Decoded, decode, decode_continue
 from grpo_cli.rollout.hf.decode_step import decoder_parts
 from grpo_cli.models.logprobs import score_sequences
@@ -23,9 +25,12 @@ class HFEngine(RolloutEngine):
     itself, weights are shared (no sync needed); with a separate copy (e.g. a bf16 rollout model), `update_weights`
     copies the trainer's tensors in."""
 
+    accepts_images = True
+
     def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, shares_policy_weights: bool,
-                 compile_step: bool = False) -> None:
+                 compile_step: bool = False, images: ImageProcessor | None = None) -> None:
         self.model = model
+        self.images = images  # a vision-language model's image processor (`generate(images=)`)
         self.compile_step = compile_step  # `rollout.compile`: the lean decode step under torch.compile
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -71,12 +76,29 @@ class HFEngine(RolloutEngine):
                             finish_reasons=reasons, sampler_logprobs=sampler, weight_version=self.weight_version,
                             timings={"generate": time.perf_counter() - start})
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, *,
-                 keep_cache: bool = False) -> RolloutBatch:
-        """Sample; with `keep_cache`, each completion row's KV stays here for `continue_rows` (multi-turn)."""
+    def vision_inputs(self, images: list[list] | None) -> VisionInputs | None:
+        """The image processor's outputs for one list of images per row (None without images)."""
+        if images is None or not any(images):
+            return None
+        if self.images is None:
+            raise RolloutError(f"images were given to the hf engine, but {type(self.model).__name__} is not a "
+                               "vision-language model")
+        return VisionInputs.cat([self.images.encode(list(row)) for row in images])
+
+    def banned_ids(self) -> list[int] | None:
+        """Ids never sampled: a vision-language model's image/video placeholders (the forward counts them over the
+        whole sequence, so one in a completion would not match the images)."""
+        return placeholder_ids(self.model.config) if self.images is not None else None
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 images: list[list] | None = None, *, keep_cache: bool = False) -> RolloutBatch:
+        """Sample; `images`: each prompt's images (a vision-language model); with `keep_cache`, each completion
+        row's KV stays here for `continue_rows` (multi-turn)."""
         start = time.perf_counter()
         self._kept = None
-        return self._batch(self._run(decode, prompt_ids, sampling, keep=keep_cache), prompt_ids, start)
+        out = self._run(decode, prompt_ids, sampling, keep=keep_cache, vision=self.vision_inputs(images),
+                        banned=self.banned_ids())
+        return self._batch(out, prompt_ids, start)
 
     def can_continue(self) -> bool:
         """Whether the last call kept its rows' KV (a model whose cache layers are all plain full attention)."""
@@ -95,8 +117,9 @@ class HFEngine(RolloutEngine):
     def drop_cache(self) -> None:
         self._kept = None
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        return score_sequences(self.model, sequences, pad_token_id=self.pad_token_id)
+    def score(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
+        return score_sequences(self.model, sequences, pad_token_id=self.pad_token_id,
+                               vision=self.vision_inputs(images))
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -117,6 +140,12 @@ class HFEngine(RolloutEngine):
         self.model = None
         self._kept = None
         self._copy = None
+
+
+def image_processor(cfg, ctx):
+    """The checkpoint's image processor when it is a vision-language model (None otherwise): the hf engine turns
+    the images it is given into the model's inputs with it."""
+    return ImageProcessor.load(ctx.model_path, max_pixels=cfg.data.max_image_pixels)
 
 
 def autocast_dtype(model) -> torch.dtype | None:

@@ -16,11 +16,12 @@ def load_engine_model(cfg: GRPOConfig, model_path: str, *, device=None):
     """The checkpoint at `model_path` as a frozen Hugging Face model in the engine's dtype (`rollout.dtype`, `auto`:
     `model.dtype`) on `device` (default CPU)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from grpo_cli.models.attention import attention_implementation
+    from grpo_cli.models.vision import causal_lm_class
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model = causal_lm_class(AutoConfig.from_pretrained(model_path)).from_pretrained(
         model_path, dtype=getattr(torch, engine_dtype(cfg)),
         attn_implementation=attention_implementation(cfg.model.attn_implementation))
     return model.to(device or "cpu").eval().requires_grad_(False)
@@ -28,10 +29,11 @@ def load_engine_model(cfg: GRPOConfig, model_path: str, *, device=None):
 
 def hf_copy_engine(cfg: GRPOConfig, ctx: EngineContext, *, device=None) -> RolloutEngine:
     """An `HFEngine` on `load_engine_model(ctx.model_path)` (`shares_policy_weights` False)."""
-    from grpo_cli.rollout.hf.engine import HFEngine, require_compilable
+    from grpo_cli.rollout.hf.engine import HFEngine, image_processor, require_compilable
 
     model = load_engine_model(cfg, ctx.model_path, device=device)
     if cfg.rollout.compile:
         require_compilable(model)
     return HFEngine(model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                    shares_policy_weights=False, compile_step=cfg.rollout.compile)
+                    shares_policy_weights=False, compile_step=cfg.rollout.compile,
+                    images=image_processor(cfg, ctx))

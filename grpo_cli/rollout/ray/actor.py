@@ -92,11 +92,12 @@ class RolloutActor:
         return {"pid": os.getpid(), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 rows: list[dict] | None = None) -> RolloutBatch:
-        """`rows`: the prompts' dataset rows, for an `agent.environment`'s `reset(**row)`."""
+                 rows: list[dict] | None = None, images: list[list] | None = None) -> RolloutBatch:
+        """`rows`: the prompts' dataset rows, for an `agent.environment`'s `reset(**row)`; `images`: the prompts'
+        images (a vision-language model; the engine's `generate(images=)`)."""
         if rows is not None:
             self.engine.bind_rows(rows)
-        return self.engine.generate(prompt_ids, sampling)
+        return self.engine.generate(prompt_ids, sampling, **({} if images is None else {"images": images}))
 
     def update_weights(self, parts: list, version: int) -> int:
         """Load `[(layout, buffer ref), ...]` (`flat_weights` buckets in the object store), fetching one bucket
@@ -112,8 +113,8 @@ class RolloutActor:
         self.engine.update_weights(stream(), version)
         return self.engine.weight_version
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        return self.engine.score(sequences)
+    def score(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
+        return self.engine.score(sequences, **({} if images is None else {"images": images}))
 
     def read_weights(self, names: list[str]) -> dict:
         if self.engine.reads_weights:

@@ -157,6 +157,9 @@ class AsyncRolloutEngine(RolloutEngine):
 
     shares_policy_weights = False
     push_from_main_only = True
+    accepts_images = True
+    """Each prompt's images go to the actor that generates it (Ray pickles the PIL images): the hf actor engine
+    generates with them; the vllm rows of async mode refuse a VLM in the config rules."""
     """`sync_weights` streams the weights into `update_weights` on rank 0 only (one object-store copy per job);
     every other rank takes part in the gathers, drops what it gathered and calls `follow_update`."""
 
@@ -244,17 +247,20 @@ class AsyncRolloutEngine(RolloutEngine):
     # ---- generation ------------------------------------------------------------------------------------
 
     def submit(self, key, prompt_ids: list[list[int]], sampling: SamplingParams,
-               rows: list[dict] | None = None) -> None:
+               rows: list[dict] | None = None, images: list[list] | None = None) -> None:
         """Queue the generation of `prompt_ids` under `key` (returns at once). `rows`: the prompts' dataset rows,
-        sent along when the actors reset an `agent.environment` with them."""
+        sent along when the actors reset an `agent.environment` with them; `images`: each prompt's images (a
+        vision-language model), sent with that prompt to the actor that generates it."""
         refs = []
         count = len(self.actors)
         row_chunks = split_evenly(rows, count) if rows is not None and self.sends_rows else [None] * count
-        for i, (actor, chunk, chunk_rows) in enumerate(zip(self.actors, split_evenly(prompt_ids, count), row_chunks,
-                                                           strict=True)):
+        image_chunks = split_evenly(images, count) if images is not None else [None] * count
+        for i, (actor, chunk, chunk_rows, chunk_images) in enumerate(zip(
+                self.actors, split_evenly(prompt_ids, count), row_chunks, image_chunks, strict=True)):
             if chunk:
                 seed = None if sampling.seed is None else sampling.seed + (self.first_index + i) * ACTOR_SEED_STRIDE
-                refs.append(actor.generate.remote(chunk, dataclasses.replace(sampling, seed=seed), chunk_rows))
+                refs.append(actor.generate.remote(chunk, dataclasses.replace(sampling, seed=seed), chunk_rows,
+                                                  chunk_images))
         self._tickets[key] = refs
 
     def collect(self, key, timeout: float | None = None) -> RolloutBatch:
@@ -281,9 +287,9 @@ class AsyncRolloutEngine(RolloutEngine):
         the actors with it (multi-turn rollouts with an `agent.environment`)."""
         self._rows = [dict(p.columns) for p in prompts]
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, images=None) -> RolloutBatch:
         rows, self._rows = self._rows, None
-        self.submit("_now", prompt_ids, sampling, rows)
+        self.submit("_now", prompt_ids, sampling, rows, images)
         return self.collect("_now")
 
     # ---- weights ---------------------------------------------------------------------------------------
@@ -336,8 +342,8 @@ class AsyncRolloutEngine(RolloutEngine):
         done, self._pushes = self._ray.wait(self._pushes, num_returns=len(self._pushes), timeout=0)
         self._ray.get(done)
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        return self._ray.get(self.actors[0].score.remote(sequences))
+    def score(self, sequences: list[list[int]], images=None) -> list[list[float]]:
+        return self._ray.get(self.actors[0].score.remote(sequences, images))
 
     def read_weights(self, names: list[str]) -> dict:
         return self._ray.get(self.actors[0].read_weights.remote(names))

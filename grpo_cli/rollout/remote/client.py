@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
 from grpo_cli.rollout.transport import base as transports
 from grpo_cli.rollout.transport.http_client import HttpClient, Policy, RolloutServerDown, split_groups
@@ -88,6 +89,7 @@ class ServerEngine(RolloutEngine):
             self._check_identity(url, info)
             self.info[url] = info
         self.dtype = next(iter(self.info.values())).get("dtype")  # what bounds the sync probe's tolerance
+        self.accepts_images = all("images" in info.get("capabilities", ()) for info in self.info.values())
         versions = {info.get("weight_version") for info in self.info.values()}
         self.weight_version = max(v for v in versions if isinstance(v, int)) if versions - {None} else 0
 
@@ -99,8 +101,11 @@ class ServerEngine(RolloutEngine):
                                    f"trainer's model has {key}={want!r}: start the server with the trainer's model")
 
     # -- generation --------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, images=None) -> RolloutBatch:
+        """`images` (servers with the `images` capability): each prompt's, sent once with that prompt as PNG data
+        URLs (`rollout/images.py`), not once per completion."""
         start = time.perf_counter()
+        urls = wire_images.encode(images)
         parts = split_groups(len(prompt_ids), len(self.urls), self._calls)
         self._calls += 1
         futures = []
@@ -110,6 +115,8 @@ class ServerEngine(RolloutEngine):
                     "sampling": {"n": sampling.n, "max_tokens": sampling.max_tokens,
                                  "temperature": sampling.temperature, "top_p": sampling.top_p,
                                  "top_k": sampling.top_k, "seed": seed}}
+            if urls is not None:
+                body["images"] = urls[sl]
             futures.append(self._pool.submit(self._post, self.urls[server], "/generate", body))
         completions, reasons, logps = [], [], []
         for (server, _), fut in zip(parts, futures, strict=True):
@@ -125,9 +132,11 @@ class ServerEngine(RolloutEngine):
                             finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
                             timings={"generate": time.perf_counter() - start})
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    def score(self, sequences: list[list[int]], images=None) -> list[list[float]]:
         parts = split_groups(len(sequences), len(self.urls), self._calls)
-        futures = [self._pool.submit(self._post, self.urls[s], "/score", {"sequences": sequences[sl]})
+        urls = wire_images.encode(images)
+        futures = [self._pool.submit(self._post, self.urls[s], "/score",
+                                     {"sequences": sequences[sl]} | ({} if urls is None else {"images": urls[sl]}))
                    for s, sl in parts]
         out: list[list[float]] = []
         for (server, _), fut in zip(parts, futures, strict=True):

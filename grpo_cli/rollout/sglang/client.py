@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
 from grpo_cli.rollout.remote.client import model_identity
 from grpo_cli.rollout.transport import base as transports
@@ -57,6 +58,10 @@ class SGLangEngine(RolloutEngine):
     push_from_main_only = True
     """One push per job (`train.weights.sync_ranks`): rank 0 alone writes the disk checkpoint or opens the weight-update
     session (a second rank's /begin_weight_update would close the first one's session)."""
+    accepts_images = True
+    """Images go in `/generate`'s `image_data` (PNG data URLs, one list per input, `srt/managers/io_struct.py`
+    GenerateReqInput); SGLang's Qwen-VL processor (`srt/multimodal/processors/qwen_vl.py`) finds each image's
+    placeholder as `<|vision_start|>(<|image_pad|>)+<|vision_end|>`, so the trainer's expanded ids go as they are."""
 
     def __init__(self, urls: list[str], *, policy: Policy | None = None, api_key: str | None = None,
                  stop_token_ids: list[int] | None = None, model_path: str | None = None,
@@ -157,8 +162,9 @@ class SGLangEngine(RolloutEngine):
             params["sampling_seed"] = seed
         return params
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        """Each prompt is sent n times with n=1 (distinct seeds when seeded), so the order is ours."""
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, images=None) -> RolloutBatch:
+        """Each prompt is sent n times with n=1 (distinct seeds when seeded), so the order is ours; with `images`,
+        its images go with each of those n inputs (SGLang aligns `image_data` with `input_ids` one to one)."""
         if self.weights_released:
             raise RolloutError("SGLang released its weights (sleep); push weights (update_weights) before "
                                "generating: after release/resume SGLang holds garbage, not the old weights")
@@ -166,15 +172,19 @@ class SGLangEngine(RolloutEngine):
         start = time.perf_counter()
         parts = split_groups(len(prompt_ids), len(self.urls), self._calls)
         self._calls += 1
+        urls = wire_images.encode(images)
         futures = []
         for server, sl in parts:
-            ids, params = [], []
+            ids, params, image_data = [], [], []
             for i, prompt in enumerate(prompt_ids[sl], start=sl.start):
                 for j in range(sampling.n):
                     ids.append(list(prompt))
                     seed = None if sampling.seed is None else sampling.seed + i * sampling.n + j
                     params.append(self._sampling(sampling, seed))
+                    image_data.append(urls[i] if urls is not None else None)
             body = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
+            if urls is not None:
+                body["image_data"] = image_data
             futures.append(self._pool.submit(self._generate_call, self.urls[server], body))
         completions, reasons, logps = [], [], []
         for fut in futures:
@@ -194,11 +204,13 @@ class SGLangEngine(RolloutEngine):
             raise RolloutError(f"SGLang server {url} returned {len(out)} outputs for {len(body['input_ids'])} inputs")
         return out
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    def score(self, sequences: list[list[int]], images=None) -> list[list[float]]:
         """Prompt logprobs of a 0-token generation (`logprob_start_len=0`); SGLang's first entry is None."""
         self.wake_up()
         body = {"input_ids": sequences, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
                 "return_logprob": True, "logprob_start_len": 0}
+        if images is not None:
+            body["image_data"] = wire_images.encode(images)
         outs = self._generate_call(self.urls[0], body)
         result = []
         for seq, out in zip(sequences, outs, strict=True):

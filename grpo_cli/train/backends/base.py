@@ -193,7 +193,7 @@ class TrainingBackend:
                 with self.compute_context():
                     logprobs, entropy = completion_logprobs_entropy(
                         self.model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
-                        temperature=temperature, entropy_grad=entropy_grad)
+                        temperature=temperature, entropy_grad=entropy_grad, vision=mb.vision)
                 loss, metrics = loss_fn(mb, logprobs, entropy)
                 if not torch.isfinite(loss):
                     self.zero_grad()

@@ -77,16 +77,21 @@ def build_partitioned(cfg, model_path: str, *, ds_config: dict, dtype: torch.dty
     """The model constructed under `zero.Init` (each module partitioned as it is built, weights not initialised)
     and loaded partition by partition: no rank ever holds the whole model."""
     import deepspeed
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.initialization import no_init_weights
+
+    from grpo_cli.models.vision import causal_lm_class, freeze_vision
 
     config = AutoConfig.from_pretrained(model_path)
     # No `dtype=` to zero.Init: it takes the config's bf16/fp16/fp32 mode (= `dtype`), while an explicit dtype is
     # replaced by bfloat16 on the CPU accelerator (operator precedence in Init._set_dtype, DeepSpeed 0.19.8).
     with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config):
-        module = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                  attn_implementation=cfg.model.attn_implementation)
+        module = causal_lm_class(config).from_config(config, dtype=dtype,
+                                                     attn_implementation=cfg.model.attn_implementation)
+    module.tie_weights()  # built module by module under zero.Init, a tied head is a parameter of its own: tie again
     load_partitions(module, model_path)
+    if cfg.model.freeze_vision:  # as `load_hf_model` does for ZeRO-1/2
+        freeze_vision(module)
     return module
 
 

@@ -16,6 +16,7 @@ from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_ad
 from grpo_cli.train.backends.activations import enable_checkpointing
 from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
 from grpo_cli.models.checkpoint_files import weight_files
+from grpo_cli.models.vision import freeze_vision
 from grpo_cli.train.backends.hf_io import check_names, save_hf_folder
 from grpo_cli.train.checkpoint import CheckpointError
 from grpo_cli.train.weights.lora import apply_lora, checkpoint_name, init_adapter
@@ -25,7 +26,9 @@ DCP_DIR = "dcp"
 
 
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one: the classes the model lists as `_no_split_modules`."""
+    """The repeated blocks to shard one by one: the classes the model lists as `_no_split_modules` (a vision-language
+    model lists its vision blocks there too, Qwen2-VL's `Qwen2VLVisionBlock`: the vision tower is sharded block by
+    block like the decoder)."""
     names = set(getattr(module, "_no_split_modules", None) or [])
     layers = [m for m in module.modules() if type(m).__name__ in names]
     if not layers:
@@ -37,13 +40,14 @@ def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
 def build_on_meta(cfg, model_path: str, *, dtype: torch.dtype) -> torch.nn.Module:
     """The model's structure with parameters on the meta device; buffers (rotary tables) real, on CPU."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from grpo_cli.models.attention import attention_implementation
+    from grpo_cli.models.vision import causal_lm_class
 
     config = AutoConfig.from_pretrained(model_path)
     with init_empty_weights(include_buffers=False):
-        module = AutoModelForCausalLM.from_config(
+        module = causal_lm_class(config).from_config(
             config, dtype=dtype, attn_implementation=attention_implementation(cfg.model.attn_implementation))
     module.tie_weights()  # init_empty_weights registers a separate meta tensor per module: tie them again
     return module
@@ -147,6 +151,8 @@ class FSDP2Backend(TrainingBackend):
         module = build_on_meta(cfg, model_path, dtype=master_dtype(cfg) if trainable else compute_dtype(cfg))
         if trainable:
             enable_checkpointing(module, cfg.model.gradient_checkpointing)
+            if cfg.model.freeze_vision:  # before sharding: the frozen vision blocks' units then reduce no gradient
+                freeze_vision(module)
         lora = trainable and cfg.model.lora is not None
         if lora:  # the adapter is added on meta too, then sharded with its layer
             module = apply_lora(cfg, module)

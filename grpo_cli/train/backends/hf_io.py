@@ -14,12 +14,19 @@ from grpo_cli.train.checkpoint import CheckpointError
 
 
 def load_hf_model(cfg: GRPOConfig, model_path: str, *, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    """The checkpoint's generating model (`models.vision.causal_lm_class`: a vision-language one too), its vision
+    tower frozen with `model.freeze_vision`."""
+    from transformers import AutoConfig
 
     from grpo_cli.models.attention import attention_implementation
+    from grpo_cli.models.vision import causal_lm_class, freeze_vision
 
-    return AutoModelForCausalLM.from_pretrained(
+    config = AutoConfig.from_pretrained(model_path)
+    model = causal_lm_class(config).from_pretrained(
         model_path, dtype=dtype, attn_implementation=attention_implementation(cfg.model.attn_implementation))
+    if cfg.model.freeze_vision:
+        freeze_vision(model)
+    return model
 
 
 def tied_names(module: torch.nn.Module) -> set[str]:

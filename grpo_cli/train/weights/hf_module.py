@@ -174,11 +174,11 @@ def checksum_names(model: torch.nn.Module, *, peft: bool, count: int = CHECKSUM_
     return spread([n for n in names if n is not None], count)
 
 
-def _trainer_logprobs(model: torch.nn.Module, probe: list[list[int]]) -> list[list[float]]:
+def _trainer_logprobs(model: torch.nn.Module, probe: list[list[int]], vision=None) -> list[list[float]]:
     was_training = model.training
     model.eval()
     try:
-        return score_sequences(model, probe, pad_token_id=0)
+        return score_sequences(model, probe, pad_token_id=0, **({} if vision is None else {"vision": vision}))
     finally:
         model.train(was_training)
 
@@ -212,9 +212,10 @@ class ModuleWeights:
     def projection_names(self) -> list[str]:
         return projection_names(self.model, peft=self.peft)
 
-    def probe_logprobs(self, probe: list[list[int]]) -> list[list[float]]:
+    def probe_logprobs(self, probe: list[list[int]], vision=None) -> list[list[float]]:
+        """`vision`: the probe sequences' `models.vision.VisionInputs` (a vision-language model's probe)."""
         with self._compute_context():  # as the trainer computes: bf16 autocast over float32 masters under ddp
-            return _trainer_logprobs(self.model, probe)
+            return _trainer_logprobs(self.model, probe, vision)
 
     def describe_ties(self) -> str | None:
         return describe_ties(self.model)

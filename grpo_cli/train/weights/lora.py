@@ -32,9 +32,12 @@ def apply_lora(cfg: GRPOConfig, module: torch.nn.Module) -> torch.nn.Module:
     """`module` wrapped by `peft.get_peft_model` per `model.lora`: only the adapter (and `modules_to_save`) trains."""
     peft = import_peft()
     lc = cfg.model.lora
+    from grpo_cli.models.vision import VISION_MODULES, is_vision_config
+
     config = peft.LoraConfig(
         task_type="CAUSAL_LM", r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
         target_modules=lc.target_modules, modules_to_save=list(lc.modules_to_save) or None,
+        exclude_modules=VISION_MODULES if is_vision_config(module.config) else None,  # the language model only
     )
     if cfg.model.gradient_checkpointing:  # checkpointed blocks need an input that requires grad (frozen embeddings)
         module.enable_input_require_grads()

@@ -33,9 +33,10 @@ class WeightSource(Protocol):
     def projection_names(self) -> list[str]:
         """Checkpoint names of the input embedding and the output projection."""
 
-    def probe_logprobs(self, probe: list[list[int]]) -> list[list[float]]:
+    def probe_logprobs(self, probe: list[list[int]], vision=None) -> list[list[float]]:
         """Collective: the trainer's temperature-1 logprob of every token after the first of each sequence, computed
-        as the trainer's forward computes (in `compute_dtype`)."""
+        as the trainer's forward computes (in `compute_dtype`); `vision`: the sequences' images
+        (`models.vision.VisionInputs`, vision-language models only)."""
 
     def describe_ties(self) -> str | None:
         """One line naming the tied weights a sync sends under several names, or None."""

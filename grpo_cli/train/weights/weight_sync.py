@@ -4,7 +4,7 @@ buckets, LoRA merged, under Hugging Face names) to a rollout engine, then verify
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -22,7 +22,8 @@ fp32 kernels agree to ~1e-6; the bound only has to separate "same weights" from 
 
 def sync_weights(
     engine, model: WeightSource | torch.nn.Module, *, version: int, bucket_mb: int, verify: bool,
-    probe: list[list[int]] | None, info: DistInfo = DistInfo(),
+    probe: list[list[int]] | None, info: DistInfo = DistInfo(), skip: Callable[[str], bool] | None = None,
+    probe_images: list | None = None, probe_vision=None,
 ) -> dict[str, float]:
     """Load the trainer's current weights (`model`: a backend's `weight_source()`, or a Hugging Face module) into
     `engine` as `version`, then (with `verify`) check the engine
@@ -44,8 +45,18 @@ def sync_weights(
     error = None
     dtype = _engine_dtype(engine)  # the source casts its shards before gathering them where it can
     stream = source.named_tensors(bucket_mb=bucket_mb, stats=stats, keep_copies=wanted, keep_rows=rows, dtype=dtype)
+    skipped = {"tensors": 0, "bytes": 0}
+
+    def sent() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in cast_stream(stream, dtype):
+            if skip is not None and skip(name):
+                skipped["tensors"] += 1
+                skipped["bytes"] += tensor.numel() * tensor.element_size()
+                continue
+            yield name, tensor
+
     if pushes:
-        _, error = attempt(lambda: engine.update_weights(cast_stream(stream, dtype), version))
+        _, error = attempt(lambda: engine.update_weights(sent(), version))
     for _ in stream:  # what the engine left unread (all of it on a rank that does not push): collective gathers
         pass
     if main_only:
@@ -53,14 +64,42 @@ def sync_weights(
         error = None if info.is_main else attempt(lambda: follow(engine, version))[1]
     elif error is not None:
         raise error
-    metrics = {"sync/seconds": time.perf_counter() - start, "sync/megabytes": stats["bytes"] / 2**20,
-               "sync/tensors": float(stats["tensors"])}
+    metrics = {"sync/seconds": time.perf_counter() - start,
+               "sync/megabytes": (stats["bytes"] - skipped["bytes"]) / 2**20,
+               "sync/tensors": float(stats["tensors"] - skipped["tensors"])}
+    if skip is not None:
+        metrics["sync/skipped_tensors"] = float(skipped["tensors"])
     if verify:
         verify_start = time.perf_counter()
         metrics.update(verify_sync(engine, source, version=version, sent=stats["copies"], probe=probe,
-                                   sent_rows=stats["rows"], info=info))
+                                   sent_rows=stats["rows"], info=info, probe_images=probe_images,
+                                   probe_vision=probe_vision))
         metrics["sync/verify_seconds"] = time.perf_counter() - verify_start
     return agree(metrics, error, info) if main_only else metrics
+
+
+class FrozenVision:
+    """`model.freeze_vision` on a vision-language model: what each sync leaves out (`sync_weights(skip=)`): nothing
+    at the first (the engine may hold other weights than the trainer's), the vision tower at every later one (the
+    trainer's copy never changes, so the engine's stays equal to it)."""
+
+    def __init__(self, frozen: bool) -> None:
+        self.frozen, self.synced = frozen, False
+
+    def skip(self) -> Callable[[str], bool] | None:
+        from grpo_cli.models.vision import is_vision_parameter
+
+        skip = is_vision_parameter if self.frozen and self.synced else None
+        self.synced = True
+        return skip
+
+
+def probe_of(prompt) -> dict:
+    """`sync_weights`' probe arguments for one dataset prompt (`data.prompts.Prompt`): its ids, and where it has
+    images, them (for the engine) and its processor outputs (for the trainer's forward)."""
+    if not prompt.images:
+        return {"probe": [prompt.ids]}
+    return {"probe": [prompt.ids], "probe_images": [list(prompt.images)], "probe_vision": prompt.vision}
 
 
 def _engine_dtype(engine) -> torch.dtype | None:
@@ -102,17 +141,23 @@ def _compute_dtype(source: WeightSource) -> torch.dtype:
 
 def verify_sync(engine, source: WeightSource, *, version: int, sent: dict[str, torch.Tensor],
                 probe: list[list[int]] | None, sent_rows: dict | None = None,
-                info: DistInfo = DistInfo()) -> dict[str, float]:
+                info: DistInfo = DistInfo(), probe_images: list | None = None, probe_vision=None) -> dict[str, float]:
     """The checks of `sync_weights` (see there); returns `sync/max_probe_diff`, `sync/mean_probe_diff`,
     `sync/checked_tensors`. On failure the engine's embedding/output projection rows (`sent_rows`, recorded while
     streaming) are read back to name the tensors that disagree. The trainer's probe logprobs come
     first, on every rank (a collective forward under fsdp2/ZeRO-3); an engine with `push_from_main_only` is then
     asked on rank 0 only, and every rank returns rank 0's figures or raises its failure (`sync_ranks.agree`)."""
-    probe = [list(s) for s in (probe or []) if len(s) >= 2]
-    trainer_lp = source.probe_logprobs(probe) if probe else []
+    keep = [i for i, s in enumerate(probe or []) if len(s) >= 2]
+    probe = [list(probe[i]) for i in keep]
+    if probe_images is not None:  # the images of the sequences kept, for the engine and for the trainer's forward
+        probe_images = [probe_images[i] for i in keep]
+        probe_vision = probe_vision.select(keep) if probe_vision is not None else None
+    vision = {} if probe_vision is None else {"vision": probe_vision}
+    trainer_lp = source.probe_logprobs(probe, **vision) if probe else []
 
     def check() -> dict[str, float]:
-        return _check_engine(engine, _compute_dtype(source), version, sent, probe, trainer_lp, sent_rows)
+        return _check_engine(engine, _compute_dtype(source), version, sent, probe, trainer_lp, sent_rows,
+                             probe_images)
 
     if not pushes_from_main(engine, info):
         return check()
@@ -121,7 +166,8 @@ def verify_sync(engine, source: WeightSource, *, version: int, sent: dict[str, t
 
 
 def _check_engine(engine, trainer_dtype: torch.dtype, version: int, sent: dict[str, torch.Tensor],
-                  probe: list[list[int]], trainer_lp: list[list[float]], sent_rows: dict | None) -> dict[str, float]:
+                  probe: list[list[int]], trainer_lp: list[list[float]], sent_rows: dict | None,
+                  probe_images: list | None = None) -> dict[str, float]:
     """`verify_sync`'s questions to the engine, judged against the trainer's `trainer_lp` of `probe`, computed in
     `trainer_dtype` (the trainer's compute dtype, not its master weights')."""
     problems: list[str] = []
@@ -135,10 +181,11 @@ def _check_engine(engine, trainer_dtype: torch.dtype, version: int, sent: dict[s
     out = {"sync/checked_tensors": float(len(checked))}
     # a sleeping colocated engine probes when awake anyway
     if probe and engine.probe_when_awake(lambda p=probe: _check_engine(engine, trainer_dtype, version, {}, p,
-                                                                        trainer_lp, sent_rows)):
+                                                                        trainer_lp, sent_rows, probe_images)):
         probe, out["sync/probe_deferred"] = [], 1.0
     if probe:
-        out.update(_probe_diffs(engine.score(probe), trainer_lp))
+        images = {} if probe_images is None else {"images": probe_images}
+        out.update(_probe_diffs(engine.score(probe, **images), trainer_lp))
         dtype, compared = _dtype_of(engine, trainer_dtype)
         tol = PROBE_TOLERANCE.get(dtype, 1e-3)
         checked_what.append(f"the logprobs of {sum(len(s) - 1 for s in probe)} probe tokens against the "
