@@ -79,7 +79,7 @@ class ModelConfig(Section):
 class DataConfig(Section):
     source: str = "builtin:words"
     """Prompts: a `.jsonl` or `.parquet` file, a `datasets` folder saved with `save_to_disk`, or `builtin:NAME`
-    (`builtin:words`, `builtin:arith`)."""
+    (`builtin:words`, `builtin:arith`, `builtin:shapes`: images for a VLM)."""
     prompt_column: str = "prompt"
     """Column holding the prompt: a string, or a list of chat messages ({role, content}) rendered with the
     tokenizer's chat template."""

@@ -182,20 +182,25 @@ def checkpoint_tensors(model) -> dict:
             for part, t in expert_parts(name, p.detach())}
 
 
+def model_folder(name: str) -> str:
+    """Where `resolve_model_path` keeps the built-in `name` (built or not: nothing is built, no RNG drawn); other
+    names as they are."""
+    return str(cache_dir() / f"{BUILTINS[name][0]}-v{TINY_VERSION}") if name in BUILTINS else name
+
+
 def resolve_model_path(name: str) -> str:
     """Map a built-in name (`BUILTINS`: `builtin:tiny`, `builtin:tiny-tools`, `builtin:tiny-moe`,
     `builtin:tiny-vlm`) to its cached
     folder (built once, atomically); other names pass through."""
     if name not in BUILTINS:
         return name
-    stem, build_args = BUILTINS[name]
-    target = cache_dir() / f"{stem}-v{TINY_VERSION}"
+    target = Path(model_folder(name))
     if (target / "grpo_cli_tiny.json").exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
-        build_tiny_checkpoint(tmp, **build_args)
+        build_tiny_checkpoint(tmp, **BUILTINS[name][1])
         missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (tmp / f).is_file()]
         if missing:
             raise RuntimeError(f"building {name} left out {missing} (in {tmp})")

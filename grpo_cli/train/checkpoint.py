@@ -21,7 +21,7 @@ import torch
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.images import copy_processor_files
-from grpo_cli.models.tiny import resolve_model_path
+from grpo_cli.models.tiny import model_folder
 from grpo_cli.runtime.accel import rng_states, set_rng_states
 from grpo_cli.runtime.dist import DistInfo, all_gather_object, barrier
 from grpo_cli.train.manifest import MANIFEST, CheckpointError, verify_manifest, write_manifest
@@ -135,7 +135,7 @@ def save_checkpoint(root: Path, *, step: int, cfg: GRPOConfig, policy, trainer_s
         torch.save(rng_state(policy.device), tmp / f"rng-{info.rank}.pt")
         if info.is_main:
             policy.tokenizer.save_pretrained(tmp)
-            copy_processor_files(resolve_model_path(cfg.model.name_or_path), tmp)  # a VLM's image processor
+            copy_processor_files(model_folder(cfg.model.name_or_path), tmp)  # a VLM's image processor
             torch.save(policy.scheduler.state_dict(), tmp / "scheduler.pt")
             state = {**trainer_state, "step": step, "fingerprint": resume_fingerprint(cfg)}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))

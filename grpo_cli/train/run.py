@@ -27,7 +27,7 @@ from grpo_cli.train.policy import eos_token_ids, load_policy
 from grpo_cli.train.supervise.run_dir import RunDir, default_output_dir
 from grpo_cli.train.supervise.signals import SignalFlag
 from grpo_cli.train.supervise.timing import PhaseTimer
-from grpo_cli.models.tiny import resolve_model_path
+from grpo_cli.models.tiny import model_folder, resolve_model_path
 from grpo_cli.train.supervise.trackers import close_trackers, log_trackers, open_trackers
 from grpo_cli.train.supervise.watchdog import StallWatchdog
 
@@ -172,7 +172,7 @@ def export_final_model(tr: Trainer, path: Path, log) -> None:
     if tr.dist.is_main:
         for what, out in folders:
             tr.policy.tokenizer.save_pretrained(out)
-            copy_processor_files(resolve_model_path(tr.cfg.model.name_or_path), out)  # a VLM's image processor
+            copy_processor_files(model_folder(tr.cfg.model.name_or_path), out)  # a VLM's image processor
             log(f"{what} ({backend.name}, {tr.cfg.model.dtype}) exported to {out}")
     barrier(tr.dist)
 
