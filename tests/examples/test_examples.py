@@ -229,11 +229,11 @@ def test_vision(tmp_path, monkeypatch):
     exported model keeps its image processor, so `grpo eval` runs it on the same rows."""
     from grpo_cli.eval.command import run_eval
 
-    run, rows = _train_example("11-vision", 3, tmp_path)
+    run, rows = _train_example("12-vision", 3, tmp_path)
     assert len(rows) == 3 and all(0 <= r["reward/exact_match/mean"] <= 1 for r in rows), rows
     samples = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert all(s["prompt"].count("<|image_pad|>") == 1 for s in samples)  # the text rewards see: one placeholder
     assert (run / "final-model" / "preprocessor_config.json").is_file()
-    monkeypatch.chdir(EXAMPLES / "11-vision")  # the rows' image paths are relative to it
+    monkeypatch.chdir(EXAMPLES / "12-vision")  # the rows' image paths are relative to it
     report = run_eval(run, data="data.jsonl", out=tmp_path / "eval.json", overrides=["eval.num_prompts=6"])
     assert report["num_prompts"] == 6 and 0 <= report["metrics"]["eval/reward/exact_match/mean"] <= 1
