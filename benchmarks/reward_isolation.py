@@ -16,7 +16,7 @@ from benchmarks.compare import RESULTS_DIR, fmt_table, machine_info
 
 
 def main() -> None:
-    from grpo_cli.config.schema import RewardFunctionConfig
+    from grpo_cli.config.rewards import RewardFunctionConfig
     from grpo_cli.rewards import isolated
     from grpo_cli.rewards.resolve import build_reward_fns, score
 

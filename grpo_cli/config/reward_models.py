@@ -10,7 +10,8 @@ from grpo_cli.config.model_shape import local_model_config, model_shape
 from grpo_cli.config.plan_megatron import BYTES
 
 if TYPE_CHECKING:
-    from grpo_cli.config.schema import GRPOConfig, RewardFunctionConfig
+    from grpo_cli.config.rewards import RewardFunctionConfig
+    from grpo_cli.config.schema import GRPOConfig
 
 REWARD_MODEL = "reward_model"
 """The built-in reward function behind `{model: PATH}`."""

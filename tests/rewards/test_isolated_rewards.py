@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from grpo_cli.config.schema import RewardFunctionConfig
+from grpo_cli.config.rewards import RewardFunctionConfig
 from grpo_cli.rewards import isolated
 from grpo_cli.rewards.resolve import build_reward_fns, score
 

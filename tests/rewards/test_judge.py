@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from grpo_cli.cli.main import app
 from grpo_cli.config.judge import JudgeConfig
-from grpo_cli.config.schema import RewardFunctionConfig
+from grpo_cli.config.rewards import RewardFunctionConfig
 from grpo_cli.rewards.judge_parse import parsed_score, regex_parser
 from grpo_cli.rewards.resolve import build_reward_fns, pop_reward_metrics, resolve, score
 

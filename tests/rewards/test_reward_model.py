@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_cli.config.schema import RewardFunctionConfig
+from grpo_cli.config.rewards import RewardFunctionConfig
 from grpo_cli.rewards.resolve import build_reward_fns, score
 
 
