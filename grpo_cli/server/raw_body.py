@@ -123,12 +123,12 @@ class ChunkedSocket:
                 line = bytes(self._stage[self._start : at])
                 self._start = at + 2
                 return line
-            if self._end - self._start > MAX_LINE:
-                raise FrameError("a chunk-size line of the weight stream is too long")
             if self._start:  # move what is left to the front
                 left = self._end - self._start
                 self._stage[:left] = self._stage[self._start : self._end]
                 self._start, self._end = 0, left
+            if self._end > MAX_LINE or self._end == len(self._stage):
+                raise FrameError("a chunk-size line of the weight stream is too long")
             n = self.sock.recv_into(memoryview(self._stage)[self._end :])
             if n == 0:
                 raise FrameError("the client closed the connection inside the weight stream")
