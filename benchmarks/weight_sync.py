@@ -5,7 +5,7 @@ rest: a run syncs every step) and MB/s for the tiny model and a
 The transports take turns against one server (http, shm, http, shm, ...), so a machine whose load changes during
 the run weighs on both alike; `ratio` is each transport's median over the last one's (on a shared machine the
 absolute figures move with the load, the ratio much less).
-Run: `python -m benchmarks.weight_sync [--repeats N] [--transport http shm] [--out PATH]`."""
+Run: `python -m benchmarks.weight_sync [--repeats N] [--transport http shm] [--out PATH] [--generation-check]`."""
 
 from __future__ import annotations
 
@@ -97,12 +97,53 @@ def measure(name: str, model: Path, repeats: int, chunk_mb: int, transports: lis
     return rows
 
 
+def generation_check(model: Path, rounds: int = 2, calls: int = 3) -> list[dict]:
+    """Generate speed of the server before and after an HTTP update, per round (median of `calls` generates of
+    2 prompts x 8 tokens each): the update's copies run on one thread (`server/weights.LOAD_THREADS`) and the
+    thread count must come back for generation."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.rollout.base import SamplingParams
+    from grpo_cli.rollout.remote.client import ServerEngine
+
+    proc, url = start_server(model)
+    out = []
+    try:
+        trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        eng = ServerEngine([url], transport="http")
+        sampling = SamplingParams(n=1, max_tokens=8, temperature=1.0, seed=0)
+
+        def timed() -> float:
+            times = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                eng.generate([[3, 4, 5, 6], [4, 4, 5, 6]], sampling)
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        timed()
+        for _ in range(rounds):
+            before = timed()
+            eng.update_weights(trainer.named_parameters(), eng.weight_version + 1)
+            out.append({"generate_s_before_update": before, "generate_s_after_update": timed()})
+        eng.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--chunk-mb", type=int, default=128)
     ap.add_argument("--transport", nargs="+", default=["http", "shm"], choices=["http", "shm"])
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--generation-check", action="store_true",
+                    help="also time the 100M server's generate before and after HTTP updates")
     args = ap.parse_args()
     from grpo_cli.models.tiny import build_tiny_checkpoint
 
@@ -112,6 +153,7 @@ def main() -> None:
         load_before = os.getloadavg()
         rows += measure("tiny (2-layer Llama)", tiny, args.repeats, args.chunk_mb, args.transport)
         rows += measure("random Llama ~100M", big, args.repeats, args.chunk_mb, args.transport)
+        generation = generation_check(big) if args.generation_check else []
         load_after = os.getloadavg()
     ratio = "ratio_to_" + args.transport[-1]
     print(f"{'model':<22} {'transport':>9} {'params':>12} {'MB':>9} {'s first':>8} {'s median':>9} "
@@ -120,6 +162,8 @@ def main() -> None:
         print(f"{r['model']:<22} {r['transport']:>9} {r['parameters']:>12,} {r['bytes'] / 2**20:>9.1f} "
               f"{r['seconds_first']:>8.3f} {r['seconds_median']:>9.3f} {r['mb_per_s_first']:>11.1f} "
               f"{r['mb_per_s_median']:>12.1f} {r['mb_per_s_best']:>10.1f} {r[ratio]:>6.2f}")
+    for g in generation:
+        print(f"generate s before an update {g['generate_s_before_update']:.3f}, after {g['generate_s_after_update']:.3f}")
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"transport": "127.0.0.1 http / same-host /dev/shm file, hf engine server",
@@ -127,7 +171,7 @@ def main() -> None:
                                     "load_average_before": load_before, "load_average_after": load_after,
                                     "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                                 "platform": platform.platform()},
-                                    "results": rows}, indent=2))
+                                    "results": rows, "generation_check": generation}, indent=2))
     print(f"wrote {args.out}")
 
 
