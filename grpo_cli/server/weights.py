@@ -13,11 +13,16 @@ import threading
 from pathlib import Path
 
 import anyio
+import torch
 from fastapi import FastAPI, Request
 
 from grpo_cli.rollout.transport.codec import SHM_DIR, FrameReader, checked_frames, read_stream
 from grpo_cli.server.state import CommBody, DiskBody, NcclUpdateBody, RequestError, ShmBody, State, reset_cache
+from grpo_cli.server import raw_body
 from grpo_cli.server.upload import StreamedBody
+
+RAW_READ_TIMEOUT_S = 300.0
+"""A weight stream read from the socket (`raw_body`) fails after this long without a byte from the client."""
 
 
 class _Apply:
@@ -66,7 +71,7 @@ class _Apply:
             for _ in marked() if not finished else ():  # the engine stopped early: consume to surface errors
                 raise RequestError("the engine did not take every tensor of the update")
 
-        await anyio.to_thread.run_sync(run)
+        await anyio.to_thread.run_sync(one_thread, run)
 
     def done(self, seconds: float) -> dict:
         st = self.st
@@ -79,6 +84,24 @@ class _Apply:
     def failed(self, exc: Exception, prior: str) -> None:
         self.st.last_error = f"update to v{self.version} failed: {exc}"
         self.st.state = "inconsistent" if self.tensors else prior
+
+
+LOAD_THREADS = 1
+"""Intra-op threads of the engine's copies during an update. With the default (one per core), every parameter copy
+is a parallel region after which libgomp's idle threads spin-wait (OMP_WAIT_POLICY unset): 28% of the server's
+CPU in a profile of a 403 MB HTTP sync on 2 cores, taken from the thread receiving the next frame. One thread copies
+at memory speed (~0.05 s for 403 MB) and leaves the other cores to the receiver; generation keeps its threads (the
+count is set back after the update, in the worker thread that ran it: OpenMP's setting is per thread)."""
+
+
+def one_thread(fn, *args):
+    """`fn(*args)` with torch's intra-op threads at LOAD_THREADS, set back afterwards."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(LOAD_THREADS)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(saved)
 
 
 class NcclSession:
@@ -198,10 +221,20 @@ def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
     async def update_weights(request: Request, version: int):
         if version < 0:
             raise RequestError("version must be >= 0")
-        body = StreamedBody(request.stream())
         reader = FrameReader(max_frame_bytes=max_frame_bytes, buffer=st.receive_buffer)
-        return await _whole_update(st, version, "an HTTP update", lambda apply: _frames(body, reader, apply, version),
-                                   body=body)
+        raw = raw_body.take(request.scope, request.receive, timeout_s=RAW_READ_TIMEOUT_S)
+        if raw is None:
+            body = StreamedBody(request.stream())
+            return await _whole_update(st, version, "an HTTP update",
+                                       lambda apply: _frames(body, reader, apply, version), body=body)
+        try:
+            return await _whole_update(st, version, "an HTTP update",
+                                       lambda apply: _checked(reader.pull(raw.readinto), apply, version))
+        except Exception:
+            await anyio.to_thread.run_sync(raw.drain)  # the client reads the error, not a reset connection
+            raise
+        finally:
+            raw.close()
 
     @app.post("/update_weights_shm")
     async def update_weights_shm(body: ShmBody):

@@ -10,7 +10,7 @@ import anyio
 import torch
 
 from grpo_cli.rollout.transport.codec import ReceiveBuffer, encode_frame
-from grpo_cli.rollout.transport.http import SEND_BYTES, sliced
+from grpo_cli.rollout.transport.wire import SEND_BYTES, sliced
 from grpo_cli.server.upload import StreamedBody
 
 

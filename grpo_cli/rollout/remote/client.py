@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from grpo_cli.rollout import images as wire_images
-from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
-from grpo_cli.rollout.transport import base as transports
-from grpo_cli.rollout.transport.http_client import HttpClient, Policy, RolloutServerDown, split_groups
+from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.rollout.http_engine import HttpServerEngine
+from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, split_groups
 
 if TYPE_CHECKING:
     import torch
@@ -36,11 +35,12 @@ def model_identity(model_path: str) -> dict:
     return {"vocab_size": cfg.get("vocab_size", text.get("vocab_size")), "architectures": cfg.get("architectures")}
 
 
-class ServerEngine(RolloutEngine):
+class ServerEngine(HttpServerEngine):
     """Implements the RolloutEngine protocol over HTTP. Generation is split over `urls` (whole groups per
     server); weights go to every server and the version each reports is checked."""
 
-    shares_policy_weights = False
+    client = "serve-rollout"
+    thread_name_prefix = "rollout-http"
     push_from_main_only = True
     """One push per job (`train.weights.sync_ranks`): rank 0 uploads (one /dev/shm file with `shm`, the only NCCL peer
     of the servers with `nccl`); every rank generates its own prompts and checks the version of each answer."""
@@ -49,32 +49,22 @@ class ServerEngine(RolloutEngine):
                  stop_token_ids: list[int] | None = None, expected: dict | None = None,
                  chunk_mb: int = 128, transport: str = "http", shm_keep_file: bool = True,
                  start_hint: str = "grpo serve-rollout --model PATH", connect: bool = True) -> None:
-        self.policy = policy or Policy()
-        self.http = HttpClient(urls, token=token, policy=self.policy)
-        self.urls = self.http.urls
+        self._open(urls, token=token, policy=policy, transport=transport, offered={"keep_file": shm_keep_file})
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
         self.expected = expected or {}
         self.chunk_bytes = chunk_mb << 20
         self.start_hint = start_hint
-        self.weight_version = 0
         self.info: dict[str, dict] = {}
         self.dtype: str | None = None
-        self._calls = 0
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="rollout-http")
-        self._weights = transports.create(transport, transports.Link(self.http, self.urls, self._pool),
-                                          client="serve-rollout", offered={"keep_file": shm_keep_file})
         if connect:
             self.connect()
 
     @classmethod
-    def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> ServerEngine:
+    def config_args(cls, cfg: GRPOConfig, ctx: EngineContext) -> dict:
         s = cfg.rollout.server
-        policy = Policy.of(s)
-        hint = f"GRPO_ROLLOUT_TOKEN=... grpo serve-rollout --engine hf --model {ctx.model_path}"
-        return cls(list(s.urls), policy=policy, token=s.token,
-                   stop_token_ids=ctx.eos_token_ids, expected=model_identity(ctx.model_path),
-                   chunk_mb=s.weight_chunk_mb, transport=cfg.rollout.transport, shm_keep_file=s.shm_keep_file,
-                   start_hint=hint)
+        return {"token": s.token, "expected": model_identity(ctx.model_path), "transport": cfg.rollout.transport,
+                "shm_keep_file": s.shm_keep_file,
+                "start_hint": f"GRPO_ROLLOUT_TOKEN=... grpo serve-rollout --engine hf --model {ctx.model_path}"}
 
     # -- start-up ---------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -198,9 +188,3 @@ class ServerEngine(RolloutEngine):
 
     def reset_prefix_cache(self) -> None:
         self.http.post_each(self.urls, "/reset_prefix_cache")
-
-    def close(self) -> None:
-        self._weights.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self.http.close()
-

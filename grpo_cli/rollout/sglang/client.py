@@ -10,15 +10,14 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout import images as wire_images
-from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
+from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.rollout.http_engine import HttpServerEngine
 from grpo_cli.rollout.remote.client import model_identity
-from grpo_cli.rollout.transport import base as transports
-from grpo_cli.rollout.transport.http_client import HttpClient, Policy, split_groups
+from grpo_cli.rollout.transport.http_client import Policy, split_groups
 
 if TYPE_CHECKING:
     import torch
@@ -51,10 +50,11 @@ def parse_version(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(g or 0) for g in m.groups()) if m else None
 
 
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(HttpServerEngine):
     """RolloutEngine over one or more SGLang servers; groups stay whole on one server."""
 
-    shares_policy_weights = False
+    client = "sglang"
+    thread_name_prefix = "sglang-http"
     push_from_main_only = True
     """One push per job (`train.weights.sync_ranks`): rank 0 alone writes the disk checkpoint or opens the weight-update
     session (a second rank's /begin_weight_update would close the first one's session)."""
@@ -67,34 +67,24 @@ class SGLangEngine(RolloutEngine):
                  stop_token_ids: list[int] | None = None, model_path: str | None = None,
                  weight_transport: str = "disk", weight_sync_dir: str | None = None,
                  chunk_mb: int = 512, serializer: Callable[[list], str] | None = None, connect: bool = True) -> None:
-        self.policy = policy or Policy()
-        self.http = HttpClient(urls, token=api_key, policy=self.policy)
-        self.urls = self.http.urls
+        offered = {"model_path": model_path, "sync_dir": weight_sync_dir, "serializer": serializer,
+                   "tp_size": lambda url: self._facts(url).tp_size}
+        self._open(urls, token=api_key, policy=policy, transport=weight_transport, offered=offered)
         self.stop_token_ids = list(stop_token_ids or [])
         self.model_path = model_path
         self.weight_transport = weight_transport
         self.chunk_bytes = chunk_mb << 20
-        self.weight_version = 0
         self.weights_released = False  # their memory comes back garbage: generate waits for a sync
         self.released: set[str] = set()  # SGLang memory tags this client released and did not resume yet
         self.facts: dict[str, ServerFacts] = {}
-        self._calls = 0
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="sglang-http")
-        offered = {"model_path": model_path, "sync_dir": weight_sync_dir, "serializer": serializer,
-                   "tp_size": lambda url: self._facts(url).tp_size}
-        self._weights = transports.create(weight_transport, transports.Link(self.http, self.urls, self._pool),
-                                          client="sglang", offered=offered)
         if connect:
             self.connect()
 
     @classmethod
-    def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> SGLangEngine:
+    def config_args(cls, cfg: GRPOConfig, ctx: EngineContext) -> dict:
         s = cfg.rollout.server
-        policy = Policy.of(s)
-        return cls(list(s.urls), policy=policy, api_key=s.token,
-                   stop_token_ids=ctx.eos_token_ids, model_path=ctx.model_path,
-                   weight_transport=cfg.rollout.transport, weight_sync_dir=s.weight_sync_dir,
-                   chunk_mb=s.weight_chunk_mb)
+        return {"api_key": s.token, "model_path": ctx.model_path, "weight_transport": cfg.rollout.transport,
+                "weight_sync_dir": s.weight_sync_dir}
 
     def connect(self) -> None:
         hint = f"grpo serve-rollout --engine sglang --model {self.model_path or 'PATH'}"
@@ -257,11 +247,6 @@ class SGLangEngine(RolloutEngine):
 
     def reset_prefix_cache(self) -> None:
         self.http.post_each(self.urls, "/flush_cache")
-
-    def close(self) -> None:
-        self._weights.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self.http.close()
 
 
 def _parse_output(out: dict) -> tuple[list[int], str, list[float]]:

@@ -313,6 +313,35 @@ class FrameReader:
                     out.append(self._finish_blob())
         return out
 
+    def pull(self, readinto: Callable[[memoryview], int]) -> Iterator[Frame]:
+        """The frames of a body read with `readinto(view) -> bytes written (0 at its end)`: the bytes go straight
+        into the frame buffer (no copy of ours) and are hashed there; the body must end after the last frame."""
+        prefix = memoryview(bytearray(_PREFIX.size))
+        while True:
+            filled = 0
+            while filled < _PREFIX.size:
+                n = readinto(prefix[filled:])
+                if n == 0:
+                    if filled:
+                        break
+                    return self.finish()
+                filled += n
+            self._prefix[:] = prefix[:filled]
+            self.bytes += filled
+            if filled < _PREFIX.size:
+                return self.finish()
+            self._start_blob()
+            blob = memoryview(self._blob)
+            while self._filled < len(blob):
+                n = readinto(blob[self._filled :])
+                if n == 0:
+                    return self.finish()
+                self._hash.update(blob[self._filled : self._filled + n])  # hashed while the bytes are in cache
+                self._filled += n
+                self.bytes += n
+            del blob  # the frame's tensors hold the buffer from here on (ReceiveBuffer counts references)
+            yield self._finish_blob()
+
     def _start_blob(self) -> None:
         magic, length, digest = _PREFIX.unpack(bytes(self._prefix))
         if magic != MAGIC:

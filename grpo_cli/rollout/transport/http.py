@@ -1,10 +1,7 @@
 """`http` weight transport: the frames of `codec.encode_stream` streamed as one chunked POST `/update_weights` per
 server, all servers at once from one encoding (a bounded queue per upload), so the trainer holds about one frame.
-
-The body is handed to httpx in slices of `SEND_BYTES`, views of the tensors (no copy of ours): httpcore writes a
-buffer with `while buffer: buffer = buffer[sock.send(buffer):]`, which copies what is left of a `bytes` buffer after
-every partial send, so a whole 100 MB tensor handed over at once was copied dozens of times (loopback, 403 MB: 71-78
-MB/s for whole pieces against 230-330 with slices of 256 KiB-4 MiB, a drain-only server on a loaded machine)."""
+Each piece of a frame (a tensor's bytes) goes to the socket as it is, no copy of ours (`wire.post_chunked`; through
+httpx in 256 KiB views where a proxy or TLS is in the way, `HttpClient.upload`)."""
 
 from __future__ import annotations
 
@@ -15,16 +12,6 @@ from grpo_cli.rollout.transport import codec
 from grpo_cli.rollout.transport.base import NamedTensors, WeightTransport
 
 _END = object()
-SEND_BYTES = 256 << 10
-"""Largest piece of the body handed to httpx at once (see the module docstring)."""
-
-
-def sliced(frame: list) -> Iterator[memoryview]:
-    """A frame's pieces as views of at most SEND_BYTES each."""
-    for piece in frame:
-        view = memoryview(piece).cast("B")
-        for start in range(0, len(view), SEND_BYTES):
-            yield view[start : start + SEND_BYTES]
 
 
 class HttpTransport(WeightTransport):
@@ -46,16 +33,15 @@ class HttpTransport(WeightTransport):
     def _upload(self, url: str, q: queue.Queue, version: int) -> dict:
         finished = False
 
-        def body() -> Iterator[bytes]:
+        def body() -> Iterator:
             nonlocal finished
             while (frame := q.get()) is not _END:
-                yield from sliced(frame)
+                yield from frame
             finished = True
 
         try:
-            return self.link.http.call(url, "POST", "/update_weights", idempotent=False, content=body(),
-                                       params={"version": version},
-                                       headers={"Content-Type": "application/x-grpo-weights"}).json()
+            return self.link.http.upload(url, "/update_weights", body(), params={"version": version},
+                                         headers={"Content-Type": "application/x-grpo-weights"}).json()
         finally:
             while not finished:  # a failed upload keeps draining so the producer never waits on it
                 finished = q.get() is _END

@@ -9,13 +9,14 @@ import dataclasses
 import ipaddress
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
 
 from grpo_cli.rollout.base import RolloutError
+from grpo_cli.rollout.transport import wire
 
 RETRY_STATUS = {502, 503, 504}
 
@@ -90,9 +91,9 @@ class HttpClient:
             raise RolloutError("no rollout server URL given: set rollout.server.urls (e.g. [http://127.0.0.1:8000])")
         self.urls = [u.rstrip("/") for u in urls]
         self.policy = policy
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.clients = {
-            u: httpx.Client(base_url=u, headers=headers, trust_env=not is_loopback(u),
+            u: httpx.Client(base_url=u, headers=self.headers, trust_env=not is_loopback(u),
                             timeout=httpx.Timeout(policy.request_timeout_s,
                                                   connect=min(10.0, policy.connect_timeout_s)))
             for u in self.urls
@@ -106,12 +107,32 @@ class HttpClient:
         """One attempt; HTTP errors become RolloutError with the server's text, transport errors propagate."""
         if timeout is not None:
             kw["timeout"] = httpx.Timeout(timeout, connect=min(10.0, timeout))
-        resp = self.clients[url].request(method, path, **kw)
+        return self._refused(url, path, self.clients[url].request(method, path, **kw))
+
+    @staticmethod
+    def _refused(url: str, path: str, resp: httpx.Response) -> httpx.Response:
+        """`resp`, unless it is an error that retrying cannot fix: then RolloutError with the server's text."""
         if resp.status_code >= 400 and resp.status_code not in RETRY_STATUS:
             hint = " (set the token variable named by rollout.server.token_env to the server's token)" \
                 if resp.status_code == 401 else ""
             raise RolloutError(f"rollout server {url}{path} answered {resp.status_code}: {error_text(resp)}{hint}")
         return resp
+
+    def upload(self, url: str, path: str, pieces: Iterable, *, params: dict, headers: dict[str, str]) -> httpx.Response:
+        """POST a streamed body (not idempotent: no retry; the on_failure policy after a failure). Plain-http URLs
+        get it written to the socket piece by piece (`wire.post_chunked`), others through httpx in slices."""
+        if not wire.usable(url, loopback=is_loopback(url)):
+            return self.call(url, "POST", path, idempotent=False, content=wire.sliced(pieces), params=params,
+                             headers=headers)
+        try:
+            resp = wire.post_chunked(url, path, pieces, params=params, headers={**self.headers, **headers},
+                                     connect_timeout=min(10.0, self.policy.connect_timeout_s),
+                                     timeout=self.policy.request_timeout_s)
+        except OSError as e:
+            return self._on_failure(url, "POST", path, f"{type(e).__name__}: {e}", None, {})
+        if resp.status_code in RETRY_STATUS:
+            return self._on_failure(url, "POST", path, f"{resp.status_code}: {error_text(resp)}", None, {})
+        return self._refused(url, path, resp)
 
     def call(self, url: str, method: str, path: str, *, idempotent: bool = True,
              verify_after_recovery: Callable[[str], bool] | None = None, **kw) -> httpx.Response:

@@ -17,13 +17,12 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
+from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
+from grpo_cli.rollout.http_engine import HttpServerEngine
 from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
 from grpo_cli.rollout.transport import base as transports
-from grpo_cli.rollout.transport.http_client import HttpClient as Transport
 from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, is_loopback, split_groups
 
 if TYPE_CHECKING:
@@ -63,10 +62,11 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-class VLLMServeEngine(RolloutEngine):
+class VLLMServeEngine(HttpServerEngine):
     """RolloutEngine over stock `vllm serve` servers; groups stay whole on one server."""
 
-    shares_policy_weights = False
+    client = CLIENT
+    thread_name_prefix = "vllm-serve"
     push_from_main_only = True
     """One push per job (`train.weights.sync_ranks`): rank 0 runs the update round on every server."""
 
@@ -74,34 +74,26 @@ class VLLMServeEngine(RolloutEngine):
                  stop_token_ids: list[int] | None = None, chunk_mb: int = 128, transport: str = "shm",
                  verify: bool = True, connect: bool = True) -> None:
         transports.entry(transport, CLIENT)  # an unknown name is refused before any server is reached
-        self.policy = policy or Policy()
-        self.http = Transport(urls, token=token, policy=self.policy)
-        self.urls = self.http.urls
-        if transport == "shm" and not all(is_loopback(u) for u in self.urls):
+        if transport == "shm" and not all(is_loopback(u) for u in urls):
             raise RolloutError("rollout.server.weight_transport=shm hands `vllm serve` a file in /dev/shm, so every "
-                               f"server must be on this host (a loopback URL), not {self.urls}: use nccl (CUDA)")
+                               f"server must be on this host (a loopback URL), not {[u.rstrip('/') for u in urls]}: "
+                               "use nccl (CUDA)")
+        self._open(urls, token=token, policy=policy, transport=transport, workers=MAX_REQUESTS_IN_FLIGHT,
+                   offered={"tp_size": lambda url: self.facts[url].tensor_parallel_size})
         self.model, self.transport, self.verify = model, transport, verify
         self.stop_token_ids = list(stop_token_ids or [])
         self.chunk_bytes = chunk_mb << 20
-        self.weight_version = 0
         self.facts: dict[str, ServerFacts] = {}
         self.dtype: str | None = None
         self.last_sync: dict[str, float] = {}
         self._held_names: set[str] | None = None
-        self._calls = 0
-        self._pool = ThreadPoolExecutor(max_workers=MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="vllm-serve")
-        self.push = transports.create(transport, transports.Link(self.http, self.urls, self._pool), client=CLIENT,
-                                      offered={"tp_size": lambda url: self.facts[url].tensor_parallel_size})
         if connect:
             self.connect()
 
     @classmethod
-    def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> VLLMServeEngine:
-        s = cfg.rollout.server
-        policy = Policy.of(s)
-        return cls(list(s.urls), model=ctx.model_path, policy=policy, token=s.token,
-                   stop_token_ids=ctx.eos_token_ids, chunk_mb=s.weight_chunk_mb, transport=cfg.rollout.transport,
-                   verify=cfg.rollout.vllm.verify_sync)
+    def config_args(cls, cfg: GRPOConfig, ctx: EngineContext) -> dict:
+        return {"model": ctx.model_path, "token": cfg.rollout.server.token, "transport": cfg.rollout.transport,
+                "verify": cfg.rollout.vllm.verify_sync}
 
     # -- start-up ---------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -215,7 +207,7 @@ class VLLMServeEngine(RolloutEngine):
                     digests[name] = tensor_digest(t)
                 yield name, t
 
-        sent = self.push.send(tapped(), version, chunk_bytes=self.chunk_bytes)
+        sent = self._weights.send(tapped(), version, chunk_bytes=self.chunk_bytes)
         self.weight_version = version
         if self.verify:
             self._verify(version, digests)
@@ -250,8 +242,3 @@ class VLLMServeEngine(RolloutEngine):
 
     def reset_prefix_cache(self) -> None:
         self.http.post_each(self.urls, "/reset_prefix_cache")
-
-    def close(self) -> None:
-        self.push.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self.http.close()

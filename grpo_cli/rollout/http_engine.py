@@ -1,0 +1,58 @@
+"""`HttpServerEngine`: what the three clients of rollout servers over HTTP share (`remote` for `grpo serve-rollout`,
+`sglang`, `vllm_serve`): one `HttpClient` with the `rollout.server` policy over the server URLs, a thread pool for
+the requests in flight, the weight transport `rollout.transport` names (built through the transport registry under
+the client's name), the fields every `from_config` reads from `rollout.server`, and closing all three."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, ClassVar
+
+from grpo_cli.rollout.base import RolloutEngine
+from grpo_cli.rollout.transport import base as transports
+from grpo_cli.rollout.transport.http_client import HttpClient, Policy
+
+if TYPE_CHECKING:
+    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.rollout.base import EngineContext
+
+
+class HttpServerEngine(RolloutEngine):
+    """Base of the server clients. A subclass names its registry `client` and its threads, calls `_open` first in
+    its `__init__`, and gives `from_config` its own arguments through `config_args`."""
+
+    shares_policy_weights = False
+    push_from_main_only = True
+    client: ClassVar[str]
+    """This client's name in the weight-transport registry."""
+    thread_name_prefix: ClassVar[str]
+
+    def _open(self, urls: list[str], *, token: str | None, policy: Policy | None, transport: str, offered: dict,
+              workers: int | None = None) -> None:
+        """The HTTP client, the request pool (`workers`, default one per server) and the weight transport; the
+        weight version starts at 0 until the servers report theirs."""
+        self.policy = policy or Policy()
+        self.http = HttpClient(urls, token=token, policy=self.policy)
+        self.urls = self.http.urls
+        self.weight_version = 0
+        self._calls = 0
+        self._pool = ThreadPoolExecutor(max_workers=workers or max(1, len(self.urls)),
+                                        thread_name_prefix=self.thread_name_prefix)
+        self._weights = transports.create(transport, transports.Link(self.http, self.urls, self._pool),
+                                          client=self.client, offered=offered)
+
+    @classmethod
+    def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> HttpServerEngine:
+        s = cfg.rollout.server
+        return cls(list(s.urls), policy=Policy.of(s), stop_token_ids=ctx.eos_token_ids, chunk_mb=s.weight_chunk_mb,
+                   **cls.config_args(cfg, ctx))
+
+    @classmethod
+    def config_args(cls, cfg: GRPOConfig, ctx: EngineContext) -> dict:
+        """This client's constructor arguments besides the URLs, policy, stop tokens and chunk size."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._weights.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
