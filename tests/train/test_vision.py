@@ -90,7 +90,7 @@ def test_freeze_vision_keeps_the_tower_bit_identical(any_vlm, freeze):
 
 
 def test_a_vision_run_refuses_megatron_and_engines_without_images(tiny_vlm):
-    """megatron is refused for a VLM (before the model loads); a rollout loop that passes no images
+    """megatron is refused for a VLM (by the config rules, before the model loads); a rollout loop that passes no images
     (`rollout.custom`, whose wrapper does not declare `accepts_images`) is refused once the prompts show images
     (never called: any callable does)."""
     from grpo_cli.config.errors import UserError
@@ -99,7 +99,8 @@ def test_a_vision_run_refuses_megatron_and_engines_without_images(tiny_vlm):
     from grpo_cli.train.run import build_trainer
 
     base = ["model.name_or_path=builtin:tiny-vlm", "data.source=builtin:shapes"]
-    with pytest.raises(UserError, match="distributed.backend: megatron has no model of a vision tower"):
+    with pytest.raises(UserError, match="is a vision-language model, but distributed.backend 'megatron' builds "
+                                        "Megatron-core GPT models from a text-only language model's config"):
         build_trainer(build_config(overrides=[*base, "distributed.backend=megatron"]), DistInfo(),
                       torch.device("cpu"), log=lambda *_: None)
     cfg = build_config(overrides=[*base, "rollout.custom=json:dumps"])
