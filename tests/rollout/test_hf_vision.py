@@ -1,6 +1,7 @@
 """The hf engine with images: it samples from the image-conditioned distribution (its sampler logprobs equal a by-hand
 forward of each row alone, the image/video placeholders left out of the softmax: they are never sampled), and its
-`score` with images equals the trainer's logprobs (the weight-sync probe's comparison)."""
+`score` with images equals the trainer's logprobs (the weight-sync probe's comparison); on the tiny Qwen2-VL and
+Qwen2.5-VL (`any_vlm`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Vision-language rows through the trainer: the logprobs of image prompts equal a by-hand forward of each row alone
 (the model's own M-RoPE positions, no padding, float64 log-softmax) whatever the micro-batching (rows or token
 budgets), rows with 0, 1 and 2 images of different sizes mixed; a frozen vision tower is left bit-identical by
-training; LoRA adapts the language model only; what a VLM run refuses."""
+training; LoRA adapts the language model only; what a VLM run refuses. The logprob, freeze and fsdp2-unit tests run on
+both tiny architectures (`any_vlm`: Qwen2-VL and Qwen2.5-VL)."""
 
 from __future__ import annotations
 
@@ -144,3 +145,14 @@ def test_a_local_vlm_folder_is_sized_by_its_language_model_and_rehearsed_as_one(
     assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.vocab) == (64, 2, 2, 1, 82)
     assert is_vision_model(tiny_vlm) and is_vision_model("Qwen/Qwen2.5-VL-3B-Instruct")
     assert not is_vision_model("Qwen/Qwen2.5-7B-Instruct")
+
+
+def test_fsdp2_shards_each_vision_block_and_decoder_layer_of_either_architecture(any_vlm):
+    """fsdp2's units are the classes the model lists as `_no_split_modules`: Qwen2-VL's and Qwen2.5-VL's vision
+    blocks (window-attention and full-attention ones alike) and decoder layers, 2 of each in the tiny models."""
+    from grpo_cli.train.backends.fsdp2 import decoder_layers
+
+    model = load_vlm(any_vlm)
+    units = [type(m).__name__ for m in decoder_layers(model)]
+    prefix = "Qwen2_5_VL" if model.config.model_type == "qwen2_5_vl" else "Qwen2VL"
+    assert sorted(units) == sorted([f"{prefix}DecoderLayer"] * 2 + [f"{prefix}VisionBlock"] * 2)
