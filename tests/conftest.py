@@ -23,6 +23,16 @@ def tiny_vlm() -> str:
     return resolve_model_path("builtin:tiny-vlm")
 
 
+@pytest.fixture(scope="session", params=["builtin:tiny-vlm", "builtin:tiny-vlm-qwen2.5"],
+                ids=["qwen2_vl", "qwen2_5_vl"])
+def any_vlm(request) -> str:
+    """Each tiny VLM architecture in turn: Qwen2-VL (`builtin:tiny-vlm`) and Qwen2.5-VL
+    (`builtin:tiny-vlm-qwen2.5`: window attention, RMSNorm, gated MLP in the vision tower), built once each."""
+    from grpo_cli.models.tiny import resolve_model_path
+
+    return resolve_model_path(request.param)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
     """Keep `builtin:tiny` builds out of the user's ~/.cache during tests."""

@@ -82,7 +82,7 @@ def is_vision_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-VISION_BUILTINS = ("builtin:tiny-vlm",)
+VISION_BUILTINS = ("builtin:tiny-vlm", "builtin:tiny-vlm-qwen2.5")
 
 
 def is_vision_model(name: str) -> bool:

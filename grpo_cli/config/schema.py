@@ -40,7 +40,7 @@ class ModelConfig(Section):
     """Policy checkpoint: a local folder in Hugging Face format, a hub id already in the local cache, or
     `builtin:tiny`, a 2-layer model and word-level tokenizer that grpo-cli builds on first use (no network;
     `builtin:tiny-moe` is its mixture-of-experts twin, 4 experts, top 2; `builtin:tiny-vlm` a tiny Qwen2-VL
-    vision-language model, docs/vision.md)."""
+    vision-language model and `builtin:tiny-vlm-qwen2.5` a tiny Qwen2.5-VL, docs/vision.md)."""
     dtype: DType = "float32"
     """Compute dtype of the policy's and reference's forward/backward passes (and of exported weights). bf16
     compute comes from the backend's mixed precision (ddp: autocast; fsdp2: MixedPrecisionPolicy; deepspeed: its

@@ -12,7 +12,7 @@ from typing import Any
 
 from grpo_cli.config.load import DEFAULT_PRESET, build_config, deep_merge, validate_tree
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.models.tiny import MOE_NAME, TINY_NAME, VLM_NAME
+from grpo_cli.models.tiny import MOE_NAME, TINY_NAME, VLM25_NAME, VLM_NAME
 
 MAX_PROCESSES = 2
 """Processes a rehearsal runs on this kind of machine (2 CPU cores in CI)."""
@@ -20,8 +20,14 @@ REHEARSAL_STEPS = 20
 """Optimizer steps of the whole rehearsal: enough for the tiny task's reward to rise with tiny-cpu's learning rate."""
 RESUME_AT = 10
 """The first run stops (and checkpoints) after this step; the second resumes from it and runs to the end."""
+VLM_REHEARSAL_STEPS, VLM_RESUME_AT = 10, 5
+"""The same for a vision-language preset: the tiny VLM's reward rises within 10 steps at tiny-cpu-vlm's learning
+rate, and each step runs the vision tower in every micro-batch (CI time)."""
 VLM_PRESET = "tiny-cpu-vlm"
 """The tiny task of a vision-language preset's rehearsal (`builtin:tiny-vlm` on `builtin:shapes`)."""
+VLM_STAND_INS = {VLM_NAME: "Qwen2-VL, 2-block vision tower, 2-layer language model",
+                 VLM25_NAME: "Qwen2.5-VL, 2-block vision tower (window attention, then full), 2-layer language model"}
+"""The tiny VLMs a vision-language preset is rehearsed with, and what each is."""
 SERVER_PLACEHOLDER = "http://127.0.0.1:0"
 """Stands for the rollout server the rehearsal starts on a free port (its real URL replaces this one)."""
 
@@ -60,18 +66,36 @@ def is_vision_model(name: str) -> bool:
     config = local_model_config(name)
     if config is not None:
         return is_vision_config(config)
-    return name == VLM_NAME or re.search(r"(^|[-_/])VL([-_]|$)", name, re.IGNORECASE) is not None
+    return name in VLM_STAND_INS or re.search(r"(^|[-_/])VL([-_]|$)", name, re.IGNORECASE) is not None
+
+
+def is_qwen25_vl(name: str) -> bool:
+    """Whether the vision-language model `name` is a Qwen2.5-VL: its local config.json says `qwen2_5_vl`, or (not
+    on disk) it is the tiny one or its name says Qwen2.5-VL (`Qwen/Qwen2.5-VL-3B-Instruct`)."""
+    from grpo_cli.config.model_shape import local_model_config
+
+    config = local_model_config(name)
+    if config is not None:
+        return str(config.get("model_type")).startswith("qwen2_5_vl")  # the text config's `qwen2_5_vl_text` on top
+    return name == VLM25_NAME or re.search(r"qwen2\.5-vl", name, re.IGNORECASE) is not None
 
 
 def stand_in_model(src: GRPOConfig) -> str:
-    """The built-in model a rehearsal trains: the tiny VLM for a vision-language model (its images then go through
-    every pass), the tiny MoE for a mixture-of-experts model (so the router, expert weights and, with megatron,
-    expert parallelism run), else the tiny dense one."""
+    """The built-in model a rehearsal trains: a tiny VLM of the preset's architecture for a vision-language model
+    (Qwen2.5-VL's vision tower for a Qwen2.5-VL, else Qwen2-VL's; its images then go through every pass), the tiny
+    MoE for a mixture-of-experts model (so the router, expert weights and, with megatron, expert parallelism run),
+    else the tiny dense one."""
     from grpo_cli.config.model_shape import model_shape
 
-    if is_vision_model(src.model.name_or_path):
-        return VLM_NAME
-    return MOE_NAME if model_shape(src.model.name_or_path).experts else TINY_NAME
+    name = src.model.name_or_path
+    if is_vision_model(name):
+        return VLM25_NAME if is_qwen25_vl(name) else VLM_NAME
+    return MOE_NAME if model_shape(name).experts else TINY_NAME
+
+
+def rehearsal_steps(stand_in: str) -> tuple[int, int]:
+    """(optimizer steps, the step the first run stops after) of a rehearsal that trains `stand_in`."""
+    return (VLM_REHEARSAL_STEPS, VLM_RESUME_AT) if stand_in in VLM_STAND_INS else (REHEARSAL_STEPS, RESUME_AT)
 
 
 def _tiny_task(tiny: GRPOConfig, src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
@@ -79,20 +103,20 @@ def _tiny_task(tiny: GRPOConfig, src: GRPOConfig, notes: list[str]) -> dict[str,
     preset's algorithm is kept."""
     t = tiny.model_dump(mode="json")
     stand_in = stand_in_model(src)
-    kind = {MOE_NAME: "2-layer Qwen3-MoE, 4 experts, top 2",
-            VLM_NAME: "Qwen2-VL, 2-block vision tower, 2-layer language model"}.get(stand_in, "2-layer model")
+    kind = {MOE_NAME: "2-layer Qwen3-MoE, 4 experts, top 2", **VLM_STAND_INS}.get(stand_in, "2-layer model")
     kind += ", built locally"
     notes.append(f"model {src.model.name_or_path} → {stand_in} ({kind}); dtype "
                  f"{src.model.dtype}, gradient_checkpointing {src.model.gradient_checkpointing} kept")
     notes.append(f"task: data {src.data.source} → {tiny.data.source}, rewards → "
                  f"{', '.join(f.name for f in tiny.rewards.functions)} ({tiny.preset}'s); algorithm "
                  f"(loss {src.algorithm.loss or 'default'}, IS correction {src.algorithm.is_correction.level}) kept")
-    train = {**t["train"], "steps": REHEARSAL_STEPS}
+    steps = rehearsal_steps(stand_in)[0]
+    train = {**t["train"], "steps": steps}
     per_rank = train["prompts_per_step"] // min(src.distributed.num_processes, MAX_PROCESSES)
     sequences = per_rank * train["generations_per_prompt"]
     micro = src.train.micro_batch_size if sequences % src.train.micro_batch_size == 0 else sequences
     train["micro_batch_size"] = micro
-    notes.append(f"train: {REHEARSAL_STEPS} steps of {train['prompts_per_step']}×{train['generations_per_prompt']} "
+    notes.append(f"train: {steps} steps of {train['prompts_per_step']}×{train['generations_per_prompt']} "
                  f"sequences, lr {train['learning_rate']:g} ({tiny.preset}'s learning settings); "
                  f"micro_batch_size {src.train.micro_batch_size}"
                  + ("" if micro == src.train.micro_batch_size else f" → {micro}"))
@@ -245,6 +269,13 @@ def gpu_only(cfg: GRPOConfig) -> list[tuple[str, str]]:
     if r.engine == "sglang" and r.transport == "tensor":
         out.append(("CUDA IPC", "SGLang's tensor sync hands CUDA tensors to the server by IPC handle (the device "
                     "travels as a UUID); the contract server receives CPU tensors"))
+    if stand_in_model(cfg) in VLM_STAND_INS:
+        from grpo_cli.models.tiny_vlm import MAX_PIXELS, MERGE, PATCH
+
+        cap, per_token = cfg.data.max_image_pixels, (PATCH * MERGE) ** 2
+        out.append(("real images", f"images up to data.max_image_pixels {cap} (~{cap // per_token} image tokens "
+                    f"each) through {cfg.model.name_or_path}'s full vision tower; the tiny VLM's processor caps them "
+                    f"at {MAX_PIXELS} pixels ({MAX_PIXELS // per_token} tokens)"))
     out.append(("CUDA RNG", "each rank's CUDA generator state, saved and restored on resume (a CPU run has only "
                 "the CPU generator)"))
     out.append(("real memory fit", f"model, optimizer and KV cache per GPU, host memory per node: `grpo plan "
@@ -276,7 +307,9 @@ def plan_rehearsal(cfg: GRPOConfig, *, deepspeed_ready: bool, server_url: str = 
             "(docs/server-mode.md gives the command pair), or rehearse the same topology with rollout.engine=vllm "
             "(`grpo serve-rollout --engine vllm`).")
     notes: list[str] = []
-    tiny = build_config(VLM_PRESET if stand_in_model(cfg) == VLM_NAME else DEFAULT_PRESET)
+    stand_in = stand_in_model(cfg)
+    steps, resume_at = rehearsal_steps(stand_in)
+    tiny = build_config(VLM_PRESET if stand_in in VLM_STAND_INS else DEFAULT_PRESET)
     tree = cfg.model_dump(mode="json")
     tree = deep_merge(tree, _tiny_task(tiny, cfg, notes))
     dist = _processes(cfg, notes)
@@ -288,6 +321,6 @@ def plan_rehearsal(cfg: GRPOConfig, *, deepspeed_ready: bool, server_url: str = 
                              "logging": {"output_dir": None, "progress": "plain", "report_to": []}})
     if cfg.logging.report_to:
         notes.append(f"trackers {', '.join(cfg.logging.report_to)} off")
-    notes.append(f"checkpoint after step {RESUME_AT}, then a resumed run continues to step {REHEARSAL_STEPS}")
+    notes.append(f"checkpoint after step {resume_at}, then a resumed run continues to step {steps}")
     return Rehearsal(config=validate_tree(tree), notes=notes, gpu_only=gpu_only(cfg), server=server_kind(cfg),
-                     resume_at=RESUME_AT, deepspeed_substituted=substituted)
+                     resume_at=resume_at, deepspeed_substituted=substituted)

@@ -74,6 +74,9 @@ def _engine_checks(reh: Rehearsal, rows: list[dict], log: str, resumed_ok: bool)
         out.append(Check("sync (verified)", _ok(ok), _mean(rows, "time/sync"),
                          "pushed to the Ray actors every step; verified at start and after resume" if ok else
                          f"verified at start: {start_ok}; verified re-sync after resume: {resumed_ok}"))
+    elif not synced and r.layout.shares_policy_weights:
+        out.append(Check("sync (verified)", "n/a", None, f"{r.engine} ({r.mode}) generates with the policy's own "
+                         "parameters: no weight sync to verify"))
     else:
         worst = max((r_.get("sync/max_probe_diff") or 0.0 for r_ in verified), default=float("nan"))
         read = max((r_.get("sync/checked_tensors") or 0.0 for r_ in verified), default=0.0)

@@ -19,8 +19,13 @@ MOE_NAME = "builtin:tiny-moe"
 VLM_NAME = "builtin:tiny-vlm"
 """A tiny Qwen2-VL (`models/tiny_vlm.py`): a 2-block vision tower, the 2-layer language model, Qwen2-VL's vision
 tokens in the tokenizer and a PIL image processor; the built-in image task is `builtin:shapes`."""
+VLM25_NAME = "builtin:tiny-vlm-qwen2.5"
+"""Its Qwen2.5-VL twin (same tokenizer, image processor and language model; Qwen2.5-VL's vision tower: RMSNorm,
+gated MLP, window attention in block 0, full attention in block 1): the stand-in a Qwen2.5-VL preset's
+`--rehearse` trains."""
 BUILTINS = {TINY_NAME: ("tiny", {}), TOOLS_NAME: ("tiny-tools", {"tools": True}),
-            MOE_NAME: ("tiny-moe", {"arch": "qwen3_moe"}), VLM_NAME: ("tiny-vlm", {"arch": "qwen2_vl"})}
+            MOE_NAME: ("tiny-moe", {"arch": "qwen3_moe"}), VLM_NAME: ("tiny-vlm", {"arch": "qwen2_vl"}),
+            VLM25_NAME: ("tiny-vlm-qwen2.5", {"arch": "qwen2_5_vl"})}
 """Built-in model name → (cache folder stem, `build_tiny_checkpoint` arguments)."""
 SPECIAL = ["<pad>", "<eos>", "<unk>", "<system>", "<user>", "<assistant>"]
 WORDS = (
@@ -95,11 +100,11 @@ def build_tokenizer(path: Path, *, chars: bool = False, tools: bool = False, voc
     return tok
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "qwen3_moe", "qwen2_vl")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
 """Tiny architectures `build_tiny_checkpoint` can write: Llama untied (the built-in), Qwen2 tied with q/k/v
 biases, Qwen3 tied with q/k norms, Gemma tied with its embedding scale (√hidden) and (1 + w) norms, Qwen3-MoE
-untied with 4 routed experts (top 2) in every layer and no router auxiliary loss, Qwen2-VL tied with a vision tower
-(`tiny_vlm.build_tiny_vlm`; the shape arguments other than `seed` do not apply)."""
+untied with 4 routed experts (top 2) in every layer and no router auxiliary loss, Qwen2-VL and Qwen2.5-VL tied with a
+vision tower (`tiny_vlm.build_tiny_vlm`; the shape arguments other than `seed` do not apply)."""
 
 
 def _config(arch: str, *, vocab: int, hidden_size: int, num_layers: int, head_dim: int, eos: int, pad: int):
@@ -141,10 +146,10 @@ def build_tiny_checkpoint(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if arch == "qwen2_vl":
+    if arch in ("qwen2_vl", "qwen2_5_vl"):
         from grpo_cli.models.tiny_vlm import build_tiny_vlm
 
-        build_tiny_vlm(path, special=SPECIAL, words=WORDS, seed=seed)
+        build_tiny_vlm(path, special=SPECIAL, words=WORDS, seed=seed, arch=arch)
         (path / "grpo_cli_tiny.json").write_text(json.dumps({"version": TINY_VERSION, "seed": seed, "arch": arch}))
         return path
     tok = build_tokenizer(path, chars=chars, tools=tools, vocab_size=vocab_size)
@@ -190,7 +195,7 @@ def model_folder(name: str) -> str:
 
 def resolve_model_path(name: str) -> str:
     """Map a built-in name (`BUILTINS`: `builtin:tiny`, `builtin:tiny-tools`, `builtin:tiny-moe`,
-    `builtin:tiny-vlm`) to its cached
+    `builtin:tiny-vlm`, `builtin:tiny-vlm-qwen2.5`) to its cached
     folder (built once, atomically); other names pass through."""
     if name not in BUILTINS:
         return name

@@ -33,7 +33,7 @@ def test_topology_kept_task_replaced(name):
     vlm = name == "qwen2.5-vl-3b-colocate"  # the only vision-language preset: the tiny VLM on its shapes task
     cfg, tiny = reh.config, build_config("tiny-cpu-vlm" if vlm else "tiny-cpu")
     moe = name == "qwen3-30b-a3b-megatron"  # the only mixture-of-experts preset
-    stand_in = "builtin:tiny-moe" if moe else "builtin:tiny-vlm" if vlm else "builtin:tiny"
+    stand_in = "builtin:tiny-moe" if moe else "builtin:tiny-vlm-qwen2.5" if vlm else "builtin:tiny"
     assert cfg.distributed.device == "cpu" and cfg.model.name_or_path == stand_in
     assert cfg.rollout.max_completion_length == tiny.rollout.max_completion_length
     assert cfg.distributed.num_processes == min(src.distributed.num_processes, MAX_PROCESSES)
@@ -47,6 +47,30 @@ def test_topology_kept_task_replaced(name):
     assert cfg.train.learning_rate == tiny.train.learning_rate and cfg.train.steps > reh.resume_at > 0
     assert any("builtin:tiny" in n for n in reh.notes) and any("device cuda → cpu" in n for n in reh.notes)
     assert any(what == "real memory fit" and f"grpo plan {name}" in why for what, why in reh.gpu_only)
+
+
+@pytest.mark.parametrize(("name", "config", "stand_in"), [
+    ("Qwen/Qwen2.5-VL-3B-Instruct", None, "builtin:tiny-vlm-qwen2.5"),
+    ("Qwen/Qwen2-VL-7B-Instruct", None, "builtin:tiny-vlm"),
+    ("local-qwen2.5-vl", {"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text"}},
+     "builtin:tiny-vlm-qwen2.5"),
+    ("local-qwen2-vl", {"model_type": "qwen2_vl", "text_config": {"model_type": "qwen2_vl_text"}}, "builtin:tiny-vlm"),
+])
+def test_a_vision_preset_is_rehearsed_with_a_tiny_vlm_of_its_architecture(tmp_path, name, config, stand_in):
+    """A Qwen2.5-VL (by hub name, or a local folder's config.json: its text config's model_type on top) gets the
+    tiny Qwen2.5-VL, any other VLM the tiny Qwen2-VL; either rehearses in fewer steps (VLM_REHEARSAL_STEPS)."""
+    import json
+
+    from grpo_cli.launch.rehearse import VLM_REHEARSAL_STEPS, VLM_RESUME_AT
+
+    if config is not None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, "vision_config": {}}))
+        name = str(tmp_path / name)
+    reh = plan_rehearsal(build_config("qwen2.5-vl-3b-colocate", overrides=[f"model.name_or_path={name}"]),
+                         deepspeed_ready=True)
+    assert reh.config.model.name_or_path == stand_in
+    assert (reh.config.train.steps, reh.resume_at) == (VLM_REHEARSAL_STEPS, VLM_RESUME_AT)
 
 
 @pytest.mark.parametrize(("name", "tp", "note"), [

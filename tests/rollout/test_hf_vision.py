@@ -1,6 +1,7 @@
 """The hf engine with images: it samples from the image-conditioned distribution (its sampler logprobs equal a by-hand
 forward of each row alone, the image/video placeholders left out of the softmax: they are never sampled), and its
-`score` with images equals the trainer's logprobs (the weight-sync probe's comparison)."""
+`score` with images equals the trainer's logprobs (the weight-sync probe's comparison); on the tiny Qwen2-VL and
+Qwen2.5-VL (`any_vlm`)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ def _engine(path):
                          shares_policy_weights=True, images=ImageProcessor.load(path, max_pixels=10**6))
 
 
-def test_hf_engine_samples_with_the_images_and_its_logprobs_match_the_trainer(tiny_vlm):
-    tok, engine = _engine(tiny_vlm)
-    _, prompts = vlm_prompts(tiny_vlm)
+def test_hf_engine_samples_with_the_images_and_its_logprobs_match_the_trainer(any_vlm):
+    tok, engine = _engine(any_vlm)
+    _, prompts = vlm_prompts(any_vlm)
     assert engine.accepts_images
     banned = placeholder_ids(engine.model.config)
     out = engine.generate([p.ids for p in prompts], SamplingParams(n=3, max_tokens=6, seed=0),

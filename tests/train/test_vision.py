@@ -1,7 +1,8 @@
 """Vision-language rows through the trainer: the logprobs of image prompts equal a by-hand forward of each row alone
 (the model's own M-RoPE positions, no padding, float64 log-softmax) whatever the micro-batching (rows or token
 budgets), rows with 0, 1 and 2 images of different sizes mixed; a frozen vision tower is left bit-identical by
-training; LoRA adapts the language model only; what a VLM run refuses."""
+training; LoRA adapts the language model only; what a VLM run refuses. The logprob, freeze and fsdp2-unit tests run on
+both tiny architectures (`any_vlm`: Qwen2-VL and Qwen2.5-VL)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from grpo_cli.rollout.base import RolloutBatch
 from grpo_cli.train.batch import batch_logprobs, build_batch
 
 
-def test_trainer_logprobs_of_image_prompts_equal_a_by_hand_forward_whatever_the_micro_batching(tiny_vlm):
-    tok, prompts = vlm_prompts(tiny_vlm)
+def test_trainer_logprobs_of_image_prompts_equal_a_by_hand_forward_whatever_the_micro_batching(any_vlm):
+    tok, prompts = vlm_prompts(any_vlm)
     assert [0 if p.vision is None else p.vision.num_images for p in prompts] == [0, 1, 2]
     assert [p.ids.count(8) for p in prompts] == [0, 4, 2 + 4]  # 56×56 → 4 tokens, 28×56 → 2
-    model = load_vlm(tiny_vlm)
+    model = load_vlm(any_vlm)
     g, rng = 2, random.Random(1)
     words = [i for i in range(10, len(tok))]  # no special or vision token
     completions = [[rng.choice(words) for _ in range(n)] for n in (3, 5, 1, 4, 2, 5)]
@@ -55,22 +56,23 @@ def test_select_takes_each_rows_own_images(tiny_vlm):
 
 
 @pytest.mark.parametrize("freeze", [True, False])
-def test_freeze_vision_keeps_the_tower_bit_identical(tiny_vlm, freeze):
+def test_freeze_vision_keeps_the_tower_bit_identical(any_vlm, freeze):
     """`model.freeze_vision`: the tower's parameters leave the optimizer and keep their bits through optimizer
-    steps that move the language model (with the flag off, they move too)."""
+    steps that move the language model (with the flag off, they move too); each architecture's tower is found by
+    its parameter names (Qwen2.5-VL's window-attention blocks and gated MLPs among them)."""
     from grpo_cli.config.load import build_config
     from grpo_cli.models.vision import is_vision_parameter
     from grpo_cli.train.backends.base import make_adamw
     from grpo_cli.train.backends.hf_io import load_hf_model
 
     cfg = build_config(overrides=[f"model.freeze_vision={str(freeze).lower()}", "train.learning_rate=0.01"])
-    model = load_hf_model(cfg, tiny_vlm, dtype=torch.float32)
+    model = load_hf_model(cfg, any_vlm, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = make_adamw(cfg, list(model.parameters()))
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     vision = [n for n, _ in model.named_parameters() if is_vision_parameter(n)]
     assert vision and all((id(p) in in_optimizer) != freeze for n, p in model.named_parameters() if n in vision)
-    _, prompts = vlm_prompts(tiny_vlm)
+    _, prompts = vlm_prompts(any_vlm)
     rollout = RolloutBatch(prompt_ids=[p.ids for p in prompts], completion_ids=[[10, 11]] * 3,
                            finish_reasons=["stop"] * 3)
     batch = build_batch(rollout, group_size=1, pad_token_id=0, vision=vision_of(prompts))
@@ -89,7 +91,7 @@ def test_freeze_vision_keeps_the_tower_bit_identical(tiny_vlm, freeze):
 
 
 def test_a_vision_run_refuses_megatron_and_engines_without_images(tiny_vlm):
-    """megatron is refused for a VLM (before the model loads); a rollout loop that passes no images
+    """megatron is refused for a VLM (by the config rules, before the model loads); a rollout loop that passes no images
     (`rollout.custom`, whose wrapper does not declare `accepts_images`) is refused once the prompts show images
     (never called: any callable does)."""
     from grpo_cli.config.errors import UserError
@@ -98,7 +100,8 @@ def test_a_vision_run_refuses_megatron_and_engines_without_images(tiny_vlm):
     from grpo_cli.train.run import build_trainer
 
     base = ["model.name_or_path=builtin:tiny-vlm", "data.source=builtin:shapes"]
-    with pytest.raises(UserError, match="distributed.backend: megatron has no model of a vision tower"):
+    with pytest.raises(UserError, match="is a vision-language model, but distributed.backend 'megatron' builds "
+                                        "Megatron-core GPT models from a text-only language model's config"):
         build_trainer(build_config(overrides=[*base, "distributed.backend=megatron"]), DistInfo(),
                       torch.device("cpu"), log=lambda *_: None)
     cfg = build_config(overrides=[*base, "rollout.custom=json:dumps"])
@@ -142,3 +145,14 @@ def test_a_local_vlm_folder_is_sized_by_its_language_model_and_rehearsed_as_one(
     assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.vocab) == (64, 2, 2, 1, 82)
     assert is_vision_model(tiny_vlm) and is_vision_model("Qwen/Qwen2.5-VL-3B-Instruct")
     assert not is_vision_model("Qwen/Qwen2.5-7B-Instruct")
+
+
+def test_fsdp2_shards_each_vision_block_and_decoder_layer_of_either_architecture(any_vlm):
+    """fsdp2's units are the classes the model lists as `_no_split_modules`: Qwen2-VL's and Qwen2.5-VL's vision
+    blocks (window-attention and full-attention ones alike) and decoder layers, 2 of each in the tiny models."""
+    from grpo_cli.train.backends.fsdp2 import decoder_layers
+
+    model = load_vlm(any_vlm)
+    units = [type(m).__name__ for m in decoder_layers(model)]
+    prefix = "Qwen2_5_VL" if model.config.model_type == "qwen2_5_vl" else "Qwen2VL"
+    assert sorted(units) == sorted([f"{prefix}DecoderLayer"] * 2 + [f"{prefix}VisionBlock"] * 2)
