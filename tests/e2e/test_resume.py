@@ -96,9 +96,12 @@ CASES = [("tiny-cpu", signal.SIGKILL), ("tiny-cpu", signal.SIGINT), ("tiny-cpu",
          ("tiny-cpu-async", signal.SIGKILL), ("tiny-cpu-async", signal.SIGINT),
          ("fsdp2", signal.SIGKILL), ("zero3", signal.SIGKILL), ("megatron", signal.SIGKILL),
          ("tiny-cpu-lora", signal.SIGKILL), ("fsdp2-lora", signal.SIGKILL)]
-EXTENDED = {("tiny-cpu-async", signal.SIGINT), ("fsdp2", signal.SIGKILL)}
+EXTENDED = {("tiny-cpu-async", signal.SIGINT), ("fsdp2", signal.SIGKILL), ("megatron", signal.SIGKILL)}
 """Left out of the default run (CI time; `pytest -m extended`): SIGINT's save path runs in sync mode, async resume
-under SIGKILL, and fsdp2's sharded resume in the fsdp2-lora case."""
+under SIGKILL, and fsdp2's sharded resume in the fsdp2-lora case. Megatron (58 s): `grpo train` resuming from its
+dist_checkpointing shards, the hf engine re-synced from them, bit for bit, runs in
+tests/train/test_megatron_run.py::test_resumed_run_equals_the_uninterrupted_one, `save_state`/`load_state` in every
+layout in tests/train/test_megatron.py, and the SIGKILL of a 2-process launch tree in the zero3 and fsdp2-lora cases."""
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ after every step and verified against the backend's own logprobs. hf engine: its
 parallel 2); vLLM colocated (pipeline parallel 2), which also reads 4 small tensors back for exact equality; a
 `grpo serve-rollout` server (its weights pushed over HTTP and probed after every sync); async mode (a Ray rollout actor
 one step ahead, synced from the same gather). A run stopped after step 2 and resumed ends where the uninterrupted one
-does (the SIGKILL case is in tests/e2e/test_resume.py)."""
+does (the SIGKILL case is in tests/e2e/test_resume.py, extended)."""
 
 from __future__ import annotations
 
