@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.train.backends.activations import enable_checkpointing
+from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
 from grpo_cli.train.backends.hf_io import load_full_weights, load_hf_model, save_hf_folder
 from grpo_cli.train.backends.cpu_linear import use_onednn_linear
@@ -30,6 +31,8 @@ class DDPBackend(TrainingBackend):
             self.ref_model = ref.eval().requires_grad_(False)
         use_onednn_linear(cfg.model.cpu_linear, self.device, self.module, self.ref_model)
         self.model = self.module
+        if self.device.type == "cpu":
+            return_large_frees_to_os()
         if self.info.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
