@@ -1,6 +1,8 @@
-"""The step's gradients are freed once the optimizer has stepped (`loop.train_phase`), so they do not sit beside the
-next generation: at Qwen's vocabulary an untied embedding's and head's gradients are 0.3 GB in float32, and with
-them alive the hf engine's generation was the run's peak (issue 37)."""
+"""Host memory of a CPU training step (issue 37, at Qwen's 151,936-token vocabulary): the step's gradients are freed
+once the optimizer has stepped (`loop.train_phase`), so they do not sit beside the next generation (an untied
+embedding's and head's are 0.3 GB in float32, and with them alive the hf engine's generation was the run's peak);
+ddp on CPU fixes glibc's mmap threshold (`backends/cpu_heap.py`) so the decode's and the head's large buffers go
+back to the OS when freed."""
 
 from __future__ import annotations
 
@@ -14,11 +16,17 @@ from grpo_cli.train.loop import LoopState, Trainer, train_phase
 from grpo_cli.train.policy import load_policy
 
 
-def test_train_phase_steps_then_frees_the_gradients(tiny_checkpoint):
+def test_train_phase_steps_then_frees_the_gradients(tiny_checkpoint, monkeypatch):
+    import grpo_cli.train.backends.ddp as ddp
+
+    tuned = []
+    monkeypatch.setattr(ddp, "return_large_frees_to_os", lambda real=ddp.return_large_frees_to_os: tuned.append(
+        real()))
     cfg = build_config("tiny-cpu", overrides=[f"model.name_or_path={tiny_checkpoint}", "train.prompts_per_step=1",
                                               "train.generations_per_prompt=2", "train.micro_batch_size=2",
                                               "train.learning_rate=1e-2"])
     policy = load_policy(cfg, tiny_checkpoint, device=torch.device("cpu"))
+    assert tuned == [True]  # glibc took the thresholds
     rollout = RolloutBatch(prompt_ids=[[5, 6, 7]], completion_ids=[[8, 9, 10], [11, 12]],
                            finish_reasons=["stop", "stop"])
     batch = build_batch(rollout, group_size=2, pad_token_id=policy.tokenizer.pad_token_id)
