@@ -162,9 +162,6 @@ def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, f
                         f"{exc} at step {state.step} ({state.nonfinite_streak} in a row); stopping. Lower "
                         "train.learning_rate or check the reward scale; the last checkpoint is intact."
                     ) from exc
-        # the step's gradients are spent: freed now rather than at the next step's first backward, so they do not
-        # sit beside the next generation (at Qwen's vocabulary the embedding's and head's are 0.3 GB in float32)
-        tr.policy.backend.zero_grad()
     out["train/skipped_steps"] = float(state.skipped_steps)
     return out
 
