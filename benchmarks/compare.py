@@ -328,6 +328,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--repeats", type=int, default=2, help="A B rounds")
     ap.add_argument("--vllm", action="store_true", help="also run grpo-cli with the vLLM engine")
+    ap.add_argument("--no-trl", action="store_true",
+                    help="grpo-cli only (no TRL run, no ratios): e.g. its peak RSS at two vocabularies")
     ap.add_argument("--no-scaling", action="store_true")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
@@ -347,7 +349,10 @@ def main() -> None:
                 gradient_checkpointing=a.gradient_checkpointing)
     variants = {f"grpo-hf:{v.split(':', 1)[0]}": v.split(":", 1)[1].split(",") for v in a.variant}
     trl_variants = {f"trl:{v.split(':', 1)[0]}": v.split(":", 1)[1].split(",") for v in a.trl_variant}
-    systems = ["grpo-hf", *variants, "trl", *trl_variants] + (["grpo-vllm"] if a.vllm else [])
+    if a.no_trl and trl_variants:
+        ap.error("--trl-variant needs the TRL run: drop --no-trl")
+    systems = ["grpo-hf", *variants, *([] if a.no_trl else ["trl"]), *trl_variants] + (["grpo-vllm"] if a.vllm
+                                                                                       else [])
     print(f"checkpoint {ckpt} ({params / 1e6:.1f}M params); settings {base}", flush=True)
     raw: dict[str, list] = {k: [] for k in systems}
     for rnd in range(a.repeats):
@@ -377,7 +382,7 @@ def main() -> None:
                     + [f"{m['phases'][p]:.3f}" if p in m["phases"] else "-" for p in phase_names])
     table = fmt_table(rows)
     ratios = {}
-    if "error" not in summary["grpo-hf"] and "error" not in summary["trl"]:
+    if "error" not in summary["grpo-hf"] and "error" not in summary.get("trl", {"error": "not run"}):
         g, t = summary["grpo-hf"], summary["trl"]
         ratios = {"throughput_grpo_hf_over_trl": t["step_s"] / g["step_s"],
                   "tokens_per_s_grpo_hf_over_trl": g["tokens_per_s"] / t["tokens_per_s"],

@@ -43,17 +43,23 @@ def required_gpus(cfg: GRPOConfig) -> int:
 
 
 def batch_plan(cfg: GRPOConfig) -> dict[str, int]:
+    """The step's batch layout. Under `train.micro_batch_tokens` the micro-batches are cut by the budget, not by
+    `micro_batch_size`: the row counts are those of the worst case, every row of the longest sequence (budget //
+    longest rows a micro-batch, as many micro-batches as that takes)."""
     t, d = cfg.train, cfg.distributed
     world = d.num_processes * d.num_machines
     per_rank = t.prompts_per_step // world * t.generations_per_prompt
+    micro = t.micro_batch_size
+    if t.micro_batch_tokens is not None:
+        micro = max(1, min(per_rank, t.micro_batch_tokens // cfg.max_sequence_length))
     return {
         "processes": world, "prompts_per_step": t.prompts_per_step,
         "generations_per_prompt": t.generations_per_prompt,
         "sequences_per_step": t.prompts_per_step * t.generations_per_prompt,
         "prompts_per_process": t.prompts_per_step // world,
         "sequences_per_process": per_rank,
-        "micro_batch_size": t.micro_batch_size,
-        "gradient_accumulation": per_rank // t.micro_batch_size,
+        "micro_batch_size": micro,
+        "gradient_accumulation": -(-per_rank // micro),
         "optimizer_steps_per_step": cfg.algorithm.num_iterations,
         "max_sequence_length": cfg.max_sequence_length,
     }
@@ -341,7 +347,7 @@ def _gpu_notes(cfg: GRPOConfig) -> dict[str, str]:
                 "gradients": "float32 Megatron DDP buffers, same split as the weights",
                 "optimizer": f"fp32 master + Adam moments, {opt}",
                 "activations": f"per stage: layers/pp x min(pp, micro-batches) in flight, /tp; recompute "
-                               f"{d.megatron.recompute}; + float32 logits/tp",
+                               f"{d.megatron.recompute}; + one chunk of the head's float32 logits/tp",
                 "hf_engine_copy": "the hf engine's own whole model on every rank (rollout.dtype); vLLM splits "
                                   "it by its TP"}
     notes = {"hf_generation_copy": "the hf engine decodes a copy of the weights in model.dtype, refreshed each step"}

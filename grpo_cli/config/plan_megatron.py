@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from grpo_cli.algo.chunk_size import CHUNK_BUFFERS, rows_per_chunk
 from grpo_cli.config.model_shape import QWEN_VOCAB, ModelShape
 
 if TYPE_CHECKING:
@@ -66,7 +67,10 @@ def megatron_activation_bytes(cfg: GRPOConfig, shape: ModelShape, plan: dict[str
         recompute full:              2·s·b·h per layer (÷t with sequence_parallel) + one layer's activations
         in flight:                   L/p layers × min(p, micro-batches per step) micro-batches (1F1B: the first stage
                                      holds p micro-batches before its first backward)
-        + logits:                    s·b·vocab·4/t (float32 log-softmax over the vocabulary shard)
+        + logits:                    one chunk of the chunked head (`algo.chunk_size`): min(s·b, rows) positions
+                                     × vocab/t × 4 bytes × CHUNK_BUFFERS, rows = CHUNK_ELEMENTS // (vocab/t) (the
+                                     head projects a chunk of positions at a time; the (s·b, vocab/t) logits are
+                                     never whole)
 
     Approximated: a MoE layer's expert MLPs (top-k tokens through k small experts) are counted like a dense MLP;
     the interleaved schedule's extra (1 + (p−1)/(p·virtual_pipeline)) on the first stage is left out."""
@@ -83,4 +87,5 @@ def megatron_activation_bytes(cfg: GRPOConfig, shape: ModelShape, plan: dict[str
     else:
         stored = layers * in_flight * per_layer
     scale = BYTES[cfg.model.dtype] / 2
-    return stored * scale + s * b * (shape.vocab or QWEN_VOCAB) * 4 / t
+    shard = -(-(shape.vocab or QWEN_VOCAB) // t)
+    return stored * scale + min(s * b, rows_per_chunk(shard)) * shard * 4 * CHUNK_BUFFERS

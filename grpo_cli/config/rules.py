@@ -22,14 +22,14 @@ def _check_batch(cfg: GRPOConfig) -> None:
             f"so prompt groups cannot be split evenly; use a multiple of {world}, e.g. {valid}."
         )
     per_rank = t.prompts_per_step // world * t.generations_per_prompt
-    if per_rank % t.micro_batch_size:
+    if t.micro_batch_tokens is not None:  # the budget cuts the micro-batches: micro_batch_size divides nothing
+        _check_token_budget(cfg)
+    elif per_rank % t.micro_batch_size:
         raise ValueError(
             f"train.micro_batch_size={t.micro_batch_size} does not divide the {per_rank} sequences each process "
             f"trains per step (prompts_per_step/processes x generations_per_prompt); valid values: "
             f"{divisors(per_rank)}."
         )
-    if t.micro_batch_tokens is not None:
-        _check_token_budget(cfg)
 
 
 def _check_token_budget(cfg: GRPOConfig) -> None:

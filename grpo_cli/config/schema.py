@@ -114,7 +114,8 @@ class TrainConfig(Section):
     generations_per_prompt: int = Field(8, ge=2)
     """Completions sampled per prompt (the group size G); at least 2."""
     micro_batch_size: int = Field(8, ge=1)
-    """Sequences per forward/backward pass on one process; gradient accumulation covers the rest."""
+    """Sequences per forward/backward pass on one process; gradient accumulation covers the rest. Must divide the
+    sequences each process trains per step; not used (nor checked) when `micro_batch_tokens` is set."""
     micro_batch_tokens: int | None = Field(None, ge=1)
     """Cut micro-batches by positions instead of `micro_batch_size`: each process sorts its rows by length and
     groups them so that rows × (longest prompt + longest completion) of a micro-batch stays within this many

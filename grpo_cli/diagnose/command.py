@@ -100,7 +100,7 @@ def sample(cfg: GRPOConfig, *, num_prompts: int, engine=None) -> tuple[Sample, o
     batch = build_batch(rollout, group_size=g, pad_token_id=tokenizer.pad_token_id,
                         vision=vision_of(prompts)).to(device)
     train = batch_logprobs(model, batch, micro_batch_size=cfg.train.micro_batch_size,
-                           temperature=cfg.rollout.temperature)
+                           temperature=cfg.rollout.temperature, micro_batch_tokens=cfg.train.micro_batch_tokens)
     smp = Sample(rollout.prompt_ids, rollout.completion_ids, g, train.float().cpu(),
                  batch.sampler_logprobs.float().cpu(), batch.completion_mask.cpu() != 0)
     setup = dict(

@@ -153,9 +153,10 @@ def test_preset_memory_by_hand():
     assert mem["weights"] / GIB == pytest.approx(9.62, abs=0.01) and mem["optimizer"] / GIB == pytest.approx(42.65,
                                                                                                             abs=0.01)
     # activations: selective recompute, no sequence parallel, t = 1 → s·b·h·(10 + 24/t) per layer, 48 layers, 1
-    # micro-batch in flight (pp 1), plus the float32 logits over the whole vocabulary
+    # micro-batch in flight (pp 1), plus one chunk of the chunked head, not the whole (2560, 151936) float32 logits
+    # (1.56 GB): 2**24 // 151,936 = 110 positions × 151,936 × 4 bytes × 3 buffers (logits, exp, gradient) = 0.2 GB
     seq = 512 + 2048
-    act = 48 * seq * 2048 * 34 + seq * 151_936 * 4
+    act = 48 * seq * 2048 * 34 + 110 * 151_936 * 4 * 3
     assert mem["activations"] == pytest.approx(act)
     none = memory_plan(build_config("qwen3-30b-a3b-megatron", overrides=["distributed.megatron.recompute=none"]),
                        141 * GIB)

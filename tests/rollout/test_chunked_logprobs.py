@@ -218,9 +218,11 @@ def forward_backward_peak(vocab: int, ids, mask) -> int:
 @pytest.mark.parametrize("module_call", [False, True])
 def test_peak_memory_does_not_grow_with_the_vocabulary_beyond_one_chunk(monkeypatch, module_call):
     """192 completion positions, vocabulary 1,024 → 16,384: the full-logits path's peak grows by several whole
-    (B, T, V) float32 tensors (measured ~86 MB, each 12 MB); the chunked path's (hand-written backward, or the
-    layer's forward under checkpointing) by no more than the gradients of the vocabulary-sized parameters
-    (embedding and head, 2 MB each) and a few chunks of 32 positions (2 MB each)."""
+    (B, T, V) float32 tensors (measured ~86 MB, each 12 MB); the chunked path's by no more than the gradients of
+    the vocabulary-sized parameters (embedding and head, 2 MB each) and a few chunks of 32 positions (2 MB each).
+    The hand-written backward adds every chunk's head gradient into one buffer: its growth stays within the two
+    gradients and one chunk (measured 0.6 chunk over them; 1.4 when each chunk returned its own (V, H) gradient
+    for autograd to add up, one head gradient more)."""
     small_vocab, large_vocab, rows = 1024, 16384, 32
     spy_on_weight(monkeypatch, module_call=module_call)
     monkeypatch.setattr(scoring, "MIN_SAVING", 2.0)  # plain rows: the same positions at both sizes
@@ -230,7 +232,7 @@ def test_peak_memory_does_not_grow_with_the_vocabulary_beyond_one_chunk(monkeypa
     small, large = (forward_backward_peak(v, ids, mask) for v in (small_vocab, large_vocab))
     grown = large_vocab - small_vocab
     gradients, chunk = 2 * grown * 32 * 4, rows * large_vocab * 4
-    assert large - small <= 2 * gradients + 8 * chunk, (small, large)
+    assert large - small <= (2 * gradients + 8 * chunk if module_call else gradients + chunk), (small, large)
     with monkeypatch.context() as m:
         full_logits_path(m)
         full_small, full_large = (forward_backward_peak(v, ids, mask) for v in (small_vocab, large_vocab))

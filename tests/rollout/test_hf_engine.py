@@ -120,3 +120,19 @@ def test_sampled_tokens_are_never_filtered_and_logprobs_are_log_softmax():
     tokens, logprobs = sample_tokens(scores, torch.Generator().manual_seed(0))
     assert torch.isfinite(scores.gather(1, tokens[:, None])).all()
     assert torch.allclose(logprobs, torch.log_softmax(scores, -1).gather(1, tokens[:, None]).squeeze(1))
+
+
+def test_the_draw_is_argmax_of_scores_minus_log_minus_log_noise_and_leaves_its_inputs():
+    """`pick_tokens` computes the Gumbel perturbation in place (one (B, V) temporary): the same tokens as the
+    out-of-place formula, on ties too, and neither the scores nor the noise (the static step's reused buffer)
+    change."""
+    from grpo_cli.rollout.hf.sampling import pick_tokens
+
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(64, 300, generator=g)
+    scores[:, 7] = float("-inf")
+    noise = torch.rand(64, 300, generator=g)
+    saved = scores.clone(), noise.clone()
+    tokens, _ = pick_tokens(scores, noise)
+    assert torch.equal(tokens, (scores - noise.log().neg().log()).argmax(-1))
+    assert torch.equal(scores, saved[0]) and torch.equal(noise, saved[1])

@@ -154,6 +154,19 @@ def test_rules(overrides, match):
         build_config(overrides=[*BASE, *overrides])
 
 
+def test_micro_batch_size_is_not_checked_under_a_budget():
+    """The budget cuts the micro-batches, so a micro_batch_size that divides nothing is no error there (it still is
+    without the budget); the plan's rows are the budget's worst case: 64 // 28 = 2 rows of the longest sequence,
+    4 micro-batches for the 8 sequences."""
+    from grpo_cli.config.plan import batch_plan
+
+    with pytest.raises(ConfigError, match="micro_batch_size=3 does not divide"):
+        build_config(overrides=[*BASE, "train.micro_batch_size=3"])
+    cfg = build_config(overrides=[*BASE, "train.micro_batch_size=3", "train.micro_batch_tokens=64"])
+    plan = batch_plan(cfg)
+    assert (plan["micro_batch_size"], plan["gradient_accumulation"]) == (2, 4)
+
+
 def test_the_cli_refuses_a_budget_below_the_longest_sequence():
     args = [a for s in [*BASE, "train.micro_batch_tokens=10"] for a in ("--set", s)]
     result = CliRunner().invoke(app, ["train", *args, "--dry-run"])

@@ -46,6 +46,8 @@ def pick_tokens(scores: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor
     Gumbel-max: token_b = argmax_v (scores_bv − log(−log u_bv)) for u = `noise` ~ Uniform(0, 1), which is
     distributed as softmax(scores_b) (−inf scores are never drawn). Same law as `torch.multinomial`, whose CPU
     draw (an exponential per entry) took 0.27 ms of a 4.7 ms decode step at 128 rows x 101 tokens."""
-    tokens = (scores - noise.log().neg().log()).argmax(dim=-1, keepdim=True)
+    # scores − log(−log u) with one (B, V) temporary (in place; (−x) + s is s − x exactly): at a 151,936-token
+    # vocabulary each (B, V) float32 buffer of a 32-row decode step is 19 MB
+    tokens = noise.log().neg_().log_().neg_().add_(scores).argmax(dim=-1, keepdim=True)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return tokens.squeeze(1), (scores.gather(-1, tokens) - lse).squeeze(1)
