@@ -10,7 +10,8 @@ import typer
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import dump_config
-from grpo_cli.config.plan import render_plan, required_gpus
+from grpo_cli.config.plan import required_gpus
+from grpo_cli.config.plan_render import render_plan
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.config.deepspeed import deepspeed_json
 from grpo_cli.launch.command import launch_command

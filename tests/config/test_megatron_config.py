@@ -192,7 +192,7 @@ def test_pipeline_activations_in_flight():
 
 
 def test_plan_renders_megatron_notes():
-    from grpo_cli.config.plan import render_plan
+    from grpo_cli.config.plan_render import render_plan
 
     text = render_plan(build_config("qwen3-30b-a3b-megatron"), gpu_mem=80 * GIB)
     assert "backend megatron" in text and "experts 1/(ep 8 x etp 1 x pp 1)" in text

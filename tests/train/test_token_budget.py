@@ -177,7 +177,8 @@ def test_the_cli_refuses_a_budget_below_the_longest_sequence():
 def test_plan_sizes_the_budget():
     """The activations row counts the budget's positions; the largest budget that fits is the last multiple of 256
     positions whose peak fits `--gpu-mem` less the headroom."""
-    from grpo_cli.config.plan import GPU_HEADROOM, GIB, memory_plan, peak_bytes, render_plan
+    from grpo_cli.config.plan import GPU_HEADROOM, GIB, memory_plan, peak_bytes
+    from grpo_cli.config.plan_render import render_plan
     from grpo_cli.config.plan_tokens import GRANULE, activation_bytes_per_position
     from grpo_cli.config.model_shape import model_shape
 
