@@ -12,7 +12,7 @@ CHUNK_BUFFERS = 3
 and the `p == 0` mask / the gradient written over the logits."""
 
 
-def rows_per_chunk(vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
-    """Positions per chunk for a vocabulary (or vocabulary shard) of `vocab` entries: elements // vocab, at least
-    1."""
+def rows_per_chunk(vocab: int, elements: int) -> int:
+    """Positions per chunk for a vocabulary (or vocabulary shard) of `vocab` entries and `elements` logits per chunk
+    (`CHUNK_ELEMENTS` in the trainer): elements // vocab, at least 1."""
     return max(1, elements // max(1, vocab))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grpo_cli.algo.chunk_size import CHUNK_BUFFERS, rows_per_chunk
+from grpo_cli.algo.chunk_size import CHUNK_BUFFERS, CHUNK_ELEMENTS, rows_per_chunk
 from grpo_cli.config.model_shape import QWEN_VOCAB, ModelShape
 
 if TYPE_CHECKING:
@@ -88,4 +88,4 @@ def megatron_activation_bytes(cfg: GRPOConfig, shape: ModelShape, plan: dict[str
         stored = layers * in_flight * per_layer
     scale = BYTES[cfg.model.dtype] / 2
     shard = -(-(shape.vocab or QWEN_VOCAB) // t)
-    return stored * scale + min(s * b, rows_per_chunk(shard)) * shard * 4 * CHUNK_BUFFERS
+    return stored * scale + min(s * b, rows_per_chunk(shard, CHUNK_ELEMENTS)) * shard * 4 * CHUNK_BUFFERS
