@@ -39,13 +39,14 @@ def test_evaluation_after_the_sync_keeps_the_weights_at_level_2(policy, monkeypa
     """Step k: rollout (sleep 2) → sync → evaluation (through the real evaluation hook) → step k+1's rollout.
     Level 2 after the evaluation would discard the synced weights and the next rollout would raise."""
     from grpo_cli.config.load import build_config
+    from grpo_cli.data.prompts import Prompt
     from grpo_cli.train import evaluation as runner
     from grpo_cli.runtime.dist import DistInfo
     from grpo_cli.train.supervise.timing import PhaseTimer
 
     llm = FakeLLM(copy.deepcopy(policy))
     engine = bare_engine(llm, sleep_level=2)
-    stub = SimpleNamespace(run=lambda generate: generate([SimpleNamespace(ids=p) for p in PROMPTS], SAMPLING) and {})
+    stub = SimpleNamespace(run=lambda generate: generate([Prompt(text="", ids=p, columns={}) for p in PROMPTS], SAMPLING) and {})
     monkeypatch.setattr(runner.Evaluator, "build", classmethod(lambda cls, cfg, **_: stub))
     trainer = SimpleNamespace(cfg=build_config(overrides=["eval.every_steps=1"]), reward_fns=[], dist=DistInfo(),
                               policy=SimpleNamespace(tokenizer=None), engine=engine, offload=None,
