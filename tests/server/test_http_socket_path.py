@@ -153,9 +153,12 @@ def test_socket_path_only_where_no_proxy_or_tls_is_in_the_way(monkeypatch):
     assert wire.usable("http://127.0.0.1:8000", loopback=True)  # httpx ignores proxies for loopback too
 
 
-def test_updates_copy_on_one_thread_and_generation_gets_its_threads_back():
+def test_updates_copy_on_one_thread_and_generation_gets_its_threads_back(monkeypatch):
     from grpo_cli.server.weights import LOAD_THREADS, one_thread
 
+    # an in-process vLLM CPU worker made earlier in this pytest process replaces torch.set_num_threads with a no-op
+    # (vllm/v1/worker/cpu_worker.py, after its thread binding); a `grpo serve-rollout --engine hf` has torch's own
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
     before = torch.get_num_threads()
     assert one_thread(torch.get_num_threads) == LOAD_THREADS == 1
     assert torch.get_num_threads() == before

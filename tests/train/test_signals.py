@@ -10,7 +10,15 @@ import pytest
 from grpo_cli.train.supervise.signals import SignalFlag
 
 
-def test_sighup_twice_is_one_stop_request():
+@pytest.fixture
+def sighup_default():
+    """A terminal's SIGHUP disposition (not `nohup`), whatever an earlier test in this process left behind."""
+    old = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, old)
+
+
+def test_sighup_twice_is_one_stop_request(sighup_default):
     with SignalFlag() as flag:
         os.kill(os.getpid(), signal.SIGHUP)
         os.kill(os.getpid(), signal.SIGHUP)  # the shell forwards the hang-up the kernel already sent
