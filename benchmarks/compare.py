@@ -236,15 +236,19 @@ def machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version(), "versions": vers}
 
 
-def build_checkpoint(size: str, root: Path, vocab: int | None = None) -> tuple[str, int]:
-    """The `size` model at `root` (built once), with `vocab` entries when given (word-level sizes only)."""
+def build_checkpoint(size: str, root: Path, vocab: int | None = None, arch: str | None = None) -> tuple[str, int]:
+    """The `size` model at `root` (built once), with `vocab` entries when given (word-level sizes only), of
+    architecture `arch` when given (`grpo_cli.models.tiny.ARCHITECTURES`) instead of the size's own."""
     from grpo_cli.models.tiny import build_tiny_checkpoint
 
     path = root / (f"bench-{size}-qwen2c" if SIZES[size].get("chars") else f"bench-{size}")
     if vocab is not None:
         path = path.with_name(f"{path.name}-v{vocab}")
+    if arch is not None:
+        path = path.with_name(f"{path.name}-{arch}")
     if not (path / "grpo_cli_tiny.json").exists():
-        build_tiny_checkpoint(path, head_dim=32, vocab_size=vocab, **SIZES[size])
+        shape = {**SIZES[size], **({"arch": arch} if arch else {})}
+        build_tiny_checkpoint(path, head_dim=32, vocab_size=vocab, **shape)
     import torch  # noqa: F401
     from safetensors import safe_open
 

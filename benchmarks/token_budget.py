@@ -6,7 +6,8 @@ uniformly from [T/10, T]. Each variant runs in a fresh subprocess (peak RSS from
 `torch.cuda.max_memory_allocated`) through the real ddp backend on one process: per step, the old-policy logprob
 pass (`batch_logprobs`, as at μ > 1) and one `optimizer_step`; the first step is left out as warm-up. The budget is
 `grpo plan`'s `same_memory_as_rows`: micro_batch_size × (prompt + T) positions, the most one micro-batch of rows can
-hold. Variants alternate (rows, tokens, rows, …) `--repeats` times; the table gives medians.
+hold padded (`--budget` sets another: where rows run packed, one micro-batch of a group's rows holds at most
+prompt + micro_batch_size × T positions). Variants alternate (rows, tokens, rows, …) `--repeats` times; the table gives medians.
 
 Run: `python -m benchmarks.token_budget [--size 5m] [--steps 4] [--repeats 2] [--device cpu]`.
 Results: `benchmarks/results/token_budget.json`.
@@ -54,7 +55,7 @@ def worker(variant: str, s: dict) -> dict:
     from grpo_cli.train.policy import load_policy
     from grpo_cli.train.step import optimizer_step
 
-    budget = s["micro_batch"] * (s["prompt_len"] + s["completion_len"])
+    budget = s.get("budget") or s["micro_batch"] * (s["prompt_len"] + s["completion_len"])
     cfg = build_config(overrides=[
         f"model.name_or_path={s['checkpoint']}", f"distributed.device={s['device']}",
         f"train.prompts_per_step={s['prompts']}", f"train.generations_per_prompt={s['generations']}",
@@ -91,12 +92,16 @@ def main() -> None:
     ap.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     ap.add_argument("--size", default="5m", choices=sorted(SIZES))
+    ap.add_argument("--arch", default=None, help="tiny architecture instead of the size's own (e.g. mistral: "
+                    "sliding-window layers, whose rows never run packed)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--completion-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--budget", type=int, default=None,
+                    help="token budget (default: grpo plan's same_memory_as_rows, micro-batch x longest sequence)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900)
@@ -106,10 +111,11 @@ def main() -> None:
         print(MARK + json.dumps(worker(args.worker, json.loads(args.settings))), flush=True)
         return
     root = Path(os.environ.get("GRPO_BENCH_CACHE", "/tmp/grpo-bench"))
-    checkpoint, params = build_checkpoint(args.size, root)
-    s = {"checkpoint": checkpoint, "device": args.device, "prompts": args.prompts, "generations": args.generations,
+    checkpoint, params = build_checkpoint(args.size, root, arch=args.arch)
+    s = {"checkpoint": checkpoint, "arch": args.arch, "device": args.device, "prompts": args.prompts,
+         "generations": args.generations,
          "prompt_len": args.prompt_len, "completion_len": args.completion_len, "micro_batch": args.micro_batch,
-         "steps": args.steps}
+         "steps": args.steps, "budget": args.budget}
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for _ in range(args.repeats):
         for v in VARIANTS:
@@ -129,7 +135,8 @@ def main() -> None:
         table.append([label, f"{med[v]['train_s']:.3f}", f"{base / med[v]['train_s']:.2f}x",
                       f"{med[v]['peak_rss_mb']:.0f}"]
                      + ([f"{med[v]['peak_cuda_mb']:.0f}"] if args.device == "cuda" else []))
-    print(f"# {args.size} ({params / 1e6:.1f}M params), {args.prompts} x {args.generations} rows, prompt "
+    name = f"{args.size}-{args.arch}" if args.arch else args.size
+    print(f"# {name} ({params / 1e6:.1f}M params), {args.prompts} x {args.generations} rows, prompt "
           f"{args.prompt_len}, completions {max(1, args.completion_len // 10)}-{args.completion_len} tokens; "
           f"{runs['rows'][0]['real_positions']} of {runs['rows'][0]['padded_positions']} positions are tokens")
     print(fmt_table(table))

@@ -2,9 +2,9 @@
 
 The batch is [left-padded prompt | right-padded completion]; the output layer runs a chunk of positions at a
 time (`algo.chunked_logprobs`), so the (B, T, V) logits are never built whole. When the rows share prompts (the G
-completions of a group) or carry much right padding, they run as packed rows (`rollout.packing`): one copy of each
-prompt followed by its completions, a 4D mask keeping completions apart — the same logits in one pass over fewer
-positions.
+completions of a group) or carry much right padding, they run as packed rows (whenever that cuts the estimated cost
+by `MIN_SAVING` and the model allows it: `_packable`): one copy of each prompt followed by its completions, a 4D mask
+keeping completions apart — the same logits in one pass over fewer positions.
 """
 
 from __future__ import annotations
@@ -48,6 +48,13 @@ def _packable(model) -> int | None:
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
         return None
     return getattr(config, "hidden_size", None)
+
+
+def packs_rows(model, vision: VisionInputs | None) -> bool:
+    """Whether `completion_logprobs` may run this model's rows packed (a shared prompt once, no padding between
+    completions): the model allows it (`_packable`) and the rows carry no images. Token-budget micro-batches are cut
+    by the positions the forward runs (`train.batch.micro_batch_rows`)."""
+    return vision is None and _packable(model) is not None
 
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")

@@ -1,6 +1,6 @@
 """Attention over shared-prompt packed rows without the row-wide N × N work.
 
-A packed row is [prompt | c_1 | c_2 | …] (`rollout.packing`), or one row of every group in turn, [prompt₁ | its
+A packed row is [prompt | c_1 | c_2 | …] (`models.packing`), or one row of every group in turn, [prompt₁ | its
 completions | prompt₂ | …]; a completion token attends only to its prompt and to the earlier tokens of its own
 completion. The dense 4D mask makes SDPA compute every row's N × N scores (N = prompt
 + all the group's completions) and throw most of them away. Here the same attention runs as two small batched

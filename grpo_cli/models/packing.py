@@ -41,6 +41,13 @@ def completion_widths(completion_mask: torch.Tensor) -> torch.Tensor:
     return (completion_mask * torch.arange(1, steps + 1, device=completion_mask.device)).amax(dim=1)
 
 
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> list[int]:
+    """(B,) group number of each sequence: sequences whose first `prompt_len` ids and mask entries are equal (the
+    completions of one prompt) share one."""
+    key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
+    return torch.unique(key, dim=0, return_inverse=True)[1].tolist()
+
+
 def _rows(groups: list[list[int]], widths: list[int], prompt_len: int, max_row: int) -> list[list[int]]:
     """Sequences per packed row: each group's sequences in order, a new row when the next would pass max_row."""
     rows = []
@@ -64,10 +71,8 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
     group apart by the layout (`packed_attention`), not by a row-wide mask (`packed_mask` treats every prompt of a
     row as shared)."""
     batch, width = input_ids.shape
-    key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
-    inverse = torch.unique(key, dim=0, return_inverse=True)[1].tolist()
     groups: dict[int, list[int]] = {}
-    for b, g in enumerate(inverse):
+    for b, g in enumerate(prompt_groups(input_ids, attention_mask, prompt_len)):
         groups.setdefault(g, []).append(b)
     widths = completion_widths(attention_mask[:, prompt_len:]).tolist()
 

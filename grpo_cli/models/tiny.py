@@ -100,11 +100,16 @@ def build_tokenizer(path: Path, *, chars: bool = False, tools: bool = False, voc
     return tok
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma", "mistral", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
 """Tiny architectures `build_tiny_checkpoint` can write: Llama untied (the built-in), Qwen2 tied with q/k/v
-biases, Qwen3 tied with q/k norms, Gemma tied with its embedding scale (√hidden) and (1 + w) norms, Qwen3-MoE
+biases, Qwen3 tied with q/k norms, Gemma tied with its embedding scale (√hidden) and (1 + w) norms, Mistral untied
+with sliding-window attention (`SLIDING_WINDOW` positions, shorter than the long sequences of the tests and
+benchmarks, as gpt-oss's 128 and Gemma 3's 512–1024 are at real lengths: its rows never run packed), Qwen3-MoE
 untied with 4 routed experts (top 2) in every layer and no router auxiliary loss, Qwen2-VL and Qwen2.5-VL tied with a
 vision tower (`tiny_vlm.build_tiny_vlm`; the shape arguments other than `seed` do not apply)."""
+
+SLIDING_WINDOW = 64
+"""Attention window of the tiny Mistral (positions)."""
 
 
 def _config(arch: str, *, vocab: int, hidden_size: int, num_layers: int, head_dim: int, eos: int, pad: int):
@@ -127,6 +132,9 @@ def _config(arch: str, *, vocab: int, hidden_size: int, num_layers: int, head_di
         return transformers.Qwen3MoeConfig(**common, num_key_value_heads=kv, tie_word_embeddings=False, num_experts=4,
                                            num_experts_per_tok=2, moe_intermediate_size=hidden_size,
                                            norm_topk_prob=True, router_aux_loss_coef=0.0)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, num_key_value_heads=kv, tie_word_embeddings=False,
+                                          sliding_window=SLIDING_WINDOW)
     if arch == "gemma":
         return transformers.GemmaConfig(**common, num_key_value_heads=kv, tie_word_embeddings=True,
                                         hidden_activation="gelu_pytorch_tanh")

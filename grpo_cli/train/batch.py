@@ -113,7 +113,8 @@ def _row_lengths(attention_mask: torch.Tensor, prompt_len: int) -> tuple[torch.T
 def token_groups(prompt: list[int], width: list[int], budget: int) -> list[list[int]]:
     """Rows grouped longest first so that each group's padded size — rows × (longest prompt + longest completion
     in it) — stays within `budget` positions; a row longer than the budget gets a group of its own. Sorting
-    first keeps rows of like length together, so the padding left after `TrainBatch.select` is small."""
+    first keeps rows of like length together, so the padding left after `TrainBatch.select` is small. For rows
+    that run padded (`models.logprobs.packs_rows` false: sliding-window layers, image rows)."""
     order = sorted(range(len(prompt)), key=lambda b: (-(prompt[b] + width[b]), b))
     groups: list[list[int]] = []
     top_p = top_w = 0
@@ -126,6 +127,40 @@ def token_groups(prompt: list[int], width: list[int], budget: int) -> list[list[
             groups.append([b])
             top_p, top_w = prompt[b], max(1, width[b])
     return groups
+
+
+def packed_token_groups(prompt: list[int], width: list[int], group: list[int], budget: int) -> list[list[int]]:
+    """Rows grouped so that each micro-batch's packed size — (prompts in it) × (its longest prompt) + Σ completion
+    widths, the positions a packed forward runs (`models.packing`: one copy of each prompt, then its completions)
+    — stays within `budget`. `group` numbers the rows, rows sharing a prompt sharing a number. A prompt group goes
+    whole into a micro-batch where it fits, so its prompt is computed once: the groups, costliest first, each into
+    the first micro-batch with room (first-fit decreasing). A group larger than the budget is cut first, its rows
+    longest first, into pieces that fit (each carries a copy of the prompt); a row longer than the budget is a piece
+    of its own."""
+    members: dict[int, list[int]] = {}
+    for b, g in enumerate(group):
+        members.setdefault(g, []).append(b)
+    pieces: list[tuple[int, int, list[int]]] = []  # (prompt, Σ widths, rows); one group's rows each
+    for rows in members.values():
+        piece, total = [], 0
+        for b in sorted(rows, key=lambda b: (-width[b], b)):
+            w = max(1, width[b])
+            if piece and prompt[b] + total + w > budget:
+                pieces.append((prompt[b], total, piece))
+                piece, total = [], 0
+            piece.append(b)
+            total += w
+        pieces.append((prompt[rows[0]], total, piece))
+    bins: list[list] = []  # [prompt pieces, longest prompt, Σ widths, rows]
+    for p, total, rows in sorted(pieces, key=lambda piece: (-(piece[0] + piece[1]), piece[2][0])):
+        for slot in bins:
+            if (slot[0] + 1) * max(slot[1], p) + slot[2] + total <= budget:
+                slot[0], slot[1], slot[2] = slot[0] + 1, max(slot[1], p), slot[2] + total
+                slot[3].extend(rows)
+                break
+        else:
+            bins.append([1, p, total, list(rows)])
+    return [slot[3] for slot in bins]
 
 
 def split_to(groups: list[list[int]], count: int) -> list[list[int]]:
@@ -143,13 +178,22 @@ def split_to(groups: list[list[int]], count: int) -> list[list[int]]:
 
 
 def micro_batch_rows(batch: TrainBatch, *, micro_batch_size: int, micro_batch_tokens: int | None,
-                     agree: Callable[[int], int] | None = None) -> list[list[int]]:
+                     agree: Callable[[int], int] | None = None, packed: bool = False) -> list[list[int]]:
     """The rows of each micro-batch: consecutive runs of `micro_batch_size` rows, or with `micro_batch_tokens` the
-    `token_groups` of that budget, split to `agree(count)` micro-batches (the ranks' largest count) when given."""
+    groups of that budget — `packed_token_groups` when the forward runs rows packed (`packed`:
+    `models.logprobs.packs_rows`), else `token_groups` — split to `agree(count)` micro-batches (the ranks' largest
+    count) when given."""
     if micro_batch_tokens is None:
         return [list(range(i, min(i + micro_batch_size, len(batch)))) for i in range(0, len(batch), micro_batch_size)]
-    prompt, width = _row_lengths(batch.attention_mask, batch.input_ids.shape[1] - batch.num_completion_tokens)
-    groups = token_groups(prompt.tolist(), width.tolist(), micro_batch_tokens)
+    prompt_len = batch.input_ids.shape[1] - batch.num_completion_tokens
+    prompt, width = (t.tolist() for t in _row_lengths(batch.attention_mask, prompt_len))
+    if packed and prompt_len > 0:
+        from grpo_cli.models.packing import prompt_groups
+
+        same = prompt_groups(batch.input_ids, batch.attention_mask, prompt_len)
+        groups = packed_token_groups(prompt, width, same, micro_batch_tokens)
+    else:
+        groups = token_groups(prompt, width, micro_batch_tokens)
     return split_to(groups, agree(len(groups))) if agree is not None else groups
 
 
@@ -186,7 +230,9 @@ def batch_logprobs(model, batch: TrainBatch, *, micro_batch_size: int, temperatu
     if micro_batch_tokens is None:
         return torch.cat([forward_logprobs(model, batch.rows(i, i + micro_batch_size), temperature=temperature)
                           for i in range(0, len(batch), micro_batch_size)])
+    from grpo_cli.models.logprobs import packs_rows
+
     groups = micro_batch_rows(batch, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                              agree=agree)
+                              agree=agree, packed=packs_rows(model, batch.vision))
     parts = [forward_logprobs(model, batch.select(rows), temperature=temperature) for rows in groups]
     return scatter_rows(parts, groups, batch.num_completion_tokens)

@@ -199,3 +199,29 @@ def test_entropy_from_the_same_forward_equals_a_full_softmax(tiny_checkpoint):
     assert (h[~valid] == 0).all() and h.requires_grad
     _, h = completion_logprobs_entropy(model, ids, mask, logits_to_keep=T, temperature=0.8, entropy_grad=False)
     assert not h.requires_grad
+
+
+def test_sliding_window_rows_run_padded_with_the_window(tmp_path, monkeypatch):
+    """A model with sliding-window layers (the tiny Mistral, window `SLIDING_WINDOW`) never runs packed: the window
+    would count packed positions. Its padded rows, longer than the window, get the logprobs of transformers' own
+    eager attention with its sliding mask, which differ from full attention's past the window."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.models.tiny import SLIDING_WINDOW, build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "mistral", arch="mistral")
+    steps = SLIDING_WINDOW + 16
+    ids = torch.randint(6, 60, (4, 8 + steps), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 8 + steps // 2 :] = 0  # a shorter completion: right padding the packing would otherwise remove
+    keep = mask[:, 8:].bool()
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                sliding_window=None)
+    with torch.no_grad():
+        unwindowed = completion_logprobs(full, ids, mask, logits_to_keep=steps, temperature=1.0)
+        calls = spy_on_packing(monkeypatch)
+        fast, ref = (completion_logprobs(load(path, attn), ids, mask, logits_to_keep=steps, temperature=1.0)
+                     for attn in ("grpo_sdpa", "eager"))
+    assert calls == []
+    assert torch.allclose(fast[keep], ref[keep], atol=1e-5)
+    assert not torch.allclose(ref[:, -8:], unwindowed[:, -8:], atol=1e-3)  # the window is in force

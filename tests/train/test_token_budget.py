@@ -14,12 +14,12 @@ from grpo_cli.config.load import ConfigError, build_config
 from grpo_cli.rollout.base import RolloutBatch
 from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.train.backends.base import TrainingBackend
-from grpo_cli.train.batch import build_batch, micro_batch_rows, split_to, token_groups
+from grpo_cli.train.batch import build_batch, micro_batch_rows, packed_token_groups, split_to, token_groups
 from grpo_cli.train.loss import compute_loss
 
 BASE = ["data.max_prompt_length=8", "rollout.max_completion_length=20", "train.prompts_per_step=2",
         "train.generations_per_prompt=4", "train.micro_batch_size=8"]
-BUDGET = 40  # ~2-3 rows of the batch below per micro-batch: several micro-batches of different sizes
+BUDGET = 30  # 1-4 rows of the batch below per micro-batch (padded or packed): micro-batches of different sizes
 
 
 def _model(attn: str = "sdpa"):
@@ -114,7 +114,7 @@ def test_micro_batches_are_cut_to_their_own_padding():
     batch = _batch()
     rows = micro_batch_rows(batch, micro_batch_size=8, micro_batch_tokens=BUDGET)
     assert sorted(r for g in rows for r in g) == list(range(8))
-    assert rows[0] == [0]  # the longest row (3 + 20) first, alone: a second row would pass 40 positions
+    assert rows[0] == [0]  # the longest row (3 + 20) first, alone: a second row would pass 30 positions
     for group in rows:
         mb = batch.select(group)
         widths = (mb.attention_mask[:, -mb.num_completion_tokens:]).sum(1)
@@ -132,6 +132,29 @@ def test_token_groups_and_split_to():
     assert len(groups) == 4 and sorted(r for g in groups for r in g) == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="cannot make 3 micro-batches"):
         split_to([[0], [1]], 3)
+
+
+def test_packed_micro_batches_keep_prompt_groups_whole():
+    """Rows that run packed are cut by packed positions — (prompts) × (longest prompt) + Σ completion widths — so a
+    group stays whole where it fits (its prompt computed once), and is cut only when larger than the budget."""
+    assert packed_token_groups([2, 2, 2, 2], [8, 1, 8, 1], [0, 0, 1, 1], 20) == [[0, 1], [2, 3]]  # 2·2 + 18 > 20
+    assert packed_token_groups([2, 2, 2, 2], [8, 1, 8, 1], [0, 0, 1, 1], 22) == [[0, 1, 2, 3]]
+    assert packed_token_groups([2], [30], [0], 10) == [[0]]  # longer than the budget: alone
+    # a long shared prompt: row by row cuts (`token_groups`) would copy it into every micro-batch
+    prompt, width, group = [256] * 8, [100, 20, 50, 128, 10, 90, 60, 30], [0, 0, 0, 0, 1, 1, 1, 1]
+    assert packed_token_groups(prompt, width, group, 700) == [[3, 0, 2, 1], [5, 6, 7, 4]]
+    # too large for 500: the first group is cut in two pieces (each with a prompt copy); the second goes whole
+    assert packed_token_groups(prompt, width, group, 500) == [[3, 0], [5, 6, 7, 4], [2, 1]]
+    batch = _batch()
+    rows = micro_batch_rows(batch, micro_batch_size=8, micro_batch_tokens=BUDGET, packed=True)
+    assert sorted(r for g in rows for r in g) == list(range(8))
+    prompt_len = batch.input_ids.shape[1] - batch.num_completion_tokens
+    for group in rows:
+        mb = batch.select(group)
+        width = mb.attention_mask[:, -mb.num_completion_tokens:].sum(1)
+        prompts = {tuple(r) for r in batch.input_ids[group, :prompt_len].tolist()}
+        assert len(group) == 1 or len(prompts) * (mb.input_ids.shape[1] - mb.num_completion_tokens) \
+            + int(width.sum()) <= BUDGET
 
 
 def test_ranks_agree_on_the_count():

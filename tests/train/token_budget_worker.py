@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.config.load import build_config
+from grpo_cli.models.logprobs import packs_rows
 from grpo_cli.runtime.dist import all_reduce_sum, init_from_env, shutdown
 from grpo_cli.train.batch import TrainBatch, micro_batch_rows
 from grpo_cli.train.policy import load_policy
@@ -52,8 +53,8 @@ def one_step(ckpt: str, backend: str, info, *overrides: str) -> tuple[dict[str, 
     policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
     batch = batch_for(info.rank, policy.module.config.vocab_size)
     run = policy.backend
-    counts = {"own": len(micro_batch_rows(batch, micro_batch_size=ROWS,
-                                          micro_batch_tokens=cfg.train.micro_batch_tokens)), "run": 0}
+    counts = {"own": len(micro_batch_rows(batch, micro_batch_size=ROWS, micro_batch_tokens=cfg.train.micro_batch_tokens,
+                                          packed=packs_rows(run.model, None))), "run": 0}
     inner = run.accumulation_context
 
     def counted(*, last: bool):

@@ -180,12 +180,12 @@ class TrainingBackend:
         """Forward, `loss_fn` and backward of every micro-batch of `batch` (gradient reduction on the last); returns
         each micro-batch's metrics. Raises `NonFiniteStep` (gradients zeroed) on a non-finite loss. Backends that
         cannot run a micro-batch at a time (pipeline parallel) override the whole of it."""
-        from grpo_cli.models.logprobs import completion_logprobs_entropy
+        from grpo_cli.models.logprobs import completion_logprobs_entropy, packs_rows
         from grpo_cli.train.batch import micro_batch_rows, take
 
         tokens = self.cfg.train.micro_batch_tokens
         groups = micro_batch_rows(batch, micro_batch_size=micro_batch_size, micro_batch_tokens=tokens,
-                                  agree=self.agree_count)
+                                  agree=self.agree_count, packed=packs_rows(self.model, batch.vision))
         out = []
         for k, rows in enumerate(groups):
             mb = take(batch, rows, micro_batch_tokens=tokens)
