@@ -79,8 +79,11 @@ class JudgeConfig(Section):
     token_env: str | None = None
     """An environment variable holding a bearer token sent to the server (e.g. `OPENAI_API_KEY`); null: none."""
     device: str = "cpu"
-    """A local checkpoint: `cpu`, a device name (`cuda:0`) or `auto` (this process's accelerator). It stays there
-    for the whole run (it is not parked while a colocated engine generates, nor counted by `grpo plan`)."""
+    """A local checkpoint: `cpu`, a device name (`cuda:0`) or `auto` (the training device). On an accelerator it is
+    parked in host memory except while it judges when the rollout engine shares the training device (as a reward
+    model: `config.reward_models.parks_reward_models`), and `grpo plan` counts it."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """A local checkpoint: the dtype it loads in; null: the run's compute dtype `model.dtype`."""
 
     @field_validator("prompt")
     @classmethod
@@ -112,7 +115,8 @@ class JudgeConfig(Section):
     def _fields_of_the_target(self) -> JudgeConfig:
         url = is_url(self.judge)
         wrong = [name for name, applies in (("api", url), ("model", url and self.api == "openai"),
-                                            ("tokenizer", url and self.api == "grpo"), ("device", not url))
+                                            ("tokenizer", url and self.api == "grpo"), ("device", not url),
+                                            ("dtype", not url))
                  if name in self.model_fields_set and not applies and getattr(self, name) !=
                  type(self).model_fields[name].default]
         if wrong:

@@ -311,7 +311,7 @@ def host_plan(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, tuple[float, 
         rows["vllm_weights_asleep"] = (mem.get("vllm_weights", 0.0) * local,
                                        "vLLM sleep level 1 keeps its weights in host memory while training")
     if on_cpu := reward_model_bytes(cfg, on_device=False):
-        rows["reward_model"] = (on_cpu * local, "local reward model(s) on the CPU, one copy per process")
+        rows["reward_model"] = (on_cpu * local, "local reward model(s) and judge(s) on the CPU, one copy per process")
     if parks_reward_models(cfg) and mem.get("reward_model"):
         rows["reward_model_parked"] = (mem["reward_model"] * local, "reward model(s) waiting here except while "
                                                                     "scoring (colocated engine; not pinned)")

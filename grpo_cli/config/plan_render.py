@@ -55,7 +55,7 @@ def _render_memory(cfg: GRPOConfig, mem: dict[str, float], gpu_mem: float | None
              f"backend {cfg.distributed.backend})"]
     notes = _gpu_notes(cfg)
     if "reward_model" in mem:
-        notes["reward_model"] = "local reward model(s), one copy per process; " + (
+        notes["reward_model"] = "local reward model(s) and judge(s), one copy per process; " + (
             "on the GPU only while scoring" if parks_reward_models(cfg) else "resident for the whole run")
     lines += [f"  {k:28s} {v / GIB:8.2f} GiB" + (f"   {notes[k]}" if k in notes else "") for k, v in mem.items()]
     peak = peak_bytes(cfg, mem)

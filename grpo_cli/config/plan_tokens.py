@@ -39,7 +39,7 @@ def token_budget_plan(cfg: GRPOConfig, per_position: float, fits) -> dict[str, s
     same = t.micro_batch_size * longest
     rows = {
         "micro_batch_tokens": f"{t.micro_batch_tokens}" if t.micro_batch_tokens else
-        "off (micro-batches of micro_batch_size rows, each padded to its batch's longest)",
+        "off (micro-batches of micro_batch_size rows, counted here padded to the longest sequence)",
         "activations_per_position": f"{per_position / 1024**2:.3f} MiB",
         "activations_per_micro_batch": f"{micro_batch_positions(cfg) * per_position / 1024**3:.2f} GiB "
                                        f"({micro_batch_positions(cfg)} positions at most)",

@@ -22,6 +22,13 @@ def reward_models(cfg: GRPOConfig) -> list[RewardFunctionConfig]:
     return [f for f in cfg.rewards.functions if f.name == REWARD_MODEL and f.kwargs.get("model")]
 
 
+def local_judges(cfg: GRPOConfig) -> list[RewardFunctionConfig]:
+    """The judge entries (`config.judge`) whose judge is a local checkpoint, loaded in the training process."""
+    from grpo_cli.config.judge import JUDGE, is_url
+
+    return [f for f in cfg.rewards.functions if f.name == JUDGE and not is_url(str(f.kwargs.get("judge", "")))]
+
+
 def device_setting(cfg: GRPOConfig, entry: RewardFunctionConfig) -> str:
     """The entry's `device` (default `cpu`); `auto` is the training device, so it reads `distributed.device`."""
     setting = str(entry.kwargs.get("device", "cpu"))
@@ -29,8 +36,9 @@ def device_setting(cfg: GRPOConfig, entry: RewardFunctionConfig) -> str:
 
 
 def reward_model_dtype(cfg: GRPOConfig, entry: RewardFunctionConfig) -> str:
-    """The dtype the reward model is loaded in: its `dtype` kwarg, else the compute dtype `model.dtype`."""
-    return str(entry.kwargs.get("dtype", cfg.model.dtype))
+    """The dtype the reward model (or local judge) is loaded in: its `dtype` kwarg, else the compute dtype
+    `model.dtype`."""
+    return str(entry.kwargs.get("dtype") or cfg.model.dtype)
 
 
 def parks_reward_models(cfg: GRPOConfig) -> bool:
@@ -54,7 +62,9 @@ def reward_model_params(path: str) -> float:
 
 
 def reward_model_bytes(cfg: GRPOConfig, *, on_device: bool) -> float:
-    """Bytes of the local reward models' parameters in their dtype: those on an accelerator (`on_device`), or those
-    on the CPU; each training process loads its own copy."""
-    return sum(reward_model_params(str(f.kwargs["model"])) * BYTES[reward_model_dtype(cfg, f)]
-               for f in reward_models(cfg) if (device_setting(cfg, f) != "cpu") == on_device)
+    """Bytes of the local reward models' and local judges' parameters in their dtype: those on an accelerator
+    (`on_device`), or those on the CPU; each training process loads its own copy."""
+    models = [(reward_model_params(str(f.kwargs["model"])), f) for f in reward_models(cfg)]
+    judges = [(model_shape(str(f.kwargs["judge"])).params, f) for f in local_judges(cfg)]
+    return sum(params * BYTES[reward_model_dtype(cfg, f)] for params, f in models + judges
+               if (device_setting(cfg, f) != "cpu") == on_device)

@@ -19,14 +19,16 @@ class Judge:
     by rendered judge prompt, so a (prompt, completion) repeated within a step — identical samples of a group, or
     again in a dynamic-sampling round — is asked once; `pop_metrics` (once per step) empties the cache."""
 
-    def __init__(self, cfg: JudgeConfig, parser: Callable[[str], float | None], label: str = "judge") -> None:
+    def __init__(self, cfg: JudgeConfig, parser: Callable[[str], float | None], label: str = "judge", *,
+                 park: bool = False) -> None:
+        """`park`: a local judge waits in host memory except while it answers (`rewards.model.placed`)."""
         import jinja2
 
         self.cfg, self.parser, self.label = cfg, parser, label
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
         self.template = env.from_string(Path(cfg.prompt).read_text())
         self.stats = JudgeStats()
-        self.backend = make_backend(cfg, self.stats)
+        self.backend = make_backend(cfg, self.stats, park=park)
         self.cache: dict[str, float] = {}
         self.lock = threading.Lock()
 

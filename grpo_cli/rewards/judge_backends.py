@@ -153,10 +153,11 @@ class GrpoServer(_Http):
 
 
 class LocalCheckpoint(Backend):
-    """A causal LM loaded once (at build time: a wrong path stops the run before training) on `device`, answering
-    batches of `batch_size` left-padded judge prompts with `generate` (greedy at temperature 0)."""
+    """A causal LM loaded once (at build time: a wrong path stops the run before training) in `cfg.dtype` (float32
+    when unset) on `cfg.device`, answering batches of `batch_size` left-padded judge prompts with `generate`
+    (greedy at temperature 0); with `park` it waits in host memory between calls (`rewards.model.placed`)."""
 
-    def __init__(self, cfg: JudgeConfig, stats: JudgeStats) -> None:
+    def __init__(self, cfg: JudgeConfig, stats: JudgeStats, *, park: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -165,27 +166,33 @@ class LocalCheckpoint(Backend):
 
         super().__init__(cfg, stats)
         path = resolve_model_path(cfg.judge)
-        self.device = resolve_rm_device(cfg.device)
+        self.device, self.park = resolve_rm_device(cfg.device), park
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(self.device)
+        dtype = getattr(torch, cfg.dtype or "float32")
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        if not park:
+            self.model.to(self.device)
 
     def _request(self, texts: list[str]) -> list[str]:
         import torch
 
+        from grpo_cli.rewards.model import placed
+
         tok, t = self.tokenizer, self.cfg.temperature
         batch = tok([_as_chat(tok, text) for text in texts], return_tensors="pt", padding=True,
-                    add_special_tokens=False).to(self.device)
-        with torch.no_grad():
+                    add_special_tokens=False)
+        with torch.no_grad(), placed(self.model, self.device, park=self.park):
+            batch = batch.to(next(self.model.parameters()).device)
             out = self.model.generate(**batch, max_new_tokens=self.cfg.max_tokens, pad_token_id=tok.pad_token_id,
                                       **({"do_sample": True, "temperature": t} if t else {"do_sample": False}))
         return tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def make_backend(cfg: JudgeConfig, stats: JudgeStats) -> Backend:
-    """The judge's client: a URL by its `api`, anything else a local checkpoint."""
+def make_backend(cfg: JudgeConfig, stats: JudgeStats, *, park: bool = False) -> Backend:
+    """The judge's client: a URL by its `api`, anything else a local checkpoint (`park`: see `LocalCheckpoint`)."""
     if not is_url(cfg.judge):
-        return LocalCheckpoint(cfg, stats)
+        return LocalCheckpoint(cfg, stats, park=park)
     return OpenAIChat(cfg, stats) if cfg.api == "openai" else GrpoServer(cfg, stats)

@@ -21,7 +21,7 @@ def resolve_rm_device(device: str):
 
 @lru_cache(maxsize=4)
 def _load(path: str, dtype: str = "float32"):
-    """The checkpoint in `dtype`, in host memory (`_placed` puts it on its device), and its tokenizer."""
+    """The checkpoint in `dtype`, in host memory (`placed` puts it on its device), and its tokenizer."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -34,7 +34,7 @@ def _load(path: str, dtype: str = "float32"):
 
 
 @contextlib.contextmanager
-def _placed(net, device, *, park: bool):
+def placed(net, device, *, park: bool):
     """`net` on `device` while it scores; with `park` back in host memory afterwards, its device blocks handed back
     (`accel.empty_cache`) for the colocated rollout engine and the training state. One path on every device: on the
     CPU both moves are no-ops."""
@@ -66,7 +66,7 @@ def score_texts(model: str, texts: list[str], *, batch_size: int, device: str = 
 
     net, tokenizer = _load(model, dtype)
     out: list[float] = []
-    with _placed(net, resolve_rm_device(device), park=park), torch.no_grad():
+    with placed(net, resolve_rm_device(device), park=park), torch.no_grad():
         where = next(net.parameters()).device
         for start in range(0, len(texts), batch_size):
             batch = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,

@@ -96,7 +96,7 @@ def build_reward_fns(functions, *, device=None, dtype: str | None = None, park: 
     """Resolve every `rewards.functions` entry (fails before training starts). A local reward model
     (`reward_model`) is placed as the run says (`_placed_kwargs`); without `device`/`dtype` its own settings stay.
     A judge entry becomes its own `rewards.judge.Judge` (its settings are its state, not call kwargs)."""
-    return [_judge_fn(f, label) if f.name == JUDGE else
+    return [_judge_fn(f, label, device=device, dtype=dtype, park=park) if f.name == JUDGE else
             RewardFn(f.name, resolve(f.name), f.weight,
                      _placed_kwargs(dict(f.kwargs), device=device, dtype=dtype, park=park)
                      if f.name == REWARD_MODEL else dict(f.kwargs), label, f.kind,
@@ -105,19 +105,25 @@ def build_reward_fns(functions, *, device=None, dtype: str | None = None, park: 
             for f, label in zip(functions, metric_labels(functions), strict=True)]
 
 
-def _judge_fn(f, label: str) -> RewardFn:
+def _judge_fn(f, label: str, *, device, dtype: str | None, park: bool) -> RewardFn:
     """A judge entry's `Judge`, its parser a regex or a function imported like a reward function (a wrong name
-    stops the run before training, naming `parse`)."""
-    from grpo_cli.config.judge import JudgeConfig, parse_kind
+    stops the run before training, naming `parse`); a local judge is placed as a reward model is
+    (`_placed_kwargs`: `device: auto` the trainer's device, the compute dtype unless it names one, `park`)."""
+    from grpo_cli.config.judge import JudgeConfig, is_url, parse_kind
     from grpo_cli.rewards.judge import Judge
     from grpo_cli.rewards.judge_parse import regex_parser
 
-    cfg = JudgeConfig.model_validate(f.kwargs)
+    cfg, parks = JudgeConfig.model_validate(f.kwargs), False
+    if not is_url(cfg.judge):
+        placed = _placed_kwargs({"device": cfg.device, **({"dtype": cfg.dtype} if cfg.dtype else {})},
+                                device=device, dtype=dtype, park=park)
+        parks = placed.pop("park")
+        cfg = cfg.model_copy(update=placed)
     try:
         parser = regex_parser(cfg.parse) if parse_kind(cfg.parse) == "regex" else resolve(cfg.parse)
     except RewardError as exc:
         raise RewardError(f"rewards.functions[{label}].parse: {exc}") from None
-    return RewardFn(f.name, Judge(cfg, parser, label), f.weight, {}, label, f.kind)
+    return RewardFn(f.name, Judge(cfg, parser, label, park=parks), f.weight, {}, label, f.kind)
 
 
 def pop_reward_metrics(fns: list[RewardFn]) -> dict[str, float]:
