@@ -10,7 +10,7 @@ import torch
 
 from grpo_cli.train.backends.activations import enable_checkpointing
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
-from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
+from grpo_cli.train.backends.cpu_heap import VOCAB_THRESHOLD, return_large_frees_to_os
 from grpo_cli.train.backends.hf_io import load_full_weights, load_hf_model, save_hf_folder
 from grpo_cli.train.backends.cpu_linear import use_onednn_linear
 from grpo_cli.train.weights.lora import apply_lora, is_peft, load_adapter
@@ -34,7 +34,7 @@ class DDPBackend(TrainingBackend):
         use_onednn_linear(cfg.model.cpu_linear, self.device, self.module, self.ref_model, self.teacher_model)
         self.model = self.module
         if self.device.type == "cpu":
-            return_large_frees_to_os()
+            return_large_frees_to_os(VOCAB_THRESHOLD)
         if self.info.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 

@@ -14,7 +14,7 @@ import torch
 
 from grpo_cli.train.backends.activations import enable_checkpointing
 from grpo_cli.train.backends.base import NonFiniteStep, TrainingBackend, compute_dtype, make_adamw, make_scheduler
-from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
+from grpo_cli.train.backends.cpu_heap import SHARDED_THRESHOLD, return_large_frees_to_os
 from grpo_cli.models.checkpoint_files import weight_files
 from grpo_cli.train.backends.hf_io import check_names, load_hf_model, save_hf_folder
 from grpo_cli.train.checkpoint import CheckpointError
@@ -124,7 +124,7 @@ class DeepSpeedBackend(TrainingBackend):
 
         cfg = self.cfg
         if self.device.type == "cpu":
-            return_large_frees_to_os()
+            return_large_frees_to_os(SHARDED_THRESHOLD)
         # DeepSpeed's own collectives use names torch deprecates; any filter change elsewhere (catch_warnings)
         # re-arms the warning, so unfiltered it repeats on every ZeRO gather (60 KB of output in 3 steps).
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)`"

@@ -14,7 +14,7 @@ from grpo_cli.runtime.accel import is_cuda
 from grpo_cli.runtime.dist import ensure_process_group
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
 from grpo_cli.train.backends.activations import enable_checkpointing
-from grpo_cli.train.backends.cpu_heap import return_large_frees_to_os
+from grpo_cli.train.backends.cpu_heap import SHARDED_THRESHOLD, return_large_frees_to_os
 from grpo_cli.models.checkpoint_files import weight_files
 from grpo_cli.models.vision import freeze_vision
 from grpo_cli.train.backends.hf_io import check_names, save_hf_folder
@@ -172,7 +172,7 @@ class FSDP2Backend(TrainingBackend):
         cfg = self.cfg
         ensure_process_group(self.device, timeout_minutes=cfg.distributed.timeout_minutes)
         if self.device.type == "cpu":
-            return_large_frees_to_os()
+            return_large_frees_to_os(SHARDED_THRESHOLD)
         self.module = self.model = self._sharded(model_path, trainable=True)
         if cfg.algorithm.kl.beta > 0 and cfg.model.lora is None:
             self.ref_model = self._sharded(model_path, trainable=False)
