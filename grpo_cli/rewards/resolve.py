@@ -115,10 +115,10 @@ def _judge_fn(f, label: str, *, device, dtype: str | None, park: bool) -> Reward
 
     cfg, parks = JudgeConfig.model_validate(f.kwargs), False
     if not is_url(cfg.judge):
-        placed = _placed_kwargs({"device": cfg.device, **({"dtype": cfg.dtype} if cfg.dtype else {})},
-                                device=device, dtype=dtype, park=park)
-        parks = placed.pop("park")
-        cfg = cfg.model_copy(update=placed)
+        where = _placed_kwargs({"device": cfg.device, **({"dtype": cfg.dtype} if cfg.dtype else {})},
+                               device=device, dtype=dtype, park=park)
+        parks = where.pop("park")
+        cfg = cfg.model_copy(update=where)
     try:
         parser = regex_parser(cfg.parse) if parse_kind(cfg.parse) == "regex" else resolve(cfg.parse)
     except RewardError as exc:
