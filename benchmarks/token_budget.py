@@ -7,9 +7,11 @@ uniformly from [T/10, T]. Each variant runs in a fresh subprocess (peak RSS from
 pass (`batch_logprobs`, as at μ > 1) and one `optimizer_step`; the first step is left out as warm-up. The budget is
 `grpo plan`'s `same_memory_as_rows`: micro_batch_size × (prompt + T) positions, the most one micro-batch of rows can
 hold padded (`--budget` sets another: where rows run packed, one micro-batch of a group's rows holds at most
-prompt + micro_batch_size × T positions). Variants alternate (rows, tokens, rows, …) `--repeats` times; the table gives medians.
+prompt + micro_batch_size × T positions). Variants alternate (rows, tokens, rows, …) `--repeats` times; the table
+gives medians.
 
-Run: `python -m benchmarks.token_budget [--size 5m] [--steps 4] [--repeats 2] [--device cpu]`.
+Run: `python -m benchmarks.token_budget [--size 5m] [--arch mistral] [--budget N] [--steps 4] [--repeats 2]
+[--device cpu]`.
 Results: `benchmarks/results/token_budget.json`.
 """
 

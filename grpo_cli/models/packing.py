@@ -41,11 +41,14 @@ def completion_widths(completion_mask: torch.Tensor) -> torch.Tensor:
     return (completion_mask * torch.arange(1, steps + 1, device=completion_mask.device)).amax(dim=1)
 
 
-def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> list[int]:
-    """(B,) group number of each sequence: sequences whose first `prompt_len` ids and mask entries are equal (the
-    completions of one prompt) share one."""
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> list[list[int]]:
+    """The sequences of each group, groups in the order of their first sequence: sequences whose first `prompt_len`
+    ids and mask entries are equal (the completions of one prompt) form one."""
     key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], dim=1)
-    return torch.unique(key, dim=0, return_inverse=True)[1].tolist()
+    groups: dict[int, list[int]] = {}
+    for b, g in enumerate(torch.unique(key, dim=0, return_inverse=True)[1].tolist()):
+        groups.setdefault(g, []).append(b)
+    return list(groups.values())
 
 
 def _rows(groups: list[list[int]], widths: list[int], prompt_len: int, max_row: int) -> list[list[int]]:
@@ -71,15 +74,13 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
     group apart by the layout (`packed_attention`), not by a row-wide mask (`packed_mask` treats every prompt of a
     row as shared)."""
     batch, width = input_ids.shape
-    groups: dict[int, list[int]] = {}
-    for b, g in enumerate(prompt_groups(input_ids, attention_mask, prompt_len)):
-        groups.setdefault(g, []).append(b)
+    groups = prompt_groups(input_ids, attention_mask, prompt_len)
     widths = completion_widths(attention_mask[:, prompt_len:]).tolist()
 
     if max_row is None:
-        rows = [list(groups.values())]
+        rows = [groups]
     else:
-        rows = [[seqs] for seqs in _rows(list(groups.values()), widths, prompt_len, max_row)]
+        rows = [[seqs] for seqs in _rows(groups, widths, prompt_len, max_row)]
     n = max(sum(prompt_len + sum(widths[b] for b in seqs) for seqs in row) for row in rows)
     src = torch.full((len(rows), n), -1, dtype=torch.long)
     segment = torch.full((len(rows), n), -1, dtype=torch.long)

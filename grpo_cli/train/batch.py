@@ -129,19 +129,16 @@ def token_groups(prompt: list[int], width: list[int], budget: int) -> list[list[
     return groups
 
 
-def packed_token_groups(prompt: list[int], width: list[int], group: list[int], budget: int) -> list[list[int]]:
+def packed_token_groups(prompt: list[int], width: list[int], groups: list[list[int]], budget: int) -> list[list[int]]:
     """Rows grouped so that each micro-batch's packed size — (prompts in it) × (its longest prompt) + Σ completion
     widths, the positions a packed forward runs (`models.packing`: one copy of each prompt, then its completions)
-    — stays within `budget`. `group` numbers the rows, rows sharing a prompt sharing a number. A prompt group goes
+    — stays within `budget`. `groups`: the rows of each prompt group (`models.packing.prompt_groups`). A group goes
     whole into a micro-batch where it fits, so its prompt is computed once: the groups, costliest first, each into
     the first micro-batch with room (first-fit decreasing). A group larger than the budget is cut first, its rows
     longest first, into pieces that fit (each carries a copy of the prompt); a row longer than the budget is a piece
     of its own."""
-    members: dict[int, list[int]] = {}
-    for b, g in enumerate(group):
-        members.setdefault(g, []).append(b)
     pieces: list[tuple[int, int, list[int]]] = []  # (prompt, Σ widths, rows); one group's rows each
-    for rows in members.values():
+    for rows in groups:
         piece, total = [], 0
         for b in sorted(rows, key=lambda b: (-width[b], b)):
             w = max(1, width[b])
@@ -190,8 +187,8 @@ def micro_batch_rows(batch: TrainBatch, *, micro_batch_size: int, micro_batch_to
     if packed and prompt_len > 0:
         from grpo_cli.models.packing import prompt_groups
 
-        same = prompt_groups(batch.input_ids, batch.attention_mask, prompt_len)
-        groups = packed_token_groups(prompt, width, same, micro_batch_tokens)
+        groups = packed_token_groups(prompt, width, prompt_groups(batch.input_ids, batch.attention_mask, prompt_len),
+                                     micro_batch_tokens)
     else:
         groups = token_groups(prompt, width, micro_batch_tokens)
     return split_to(groups, agree(len(groups))) if agree is not None else groups

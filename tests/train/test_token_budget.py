@@ -137,11 +137,11 @@ def test_token_groups_and_split_to():
 def test_packed_micro_batches_keep_prompt_groups_whole():
     """Rows that run packed are cut by packed positions — (prompts) × (longest prompt) + Σ completion widths — so a
     group stays whole where it fits (its prompt computed once), and is cut only when larger than the budget."""
-    assert packed_token_groups([2, 2, 2, 2], [8, 1, 8, 1], [0, 0, 1, 1], 20) == [[0, 1], [2, 3]]  # 2·2 + 18 > 20
-    assert packed_token_groups([2, 2, 2, 2], [8, 1, 8, 1], [0, 0, 1, 1], 22) == [[0, 1, 2, 3]]
-    assert packed_token_groups([2], [30], [0], 10) == [[0]]  # longer than the budget: alone
+    assert packed_token_groups([2, 2, 2, 2], [8, 1, 8, 1], [[0, 1], [2, 3]], 20) == [[0, 1], [2, 3]]  # 2·2 + 18 > 20
+    assert packed_token_groups([2, 2, 2, 2], [8, 1, 8, 1], [[0, 1], [2, 3]], 22) == [[0, 1, 2, 3]]
+    assert packed_token_groups([2], [30], [[0]], 10) == [[0]]  # longer than the budget: alone
     # a long shared prompt: row by row cuts (`token_groups`) would copy it into every micro-batch
-    prompt, width, group = [256] * 8, [100, 20, 50, 128, 10, 90, 60, 30], [0, 0, 0, 0, 1, 1, 1, 1]
+    prompt, width, group = [256] * 8, [100, 20, 50, 128, 10, 90, 60, 30], [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert packed_token_groups(prompt, width, group, 700) == [[3, 0, 2, 1], [5, 6, 7, 4]]
     # too large for 500: the first group is cut in two pieces (each with a prompt copy); the second goes whole
     assert packed_token_groups(prompt, width, group, 500) == [[3, 0], [5, 6, 7, 4], [2, 1]]
