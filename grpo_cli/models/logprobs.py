@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from grpo_cli.algo.chunk_size import chunk_rows
 from grpo_cli.algo.chunked_logprobs import chunked_logprobs
 from grpo_cli.algo.entropy import token_entropy
 from grpo_cli.models.attention import LAYOUT_ATTR
@@ -128,11 +129,13 @@ class _HeadStats(ForwardStandIn):
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.select(hidden)
         rows, cols, width = h.shape
-        # the targets follow the hidden states (FSDP2's root forward moves its inputs to the mesh's device)
+        # the targets follow the hidden states (FSDP2's root forward moves its inputs to the mesh's device), and the
+        # chunk is that device's (`algo.chunk_size`: larger on CUDA, where the head's backward is memory-bound)
         logprobs, entropy = chunked_logprobs(
             h.reshape(rows * cols, width), self.targets.to(h.device).reshape(-1), project=self.project,
-            weight=self._plain_weight(), temperature=self.temperature, vocab=self.vocab,
-            with_entropy=self.with_entropy, entropy_grad=self.entropy_grad)
+            weight=self._plain_weight(), temperature=self.temperature,
+            chunk=chunk_rows(self.vocab, device=h.device.type), with_entropy=self.with_entropy,
+            entropy_grad=self.entropy_grad)
         parts = [logprobs] if entropy is None else [logprobs, entropy]
         # a fresh tensor, not a view: FSDP2 hooks its pre-backward onto the root's outputs
         self.result = torch.stack([part.reshape(rows, cols) for part in parts], dim=-1)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from grpo_cli.algo import chunked_logprobs as chunked
+from grpo_cli.algo.chunk_size import rows_per_chunk
 from grpo_cli.models import logprobs as scoring
 from grpo_cli.models.logprobs import completion_logprobs, completion_logprobs_entropy
 
@@ -52,12 +53,9 @@ def run(model, ids, mask, *, temperature: float, entropy: bool):
 
 def assert_equal_paths(model, ids, mask, monkeypatch, *, temperature=0.7, entropy=True, packed=True):
     monkeypatch.setattr(scoring, "MIN_SAVING", 0.1 if packed else 2.0)
-    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 5 * model.config.vocab_size)  # 5 positions a chunk
-    calls = []
-    real = chunked.chunk_rows
-    monkeypatch.setattr(chunked, "chunk_rows", lambda vocab: calls.append(real(vocab)) or real(vocab))
+    calls = five_positions_a_chunk(monkeypatch)
     fast = run(model, ids, mask, temperature=temperature, entropy=entropy)
-    assert calls and calls[0] == 5  # the chunked path ran, in several chunks
+    assert calls and calls[0] == (model.config.vocab_size, "cpu")  # the chunked path ran, sized for the CPU
     with monkeypatch.context() as m:
         full_logits_path(m)
         ref = run(model, ids, mask, temperature=temperature, entropy=entropy)
@@ -68,6 +66,14 @@ def assert_equal_paths(model, ids, mask, monkeypatch, *, temperature=0.7, entrop
     assert fast[2].keys() == ref[2].keys() and ref[2]
     for name, g in ref[2].items():
         assert (fast[2][name] - g).abs().max() <= 1e-6 * max(1.0, g.abs().max().item()), name
+
+
+def five_positions_a_chunk(monkeypatch) -> list:
+    """The head's chunk lowered to 5 positions (several chunks per pass); returns the (vocab, device) it is asked
+    for."""
+    calls = []
+    monkeypatch.setattr(scoring, "chunk_rows", lambda vocab, *, device: calls.append((vocab, device)) or 5)
+    return calls
 
 
 def load(path: str):
@@ -104,7 +110,7 @@ def test_bf16_autocast_follows_the_full_logits_path(tiny_checkpoint, monkeypatch
     logits under the forward's autocast, so values and gradients agree with the full path to bf16 rounding."""
     model = load(tiny_checkpoint)
     ids, mask = batch(model.config.vocab_size)
-    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 5 * model.config.vocab_size)
+    five_positions_a_chunk(monkeypatch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast = run(model, ids, mask, temperature=0.7, entropy=True)
         with monkeypatch.context() as m:
@@ -171,7 +177,7 @@ def test_a_logit_transform_keeps_the_full_logits_path(tiny_checkpoint, monkeypat
 
 def test_empty_rows_give_empty_results():
     lp, h = chunked.chunked_logprobs(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), project=lambda x: x,
-                                     weight=None, temperature=1.0, vocab=4, with_entropy=True, entropy_grad=False)
+                                     weight=None, temperature=1.0, chunk=4, with_entropy=True, entropy_grad=False)
     assert lp.shape == h.shape == (0,)
 
 
@@ -226,7 +232,7 @@ def test_peak_memory_does_not_grow_with_the_vocabulary_beyond_one_chunk(monkeypa
     small_vocab, large_vocab, rows = 1024, 16384, 32
     spy_on_weight(monkeypatch, module_call=module_call)
     monkeypatch.setattr(scoring, "MIN_SAVING", 2.0)  # plain rows: the same positions at both sizes
-    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", rows * large_vocab)
+    monkeypatch.setattr(scoring, "chunk_rows", lambda vocab, *, device: rows_per_chunk(vocab, rows * large_vocab))
     ids, mask = batch(small_vocab, rows=16, prompt=4)
     mask = torch.ones_like(mask)
     small, large = (forward_backward_peak(v, ids, mask) for v in (small_vocab, large_vocab))

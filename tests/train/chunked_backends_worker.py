@@ -14,7 +14,6 @@ import sys
 
 import torch
 
-from grpo_cli.algo import chunked_logprobs as chunked
 from grpo_cli.config.load import build_config
 from grpo_cli.models import logprobs as scoring
 from grpo_cli.models.logprobs import completion_logprobs_entropy
@@ -64,10 +63,8 @@ def main(ckpt: str, name: str, out: str) -> None:
     mask = torch.ones_like(ids)
     mask[:2, :2] = 0
     mask[3:, -3:] = 0
-    chunked.CHUNK_ELEMENTS = 4 * vocab  # 4 positions a chunk: several chunks per pass
-    rows = []
-    real = chunked.chunk_rows
-    chunked.chunk_rows = lambda v: rows.append(real(v)) or real(v)
+    rows = []  # 4 positions a chunk: several chunks per pass; the device the head asks for is recorded
+    scoring.chunk_rows = lambda v, *, device: rows.append(device) or 4
     plain, real_weight = [], scoring._HeadStats._plain_weight
     scoring._HeadStats._plain_weight = lambda self: plain.append(real_weight(self) is not None) or real_weight(self)
     fast = one_pass(backend, ids, mask)
@@ -77,7 +74,7 @@ def main(ckpt: str, name: str, out: str) -> None:
         ref["grads"] = {n: g - fast["grads"][n] for n, g in ref["grads"].items()}
     scale = {n: max(1.0, float(g.abs().max())) for n, g in ref["grads"].items()}
     report = {
-        "chunk_rows": rows,
+        "chunk_devices": rows,
         "plain_weight": plain,
         "logprobs_diff": float((fast["logprobs"] - ref["logprobs"]).abs().max()),
         "entropy_diff": float((fast["entropy"] - ref["entropy"]).abs().max()),

@@ -51,7 +51,7 @@ def one_rank(monkeypatch):
     monkeypatch.setattr(mpu, "get_tensor_model_parallel_rank", lambda: 0)
     monkeypatch.setattr(mpu, "get_tensor_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(mappings, "reduce_from_tensor_model_parallel_region", lambda x: x)
-    monkeypatch.setattr(L, "chunk_rows", lambda vocab: 3)  # several chunks per micro-batch
+    monkeypatch.setattr(L, "chunk_rows", lambda vocab, *, device: 3)  # several chunks per micro-batch
 
 
 def run(model, aligned, *, chunked: bool, entropy_grad: bool):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from grpo_cli.algo.chunked_logprobs import chunk_rows
+from grpo_cli.algo.chunk_size import chunk_rows
 from grpo_cli.models.packing import completion_widths
 from grpo_cli.models.logprobs import ForwardStandIn
 
@@ -86,8 +86,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
 
 class VocabParallelHead(ForwardStandIn):
     """Stands in for `GPTModel.output_layer`'s forward during one micro-batch's forward: the hidden states at the
-    columns predicting completion tokens go through the layer a chunk of positions at a time (`algo.chunked_logprobs`'
-    chunk size, over this rank's V/tp columns), each chunk reduced by `vocab_parallel_logprobs` and its logits freed;
+    columns predicting completion tokens go through the layer a chunk of positions at a time (`algo.chunk_size`'s
+    chunk for the hidden states' device, over this rank's V/tp columns), each chunk reduced by `vocab_parallel_logprobs` and its logits freed;
     under grad, non-reentrant checkpointing recomputes a chunk's logits in backward (every tensor-parallel rank
     recomputes the same chunks, so the recomputed all-reduces pair up). The model then returns (B, T, 2) = (logprob,
     entropy) instead of (B, S, V/tp) logits. Sequence parallelism (the layer gathers the sequence itself) and
@@ -126,7 +126,7 @@ class VocabParallelHead(ForwardStandIn):
         picked = rows_first.gather(1, at)  # (B, T, H)
         batch, width, size = picked.shape
         flat, targets = picked.reshape(batch * width, size), self.aligned.targets.reshape(-1)
-        step = chunk_rows(self.layer.output_size_per_partition)
+        step = chunk_rows(self.layer.output_size_per_partition, device=flat.device.type)
         parts = []
         for start in range(0, flat.shape[0], step):
             args = (flat[start : start + step], targets[start : start + step], weight)
