@@ -34,3 +34,9 @@ def chunk_rows(vocab: int, *, device: str) -> int:
     """Positions per chunk for a vocabulary (or shard) of `vocab` entries on a device of type `device`: what the
     trainer's chunked heads use (the device their hidden states are on) and `grpo plan` counts (its plan's device)."""
     return rows_per_chunk(vocab, chunk_elements(device))
+
+
+def chunk_bytes(vocab: int, positions: int, *, device: str) -> int:
+    """Bytes of one chunk's float32 buffers (`CHUNK_BUFFERS` of them) for a micro-batch of `positions` positions
+    over a vocabulary (or shard) of `vocab` entries on a device of type `device`: `grpo plan`'s head row."""
+    return min(positions, chunk_rows(vocab, device=device)) * vocab * 4 * CHUNK_BUFFERS

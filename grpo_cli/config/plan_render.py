@@ -40,7 +40,9 @@ def _gpu_notes(cfg: GRPOConfig) -> dict[str, str]:
                                f"{d.megatron.recompute}; + one chunk of the head's float32 logits/tp",
                 "hf_engine_copy": "the hf engine's own whole model on every rank (rollout.dtype); vLLM splits "
                                   "it by its TP"}
-    notes = {"hf_generation_copy": "the hf engine decodes a copy of the weights in model.dtype, refreshed each step"}
+    notes = {"hf_generation_copy": "the hf engine decodes a copy of the weights in model.dtype, refreshed each step",
+             "head_chunk": "one chunk of the output layer's float32 logits (x3 buffers): 2^28 logits on CUDA, 2^24 "
+                           "on the CPU"}
     if d.backend == "deepspeed" and d.deepspeed.offload_optimizer:
         notes["optimizer"] = "on the host (deepspeed.offload_optimizer)"
         if d.deepspeed.zero_stage >= 2:

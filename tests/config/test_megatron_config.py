@@ -154,10 +154,14 @@ def test_preset_memory_by_hand():
                                                                                                             abs=0.01)
     # activations: selective recompute, no sequence parallel, t = 1 → s·b·h·(10 + 24/t) per layer, 48 layers, 1
     # micro-batch in flight (pp 1), plus one chunk of the chunked head, not the whole (2560, 151936) float32 logits
-    # (1.56 GB): 2**24 // 151,936 = 110 positions × 151,936 × 4 bytes × 3 buffers (logits, exp, gradient) = 0.2 GB
+    # (4.7 GB): on CUDA (the preset's device) 2**28 // 151,936 = 1,766 positions × 151,936 × 4 bytes × 3 buffers
+    # (logits, exp, gradient) = 3.2 GB; the same run planned on the CPU: 2**24 // 151,936 = 110 positions, 0.2 GB
     seq = 512 + 2048
-    act = 48 * seq * 2048 * 34 + 110 * 151_936 * 4 * 3
+    layers = 48 * seq * 2048 * 34
+    act = layers + 1766 * 151_936 * 4 * 3
     assert mem["activations"] == pytest.approx(act)
+    cpu = memory_plan(build_config("qwen3-30b-a3b-megatron", overrides=["distributed.device=cpu"]), None)
+    assert cpu["activations"] == pytest.approx(layers + 110 * 151_936 * 4 * 3)
     none = memory_plan(build_config("qwen3-30b-a3b-megatron", overrides=["distributed.megatron.recompute=none"]),
                        141 * GIB)
     # without recompute the s² attention scores stay: + 5·a·s/(h·t) per s·b·h

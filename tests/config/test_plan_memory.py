@@ -129,3 +129,15 @@ def test_hf_generation_copy_is_counted_under_bf16_autocast_only():
     for extra in (["model.master_weights=compute_dtype"], [], ["rollout.engine=vllm"]):
         other = build_config("tiny-cpu", None, (["model.dtype=bfloat16"] if extra else []) + extra)
         assert "hf_generation_copy" not in memory_plan(other, None)
+
+
+@pytest.mark.parametrize(("device", "gpu_mem", "rows"), [
+    ("cuda", None, 1766), ("auto", 80 * GIB, 1766), ("auto", None, 110), ("cpu", 80 * GIB, 110)])
+def test_head_chunk_row_uses_the_plan_devices_chunk(device, gpu_mem, rows):
+    """The chunked output layer's row: one chunk of float32 logits, 3 buffers, sized for the device the plan's
+    processes compute on: a GPU plan (`cuda`, or `auto` sized with --gpu-mem) 2**28 // 151,936 = 1,766 positions of
+    Qwen's vocabulary, a CPU plan 2**24 // 151,936 = 110 (10,240 positions a micro-batch here)."""
+    cfg = build_config("qwen-7b-colocate-tp2", overrides=[f"distributed.device={device}"])
+    assert memory_plan(cfg, gpu_mem)["head_chunk"] == rows * 151_936 * 4 * 3
+    tiny = build_config("tiny-cpu", overrides=["train.micro_batch_size=1"])  # vocabulary 68: every position fits
+    assert memory_plan(tiny, gpu_mem)["head_chunk"] == tiny.max_sequence_length * 68 * 4 * 3
