@@ -155,6 +155,28 @@ def test_lora_with_the_head_in_modules_to_save(tiny_checkpoint, monkeypatch):
     torch.testing.assert_close(base, ref, rtol=0, atol=1e-6)
 
 
+def test_lora_all_linear_runs_the_frozen_head_without_its_gradient(tiny_checkpoint, monkeypatch):
+    """`target_modules: all-linear` leaves `lm_head` a plain frozen `nn.Linear`: it runs the hand-written backward,
+    which computes no (V, H) gradient for it (tests/algo/test_chunked_head.py counts the GEMMs), while the adapters
+    below it get the full-logits path's gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load(tiny_checkpoint), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                            init_lora_weights=False))
+    seen = spy_on_weight(monkeypatch, module_call=False)
+    real = chunked._LinearHead.backward
+    asked = []
+
+    def backward(ctx, *grads):
+        asked.append(ctx.needs_input_grad[:2])
+        return real(ctx, *grads)
+
+    monkeypatch.setattr(chunked._LinearHead, "backward", staticmethod(backward))
+    assert_equal_paths(model, *batch(model.config.vocab_size), monkeypatch)
+    assert seen and all(w is not None and not w.requires_grad for w in seen)  # the plain, frozen head
+    assert asked == [(True, False)]  # ∂/∂h wanted, ∂/∂W not
+
+
 def test_a_logit_transform_keeps_the_full_logits_path(tiny_checkpoint, monkeypatch):
     """A model whose forward changes the head's output (Gemma 2's soft cap, here a patched scale) must not read
     the stand-in's statistics: the result equals the full-logits path of the same model."""
