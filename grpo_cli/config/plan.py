@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from grpo_cli.algo.chunk_size import chunk_bytes
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.model_shape import (  # noqa: F401  (re-exported: `grpo plan`'s callers import them here)
     QWEN_VOCAB, ModelShape, local_model_config, model_shape, num_experts)
 from grpo_cli.config.plan_megatron import (  # noqa: F401
     BYTES, megatron_activation_bytes, megatron_layout, megatron_state_bytes)
 from grpo_cli.config.plan_tokens import activation_bytes_per_position, micro_batch_positions
-from grpo_cli.algo.chunk_size import chunk_bytes
 from grpo_cli.config.distill import local_teacher_params
 from grpo_cli.config.reward_models import parks_reward_models, reward_model_bytes
 from typing import TYPE_CHECKING
