@@ -9,7 +9,6 @@ import math
 import os
 import random
 import time
-from datetime import timedelta
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING
@@ -84,7 +83,8 @@ class VLLMEngine(RolloutEngine):
         self.rank, self.world_size = support.check_launch_env(tensor_parallel_size, distributed)
         # Before any group exists: a group this engine creates (here or in vLLM) is its own to destroy at close.
         self._owns_process_group = not torch.distributed.is_initialized()
-        self.tp_group = self._tp_subgroup(timeout_minutes) if tensor_parallel_size > 1 else None
+        self.tp_group = (support.tp_subgroup(self.device, tensor_parallel_size, self.world_size, timeout_minutes)
+                         if tensor_parallel_size > 1 else None)
         notice = support.sleep_notice(sleep_level)
         self.notices = [notice] if notice else []
         self.sleep_level = 0 if notice else sleep_level
@@ -165,23 +165,6 @@ class VLLMEngine(RolloutEngine):
         )
 
     # ---- process groups -------------------------------------------------------------------------------
-
-    def _tp_subgroup(self, timeout_minutes: float | None):
-        """This rank's group of `tp` consecutive ranks (every rank must create all groups, in the same order).
-        Without a trainer's group, the default group is created as the trainer creates its own
-        (`launch.dist.init_process_group`: gloo on CPU, `cpu:gloo,cuda:nccl` bound to the device on CUDA)."""
-        import torch.distributed as dist
-
-        from grpo_cli.config.schema import DistributedConfig
-        from grpo_cli.runtime.dist import init_process_group
-
-        minutes = DistributedConfig.model_fields["timeout_minutes"].default if timeout_minutes is None else timeout_minutes
-        if not dist.is_initialized():
-            init_process_group(self.device, timeout_minutes=minutes)
-        group, _ = dist.new_subgroups_by_enumeration(  # torch's own default timeout (30 min) otherwise
-            [list(range(k * self.tp, (k + 1) * self.tp)) for k in range(self.world_size // self.tp)],
-            timeout=timedelta(minutes=minutes))
-        return group
 
     def _gather_tp(self, items: list) -> tuple[list, int]:
         """All-gather `items` inside the TP group; returns the concatenation and this rank's offset in it."""

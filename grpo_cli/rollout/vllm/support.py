@@ -58,6 +58,27 @@ def request_seeds(seed: int, origin_rank: int, count: int) -> list[int]:
     return [rng.getrandbits(31) for _ in range(count)]
 
 
+def tp_subgroup(device, tp: int, world_size: int, timeout_minutes: float | None):
+    """This rank's group of `tp` consecutive ranks (every rank must create all groups, in the same order), with
+    `timeout_minutes` (default `distributed.timeout_minutes`'s; torch's own would be 30 minutes). Without a
+    trainer's group, the default group is created as the trainer creates its own (`launch.dist.init_process_group`:
+    gloo on CPU, `cpu:gloo,cuda:nccl` bound to the device on CUDA)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from grpo_cli.config.schema import DistributedConfig
+    from grpo_cli.runtime.dist import init_process_group
+
+    default = DistributedConfig.model_fields["timeout_minutes"].default
+    minutes = default if timeout_minutes is None else timeout_minutes
+    if not dist.is_initialized():
+        init_process_group(device, timeout_minutes=minutes)
+    group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(k * tp, (k + 1) * tp)) for k in range(world_size // tp)], timeout=timedelta(minutes=minutes))
+    return group
+
+
 def request_params(vllm, requests: list[tuple], *, stop_token_ids: list[int] | None) -> list:
     """vLLM's sampling parameters of each request `(prompt, seed, (n, max_tokens, temperature, top_p, top_k))`
     gathered over a TP group, built from the settings of the rank that asked: every rank of the group must schedule
