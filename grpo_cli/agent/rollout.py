@@ -133,8 +133,6 @@ class AgentEngine(EngineWrapper):
         row = {j: j for j in range(len(trajs))}  # trajectory → row of the engine's last output
         for turn in range(1, self.cfg.max_turns):
             active = [j for j, t in enumerate(trajs) if t.pending and t.finish == "stop"]
-            if not active:
-                break
             tick = time.perf_counter()
             flat = [(j, call) for j in active for call in trajs[j].pending]
             results = run_calls([c for _, c in flat], [trajs[j].tools for j, _ in flat],
@@ -149,11 +147,13 @@ class AgentEngine(EngineWrapper):
                 stats["timeouts"] += sum(outcome == "timeout" for _, outcome in mine)
             self._add_results([(trajs[j], mine) for j, mine in per_rollout.items()], budget)
             go = [j for j in active if trajs[j].finish == "stop"]
-            if not go:
+            # The engine's peers (a colocated vLLM TP group) generate together: the turn ends for all of them only
+            # when none goes on; one with nothing left joins the call with no prompts (docs/distributed.md).
+            if not self.engine.agree_any(bool(go)):
                 break
             room = [budget - len(trajs[j].ids) for j in go]
             seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
-            params = SamplingParams(n=1, max_tokens=max(room), temperature=sampling.temperature,
+            params = SamplingParams(n=1, max_tokens=max(room, default=1), temperature=sampling.temperature,
                                     top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
             if resume is not None and self.engine.can_continue():
                 out = resume([row[j] for j in go], [trajs[j].fresh for j in go], params)

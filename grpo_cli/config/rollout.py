@@ -143,7 +143,8 @@ class RolloutConfig(Section):
     neither single turns nor `agent:` cover: called as `fn(engine=, prompt_ids=, sampling=, tokenizer=)`, it returns
     one dict per completion (P × n, group-contiguous) with `ids`, `mask` (1 = trained, 0 = environment) and
     `logprobs` (sampled tokens; 0 elsewhere), optionally `finish_reason`. Every mode: in async mode each Ray
-    actor calls it with its own engine (the module must import there)."""
+    actor calls it with its own engine (the module must import there). Not with a colocated vLLM engine at
+    `vllm.tensor_parallel_size` > 1, whose every call the whole tensor-parallel group must make together."""
     max_staleness: int = Field(1, ge=0)
     """Async mode: how many optimizer steps a batch may lag behind the weights it is trained on: batches for up
     to this many future steps are generated while the current step trains (0 = synchronous, for comparison)."""

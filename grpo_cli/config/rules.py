@@ -270,6 +270,16 @@ def _check_agent(cfg: GRPOConfig) -> None:
             "rollout.custom produces the completions itself, so it does not take agent: (multi-turn tool calls); "
             "call your tools inside the function instead, or drop rollout.custom."
         )
+    tp = cfg.rollout.vllm.tensor_parallel_size
+    if cfg.rollout.custom and cfg.rollout.colocated_vllm and tp > 1:
+        raise ValueError(
+            f"rollout.custom cannot run with rollout.vllm.tensor_parallel_size={tp} in colocate mode: every "
+            f"generate of a tensor-parallel vLLM engine is made by its {tp} processes together, but your function "
+            "runs on each process with that process's own prompts and may call the engine a different number of "
+            "times on each, which leaves one process waiting for the others forever. Set "
+            "rollout.vllm.tensor_parallel_size=1 (each process then has an engine of its own), use `agent:` (its "
+            "turns are agreed across the group), or rollout.mode=server."
+        )
 
 
 def _check_reward_models(cfg: GRPOConfig) -> None:

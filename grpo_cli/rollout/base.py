@@ -140,6 +140,13 @@ class RolloutEngine:
     def bind_prompts(self, prompts) -> None:
         """The dataset rows of the prompts the next `generate` gets (multi-turn environments); default: unused."""
 
+    def agree_any(self, flag: bool) -> bool:
+        """Whether `flag` is true on any process that must make this engine's calls together (a colocated vLLM
+        engine's tensor-parallel group, whose every `generate` gathers the group's prompts): a multi-turn loop asks
+        it before each turn, and a process with nothing left joins the turn with an empty `generate` (it returns an
+        empty batch). Collective over that group; default (an engine no other process calls with): `flag`."""
+        return flag
+
     def probe_when_awake(self, check: Callable[[], dict]) -> bool:
         """Whether the engine runs the sync probe `check` itself at its next wake-up (a sleeping colocated vLLM
         engine), its figures then going to `last_probe`; default False: the caller probes now."""
@@ -252,6 +259,9 @@ class EngineWrapper(RolloutEngine):
 
     def probe_when_awake(self, check: Callable[[], dict]) -> bool:
         return self.engine.probe_when_awake(check)
+
+    def agree_any(self, flag: bool) -> bool:
+        return self.engine.agree_any(flag)
 
     def keeping_weights(self) -> AbstractContextManager[None]:
         return self.engine.keeping_weights()

@@ -140,7 +140,8 @@ def fake_launch(monkeypatch):
     seen: dict = {}
     monkeypatch.setattr(dist, "is_initialized", lambda: "backend" in seen)
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(dist, "new_subgroups_by_enumeration", lambda ranks: (("tp", tuple(map(tuple, ranks))), []))
+    monkeypatch.setattr(dist, "new_subgroups_by_enumeration", lambda ranks, timeout: (
+        seen.setdefault("tp_timeout", timeout) and ("tp", tuple(map(tuple, ranks))), []))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.setdefault("set_device", torch.device(d)))
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.zeros(4, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: None)
@@ -176,6 +177,7 @@ def _from_config_cuda():
 def test_tp_engine_creates_the_group_as_the_trainer_does_and_owns_it(fake_launch, build, backend, device):
     engine = build()
     assert fake_launch["backend"] == backend and fake_launch["timeout"] == timedelta(minutes=45)
+    assert fake_launch["tp_timeout"] == timedelta(minutes=45)  # the TP group's too (torch's default: 30 minutes)
     assert fake_launch.get("device_id") == device and fake_launch.get("set_device") == device
     assert engine.tp_group == ("tp", ((0, 1),))
     assert engine._owns_process_group  # it created the default group, so closing the engine may destroy it

@@ -83,7 +83,8 @@ class VLLMEngine(RolloutEngine):
         self.rank, self.world_size = support.check_launch_env(tensor_parallel_size, distributed)
         # Before any group exists: a group this engine creates (here or in vLLM) is its own to destroy at close.
         self._owns_process_group = not torch.distributed.is_initialized()
-        self.tp_group = self._tp_subgroup(timeout_minutes) if tensor_parallel_size > 1 else None
+        self.tp_group = (support.tp_subgroup(self.device, tensor_parallel_size, self.world_size, timeout_minutes)
+                         if tensor_parallel_size > 1 else None)
         notice = support.sleep_notice(sleep_level)
         self.notices = [notice] if notice else []
         self.sleep_level = 0 if notice else sleep_level
@@ -165,23 +166,6 @@ class VLLMEngine(RolloutEngine):
 
     # ---- process groups -------------------------------------------------------------------------------
 
-    def _tp_subgroup(self, timeout_minutes: float | None):
-        """This rank's group of `tp` consecutive ranks (every rank must create all groups, in the same order).
-        Without a trainer's group, the default group is created as the trainer creates its own
-        (`launch.dist.init_process_group`: gloo on CPU, `cpu:gloo,cuda:nccl` bound to the device on CUDA)."""
-        import torch.distributed as dist
-
-        from grpo_cli.config.schema import DistributedConfig
-        from grpo_cli.runtime.dist import init_process_group
-
-        if not dist.is_initialized():
-            default = DistributedConfig.model_fields["timeout_minutes"].default
-            init_process_group(self.device, timeout_minutes=default if timeout_minutes is None else timeout_minutes)
-        group, _ = dist.new_subgroups_by_enumeration(
-            [list(range(k * self.tp, (k + 1) * self.tp)) for k in range(self.world_size // self.tp)]
-        )
-        return group
-
     def _gather_tp(self, items: list) -> tuple[list, int]:
         """All-gather `items` inside the TP group; returns the concatenation and this rank's offset in it."""
         if self.tp_group is None:
@@ -192,6 +176,10 @@ class VLLMEngine(RolloutEngine):
         dist.all_gather_object(parts, items, group=self.tp_group)
         me = dist.get_rank(group=self.tp_group)
         return [x for part in parts for x in part], sum(len(p) for p in parts[:me])
+
+    def agree_any(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank of this TP group (one all-reduce over it; `flag` itself at TP 1)."""
+        return flag if self.tp_group is None else support.any_in_group(flag, self.tp_group)
 
     # ---- generation -----------------------------------------------------------------------------------
 
@@ -204,6 +192,8 @@ class VLLMEngine(RolloutEngine):
         return random.Random(f"grpo-cli:{self.seed}:{self._calls}").getrandbits(31)
 
     def _run(self, prompts: list[list[int]], params: list) -> list:
+        if not prompts:  # the whole TP group came with nothing (a step with no prompts)
+            return []
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
@@ -215,18 +205,14 @@ class VLLMEngine(RolloutEngine):
             check, self._pending_probe = self._pending_probe, None
             self.last_probe = check()
         seed = sampling.seed if sampling.seed is not None else self._fallback_seed()
-        local = [(list(p), s) for p, s in zip(prompt_ids, support.request_seeds(seed, self.rank, len(prompt_ids)))]
+        # Requests carry their rank's settings (a later agent turn's max_tokens differs per rank; some bring none).
+        ask = (sampling.n, sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k)
+        local = [(list(p), s, ask)
+                 for p, s in zip(prompt_ids, support.request_seeds(seed, self.rank, len(prompt_ids)))]
         everything, offset = self._gather_tp(local)
-        params = [
-            vllm.SamplingParams(
-                n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                top_p=sampling.top_p, top_k=sampling.top_k, seed=seed, logprobs=0, detokenize=False,
-                stop_token_ids=self.eos_token_ids,
-            )
-            for _, seed in everything
-        ]
+        params = support.request_params(vllm, everything, stop_token_ids=self.eos_token_ids)
         try:
-            outputs = self._run([p for p, _ in everything], params)[offset : offset + len(local)]
+            outputs = self._run([p for p, *_ in everything], params)[offset : offset + len(local)]
         except Exception as exc:
             raise RolloutError(f"vLLM generation failed: {type(exc).__name__}: {exc}") from exc
         completions, reasons, logprobs = [], [], []

@@ -58,6 +58,47 @@ def request_seeds(seed: int, origin_rank: int, count: int) -> list[int]:
     return [rng.getrandbits(31) for _ in range(count)]
 
 
+def tp_subgroup(device, tp: int, world_size: int, timeout_minutes: float | None):
+    """This rank's group of `tp` consecutive ranks (every rank must create all groups, in the same order), with
+    `timeout_minutes` (default `distributed.timeout_minutes`'s; torch's own would be 30 minutes). Without a
+    trainer's group, the default group is created as the trainer creates its own (`launch.dist.init_process_group`:
+    gloo on CPU, `cpu:gloo,cuda:nccl` bound to the device on CUDA)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from grpo_cli.config.schema import DistributedConfig
+    from grpo_cli.runtime.dist import init_process_group
+
+    default = DistributedConfig.model_fields["timeout_minutes"].default
+    minutes = default if timeout_minutes is None else timeout_minutes
+    if not dist.is_initialized():
+        init_process_group(device, timeout_minutes=minutes)
+    group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(k * tp, (k + 1) * tp)) for k in range(world_size // tp)], timeout=timedelta(minutes=minutes))
+    return group
+
+
+def request_params(vllm, requests: list[tuple], *, stop_token_ids: list[int] | None) -> list:
+    """vLLM's sampling parameters of each request `(prompt, seed, (n, max_tokens, temperature, top_p, top_k))`
+    gathered over a TP group, built from the settings of the rank that asked: every rank of the group must schedule
+    the same requests alike (a request run to different lengths on two ranks would leave one rank in the model's TP
+    all-reduce alone), so no rank may apply its own `max_tokens` to a peer's request."""
+    return [vllm.SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, logprobs=0, detokenize=False, stop_token_ids=stop_token_ids)
+            for _, seed, (n, max_tokens, temperature, top_p, top_k) in requests]
+
+
+def any_in_group(flag: bool, group) -> bool:
+    """Whether `flag` is true on any rank of `group` (a MAX all-reduce of one CPU integer: gloo, also on CUDA)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([int(bool(flag))])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
 def import_vllm():
     """`vllm`, or a `RolloutError` saying how to install it. Sets the env vars an in-process engine needs."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core: apply_model, reload, no fork
