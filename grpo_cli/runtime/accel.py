@@ -107,13 +107,22 @@ class HostReadback:
         return int(self.host.numpy())  # a host buffer: read through numpy, no aten::item (a device read's op)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host `tensor` bound for `device`, page-locked when that is a CUDA device (a copy from it to the device is
+    then one asynchronous DMA, not a staged copy through a pageable bounce buffer); itself elsewhere or when it is
+    pinned already."""
+    if is_cuda(device) and not tensor.is_pinned():
+        return tensor.pin_memory()
+    return tensor
+
+
+def to_device(tensor: torch.Tensor, device: torch.device, *, non_blocking: bool = False) -> torch.Tensor:
     """`tensor` on `device`: itself when it is there already (CPU runs, shards already on the GPU), else one copy
-    (a host buffer bound for a CUDA collective)."""
+    (a host buffer bound for a CUDA collective; `non_blocking` from pinned host memory: queued on the stream)."""
     device = torch.device(device)
     if tensor.device == device or (device.index is None and tensor.device.type == device.type):
         return tensor
-    return tensor.to(device)
+    return tensor.to(device, non_blocking=non_blocking)
 
 
 def rng_states(device: torch.device) -> dict:
