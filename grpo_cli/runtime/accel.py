@@ -7,8 +7,12 @@ passing a `torch.device("cuda", i)` with the CUDA call patched."""
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
+
+_READERS: list[weakref.WeakMethod] = []
+"""The memory readers `memory_changing` calls (held weakly: a run's timer goes with its run)."""
 
 
 def resolve_device(setting: str, local_rank: int, *, cuda_available: bool | None = None) -> torch.device:
@@ -61,6 +65,34 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
         return {}
     return {"allocated": torch.cuda.max_memory_allocated(device) / 2**20,
             "reserved": torch.cuda.max_memory_reserved(device) / 2**20}
+
+
+def device_in_use_mb(device: torch.device) -> dict[str, float]:
+    """What CUDA `device` has in use now, in MiB: `used`, the device's own figure (`total − free` of `mem_get_info`,
+    every process and context on it, what nvidia-smi shows), and `reserved`, this process's allocator's holding now;
+    {} on a device without one. Memory a sleeping vLLM engine unmapped is free here but still on the allocator's books
+    (vLLM allocates through a torch MemPool; vLLM issues #17117, #33625)."""
+    if not is_cuda(device):
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"used": (total - free) / 2**20, "reserved": torch.cuda.memory_reserved(device) / 2**20}
+
+
+def on_memory_change(reader) -> None:
+    """Have the bound method `reader` (a peak reader's `mark`) called at every `memory_changing`."""
+    _READERS.append(weakref.WeakMethod(reader))
+
+
+def memory_changing() -> None:
+    """Called by a colocated engine right before it sleeps and right after it wakes: device memory is unmapped or
+    mapped again while the allocator's books stay as they were, so every reader takes its reading now, and none of
+    its readings spans the change (`train.supervise.timing.device_peak_mb` is exact within each)."""
+    for ref in list(_READERS):
+        reader = ref()
+        if reader is None:
+            _READERS.remove(ref)
+        else:
+            reader()
 
 
 def reset_peak_memory(device: torch.device) -> None:
