@@ -6,7 +6,11 @@ the CPU or the training device (`reward_model`); a served one answers SGLang's /
 from __future__ import annotations
 
 import contextlib
+import weakref
 from functools import lru_cache
+
+_HOMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""A parked model's tensors, each with its host copy (`_homes`), kept as long as the model is."""
 
 
 def resolve_rm_device(device: str):
@@ -33,20 +37,45 @@ def _load(path: str, dtype: str = "float32"):
     return model, tokenizer
 
 
-@contextlib.contextmanager
-def placed(net, device, *, park: bool):
-    """`net` on `device` while it scores; with `park` back in host memory afterwards, its device blocks handed back
-    (`accel.empty_cache`) for the colocated rollout engine and the training state. One path on every device: on the
-    CPU both moves are no-ops."""
+def _homes(net, device) -> list:
+    """Each parameter and buffer of `net` with its host copy, made once per model and kept: page-locked when
+    `device` is a GPU (`accel.pinned`), so each move there is one asynchronous copy. The model is frozen (it only
+    scores), so the host copy stays current and parking needs no copy back."""
     from grpo_cli.runtime import accel
 
-    net.to(device)
+    homes = _HOMES.get(net) or [(t, t.detach().cpu()) for t in (*net.parameters(), *net.buffers())]
+    _HOMES[net] = homes = [(t, accel.pinned(home, device)) for t, home in homes]  # pinned already: itself
+    return homes
+
+
+def _point(homes: list, device) -> None:
+    """One move of the whole model: each tensor's storage becomes its host copy itself (the CPU: no copy) or one
+    non-blocking copy of it on `device`, queued before the forward that reads it."""
+    from grpo_cli.runtime import accel
+
+    for tensor, home in homes:
+        tensor.data = accel.to_device(home, device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def placed(net, device, *, park: bool):
+    """`net` on `device` while it scores; with `park` it waits in (pinned) host memory otherwise: one move there per
+    block, one back (`_point`), its device blocks then handed back (`accel.empty_cache`) for the colocated rollout
+    engine and the training state. Callers enter it once per scoring call, around all of its batches. One path on
+    every device: on the CPU both moves leave every tensor where it is."""
+    from grpo_cli.runtime import accel
+
+    if not park:
+        net.to(device)
+        yield
+        return
+    homes = _homes(net, device)
+    _point(homes, device)
     try:
         yield
     finally:
-        if park:
-            net.to("cpu")
-            accel.empty_cache(device)
+        _point(homes, "cpu")
+        accel.empty_cache(device)
 
 
 def _text(tokenizer, prompt: str, messages, completion: str) -> str:  # noqa: D103

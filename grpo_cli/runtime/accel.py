@@ -7,8 +7,12 @@ passing a `torch.device("cuda", i)` with the CUDA call patched."""
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
+
+_READERS: list[weakref.WeakMethod] = []
+"""The memory readers `memory_changing` calls (held weakly: a run's timer goes with its run)."""
 
 
 def resolve_device(setting: str, local_rank: int, *, cuda_available: bool | None = None) -> torch.device:
@@ -63,6 +67,34 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
             "reserved": torch.cuda.max_memory_reserved(device) / 2**20}
 
 
+def device_in_use_mb(device: torch.device) -> dict[str, float]:
+    """What CUDA `device` has in use now, in MiB: `used`, the device's own figure (`total − free` of `mem_get_info`,
+    every process and context on it, what nvidia-smi shows), and `reserved`, this process's allocator's holding now;
+    {} on a device without one. Memory a sleeping vLLM engine unmapped is free here but still on the allocator's books
+    (vLLM allocates through a torch MemPool; vLLM issues #17117, #33625)."""
+    if not is_cuda(device):
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"used": (total - free) / 2**20, "reserved": torch.cuda.memory_reserved(device) / 2**20}
+
+
+def on_memory_change(reader) -> None:
+    """Have the bound method `reader` (a peak reader's `mark`) called at every `memory_changing`."""
+    _READERS.append(weakref.WeakMethod(reader))
+
+
+def memory_changing() -> None:
+    """Called by a colocated engine right before it sleeps and right after it wakes: device memory is unmapped or
+    mapped again while the allocator's books stay as they were, so every reader takes its reading now, and none of
+    its readings spans the change (`train.supervise.timing.device_peak_mb` is exact within each)."""
+    for ref in list(_READERS):
+        reader = ref()
+        if reader is None:
+            _READERS.remove(ref)
+        else:
+            reader()
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Restart the peaks `peak_memory_mb` reads from what is in use now."""
     if is_cuda(device):
@@ -107,13 +139,22 @@ class HostReadback:
         return int(self.host.numpy())  # a host buffer: read through numpy, no aten::item (a device read's op)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host `tensor` bound for `device`, page-locked when that is a CUDA device (a copy from it to the device is
+    then one asynchronous DMA, not a staged copy through a pageable bounce buffer); itself elsewhere or when it is
+    pinned already."""
+    if is_cuda(device) and not tensor.is_pinned():
+        return tensor.pin_memory()
+    return tensor
+
+
+def to_device(tensor: torch.Tensor, device: torch.device, *, non_blocking: bool = False) -> torch.Tensor:
     """`tensor` on `device`: itself when it is there already (CPU runs, shards already on the GPU), else one copy
-    (a host buffer bound for a CUDA collective)."""
+    (a host buffer bound for a CUDA collective; `non_blocking` from pinned host memory: queued on the stream)."""
     device = torch.device(device)
     if tensor.device == device or (device.index is None and tensor.device.type == device.type):
         return tensor
-    return tensor.to(device)
+    return tensor.to(device, non_blocking=non_blocking)
 
 
 def rng_states(device: torch.device) -> dict:

@@ -40,13 +40,24 @@ def _refuse_tokenizers(student_path: str, teacher: str, difference: str) -> None
     )
 
 
+def _teacher_hint(path: Path) -> str:
+    """The command that makes a missing `RUN/final-model` teacher: the run that writes it (tiny-cpu-distill's teacher
+    is the default preset's run, so a new user who never read the preset's header learns it here)."""
+    if path.name != "final-model":
+        return ""
+    return (f"Train the teacher first: `grpo train --output-dir {path.parent}` writes {path} when it ends (add the "
+            "teacher's --preset or --config; the tiny-cpu-distill preset's teacher is the default preset, about a "
+            "minute on a laptop), run from this folder. ")
+
+
 def check_local_teacher(student_path: str, teacher_path: str) -> None:
     """Refuse (UserError, exit 2) a teacher folder whose tokenizer differs from the policy's."""
     from transformers import AutoTokenizer
 
     if not Path(teacher_path).is_dir():
-        raise UserError(f"algorithm.distill.teacher {teacher_path} is not a folder: give a checkpoint folder (e.g. "
-                        "the final-model/ of a `grpo train` run) or the URL of a `grpo serve-rollout` server.")
+        raise UserError(f"algorithm.distill.teacher {teacher_path} is not a folder. {_teacher_hint(Path(teacher_path))}"
+                        "Or give another checkpoint folder (--set algorithm.distill.teacher=PATH) or the URL of a "
+                        "`grpo serve-rollout` server.")
     load = AutoTokenizer.from_pretrained
     diff = tokenizer_difference(load(student_path), load(teacher_path))
     if diff:

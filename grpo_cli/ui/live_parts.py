@@ -15,6 +15,9 @@ PHASE_COLORS = {"generate": "green", "reward": "magenta", "logprobs": "blue", "t
                 "offload": "white"}
 BLOCKS = "▁▂▃▄▅▆▇█"
 GPU_ALLOCATED, GPU_RESERVED = "memory/cuda_peak_allocated_mb", "memory/cuda_peak_reserved_mb"
+GPU_DEVICE = "memory/cuda_peak_device_mb"
+"""The device's own use at its peak (`train.supervise.timing.device_peak_mb`): a sleeping engine's unmapped pool,
+which the allocator's books still count, left out. Shown first, and per phase, when logged."""
 RSS = "memory/peak_rss_mb"
 
 
@@ -95,14 +98,17 @@ def phase_bar(metrics: dict[str, float], *, width: int = 30) -> Text:
 
 
 def memory_line(metrics: dict[str, float]) -> Text | None:
-    """`memory GPU peak 1234 MB allocated, 2345 MB reserved (by phase: train 1234, generate 800)  RSS 3456 MB`: the
-    step's CUDA allocator peaks (the largest over ranks), each phase's, the process's peak RSS; None without any."""
+    """`memory GPU peak 5678 MB in use, allocator 1234 MB allocated / 2345 MB reserved (by phase: train 5678, generate
+    800)  RSS 3456 MB`: the step's peaks (the largest over ranks), the device's own use first and per phase (the
+    allocator's per phase where no device figure was logged), the process's peak RSS; None without any."""
     parts = []
     if GPU_ALLOCATED in metrics:
-        gpu = (f"GPU peak {fmt(metrics[GPU_ALLOCATED], '.0f')} MB allocated, "
-               f"{fmt(metrics.get(GPU_RESERVED), '.0f')} MB reserved")
-        phases = sorted(((k.removeprefix(GPU_ALLOCATED + "/"), v) for k, v in metrics.items()
-                         if k.startswith(GPU_ALLOCATED + "/")), key=lambda kv: -kv[1])
+        by = GPU_DEVICE if GPU_DEVICE in metrics else GPU_ALLOCATED
+        gpu = f"GPU peak {fmt(metrics[GPU_DEVICE], '.0f')} MB in use, allocator " if by == GPU_DEVICE else "GPU peak "
+        gpu += (f"{fmt(metrics[GPU_ALLOCATED], '.0f')} MB allocated"
+                f"{' / ' if by == GPU_DEVICE else ', '}{fmt(metrics.get(GPU_RESERVED), '.0f')} MB reserved")
+        phases = sorted(((k.removeprefix(by + "/"), v) for k, v in metrics.items() if k.startswith(by + "/")),
+                        key=lambda kv: -kv[1])
         if phases:
             gpu += " (by phase: " + ", ".join(f"{p} {fmt(v, '.0f')}" for p, v in phases) + ")"
         parts.append(gpu)
@@ -112,9 +118,11 @@ def memory_line(metrics: dict[str, float]) -> Text | None:
 
 
 def memory_plain(metrics: dict[str, float]) -> str:
-    """` gpu_mem=1234/2345MB` (peak allocated/reserved) on CUDA, else ` rss=3456MB`, else ``."""
+    """` gpu_mem=1234/2345MB` (peak allocated/reserved) on CUDA, then ` gpu_used=5678MB` (the device's own peak) when
+    logged, else ` rss=3456MB`, else ``."""
     if GPU_ALLOCATED in metrics:
-        return f" gpu_mem={fmt(metrics[GPU_ALLOCATED], '.0f')}/{fmt(metrics.get(GPU_RESERVED), '.0f')}MB"
+        used = f" gpu_used={fmt(metrics[GPU_DEVICE], '.0f')}MB" if GPU_DEVICE in metrics else ""
+        return f" gpu_mem={fmt(metrics[GPU_ALLOCATED], '.0f')}/{fmt(metrics.get(GPU_RESERVED), '.0f')}MB{used}"
     return f" rss={fmt(metrics[RSS], '.0f')}MB" if RSS in metrics else ""
 
 

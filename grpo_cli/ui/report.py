@@ -24,6 +24,7 @@ SUMMARY_METRICS = (  # (key, label, format); rows appear only for metrics the ru
     ("time/step", "step time (s)", ".2f"), ("memory/peak_rss_mb", "peak RSS (MB)", ".0f"),
     ("memory/cuda_peak_allocated_mb", "GPU cuda_peak_allocated (MB)", ".0f"),
     ("memory/cuda_peak_reserved_mb", "GPU cuda_peak_reserved (MB)", ".0f"),
+    ("memory/cuda_peak_device_mb", "GPU cuda_peak_device (MB)", ".0f"),
     ("eval/reward/mean", "eval reward (held-out)", ".3f"), ("eval/pass@1", "eval pass@1", ".3f"),
 )
 MISMATCH_METRICS = ("k3_kl", "kl", "chi2_token", "is_weight_mean", "ess", "log_ppl_abs_diff")

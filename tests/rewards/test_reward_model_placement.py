@@ -1,12 +1,13 @@
 """A local reward model (`{model: PATH}`) in a run (issue 36): loaded in the compute dtype, on the device the trainer
-resolved (not a fresh `auto`), moved to host memory between scorings when a colocated engine needs the room, sized
-by `grpo plan`, and refused under process isolation off the CPU. CUDA is faked: the device is a name the model's
-`.to` records, nothing is allocated."""
+resolved (not a fresh `auto`), parked in pinned host memory between scorings when a colocated engine needs the room
+(one move there per scoring call), sized by `grpo plan`, and refused under process isolation off the CPU. CUDA is
+faked (`fake_cuda`, or the model's `.to` recorded where it stays put): the device is a name, nothing is allocated."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from fake_cuda import FakeCuda, tensor_count
 from typer.testing import CliRunner
 
 from grpo_cli.config.load import build_config
@@ -28,8 +29,8 @@ def rm_path(tmp_path_factory) -> str:
     return str(path)
 
 
-def _cfg(rm_path: str, *overrides: str, device: str = "auto"):
-    return build_config(overrides=[f"rewards.functions=[{{model: {rm_path}, device: {device}}}]", *overrides])
+def _cfg(rm_path: str, *overrides: str, device: str = "auto", extra: str = ""):
+    return build_config(overrides=[f"rewards.functions=[{{model: {rm_path}, device: {device}{extra}}}]", *overrides])
 
 
 class Moves:
@@ -63,12 +64,17 @@ def test_the_reward_model_loads_in_the_compute_dtype(rm_path, monkeypatch):
 
 def test_auto_follows_the_trainers_device_and_a_colocated_engine_gets_it_parked(rm_path, monkeypatch):
     """`device: auto` is the device the trainer resolved (cuda:1 here, with no CUDA to find by a fresh `auto`); with
-    colocated vLLM the model goes to that device to score and back to host memory after, its blocks handed back."""
-    fns = reward_fns_for(_cfg(rm_path, "rollout.engine=vllm"), torch.device("cuda", 1))
+    colocated vLLM the model goes to that device once per scoring call (3 batches here) from pinned host memory,
+    pinned once, and back after, its blocks handed back."""
+    fns = reward_fns_for(_cfg(rm_path, "rollout.engine=vllm", extra=", batch_size: 1"),
+                         torch.device("cuda", 1))
     assert fns[0].kwargs["device"] == "cuda:1" and fns[0].kwargs["park"] is True
-    moves = Moves(monkeypatch, rm_module._load(rm_path, "float32")[0])
+    net = rm_module._load(rm_path, "float32")[0]
+    cuda = FakeCuda(monkeypatch)
     _score(fns)
-    assert moves.to == ["cuda:1", "cpu"] and moves.emptied == ["cuda:1"]
+    _score(fns)
+    assert cuda.moves(tensor_count(net)) == ["cuda:1", "cpu"] * 2 and cuda.emptied == ["cuda:1"] * 2
+    assert cuda.pinned == tensor_count(net) and all(non_blocking for _, non_blocking in cuda.copies)
 
 
 def test_without_a_colocated_engine_to_make_room_for_it_stays_put(rm_path, monkeypatch):
@@ -82,8 +88,11 @@ def test_on_cpu_the_move_is_made_and_changes_nothing(rm_path, monkeypatch):
     fns = reward_fns_for(_cfg(rm_path, "rollout.engine=vllm", "distributed.device=cpu"), torch.device("cpu"))
     before = _score(fns)
     net = rm_module._load(rm_path, "float32")[0]
-    moves = Moves(monkeypatch, net)
-    assert _score(fns) == before and moves.to == ["cpu", "cpu"] and moves.emptied == ["cpu"]
+    storage = [t.data_ptr() for t in net.parameters()]
+    emptied = []
+    monkeypatch.setattr("grpo_cli.runtime.accel.empty_cache", lambda device: emptied.append(str(device)))
+    assert _score(fns) == before and emptied == ["cpu"]
+    assert [t.data_ptr() for t in net.parameters()] == storage  # nothing copied, nothing pinned
 
 
 def test_grpo_plan_counts_the_reward_model(rm_path):

@@ -121,3 +121,56 @@ def test_nccl_transport_refuses_without_cuda():
     push = base.create("nccl", link, client="vllm-serve", offered={"tp_size": lambda url: 1})
     with pytest.raises(RolloutError, match="needs CUDA"):
         push.send(iter([("w", torch.zeros(1))]), 1, chunk_bytes=1 << 20)
+
+
+def test_nccl_push_waits_for_the_servers_before_the_stream_and_a_silent_one_raises_server_down(monkeypatch):
+    """Issue 46 (4.7), the `vllm serve` side: vLLM's communicator has no watchdog, so the stream was synchronized
+    before the servers' answers and a server silent mid-bucket left the trainer waiting forever (and the answer wait,
+    `request_timeout_s`, was shorter than the HTTP path's worst case). Now the answers come first, bounded by that
+    worst case, and a missing one raises RolloutServerDown and aborts the group. CUDA's stream and vLLM's
+    communicator are recorders."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpo_cli.rollout.transport import base, nccl
+    from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown
+
+    order, release = [], threading.Event()
+
+    class Stream:
+        def synchronize(self):
+            order.append("synchronize")
+
+    class Comm:
+        def broadcast(self, t, src, stream):
+            order.append("broadcast")
+
+        def destroy(self):
+            order.append("abort")
+
+    class Reply:
+        def json(self):
+            return {}
+
+    class Http:
+        policy = Policy(connect_timeout_s=0.1, request_timeout_s=0.1, retries=0)
+
+        def call(self, url, method, path, **kw):
+            order.append(path)
+            if path == "/update_weights":
+                release.wait(20)  # alive, never answering
+            return Reply()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(nccl, "ANSWER_BACKSTOP_S", 0.5)
+    pool = ThreadPoolExecutor(2)
+    push = base.create("nccl", base.Link(Http(), ["http://127.0.0.1:1"], pool), client="vllm-serve",
+                       offered={"tp_size": lambda url: 1})
+    push.comm, push.device = Comm(), torch.device("cpu")
+    try:
+        with pytest.raises(RolloutServerDown, match="did not confirm a NCCL bucket within 0.7 s"):
+            push.send(iter([("w", torch.zeros(2))]), 1, chunk_bytes=1 << 20)
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
+    assert "synchronize" not in order and "broadcast" in order and "abort" in order and push.comm is None

@@ -5,6 +5,7 @@ bucket, and a server that stops answering mid-sync surfacing as RolloutServerDow
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
@@ -14,6 +15,7 @@ import torch
 from dist_env import free_port
 from served_app import app_in_thread
 
+from grpo_cli.config.load import build_config
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.rollout.remote.client import ServerEngine
 from grpo_cli.rollout.transport import nccl
@@ -161,9 +163,12 @@ def test_a_server_that_stops_answering_mid_sync_raises_server_down_within_the_ti
 
 def test_on_cuda_the_transport_is_this_gpu_over_nccl_with_the_group_timeout(monkeypatch):
     """The CUDA branches, driven on CPU: the current GPU is the transport device, and the group is NCCL's with the
-    timeout the trainer's HTTP wait relies on (torch's NCCL classes and CUDA queries replaced by recorders)."""
+    timeout the trainer's HTTP wait relies on, built so that a timeout raises instead of taking the process down
+    (issue 46, 4.7: torch's default error handling, 3, tears the process down; 2 aborts the communicators and fails
+    the work). torch's NCCL classes and CUDA queries are replaced by recorders."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # what a launcher may have set for the training group
     assert nccl.transport_device() == torch.device("cuda", 3)
     made = []
 
@@ -172,9 +177,40 @@ def test_on_cuda_the_transport_is_this_gpu_over_nccl_with_the_group_timeout(monk
             _timeout = None
 
         def __init__(self, store, rank, world, opts):
-            made.append((rank, world, opts._timeout))
+            made.append((rank, world, opts._timeout, os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")))
 
     monkeypatch.setattr(torch.distributed, "ProcessGroupNCCL", FakeNCCL, raising=False)
     port = free_port()
     nccl._group("127.0.0.1", port, 1, 0, 7.0, torch.device("cuda", 3))
-    assert made == [(0, 1, timedelta(seconds=7.0))]
+    assert made == [(0, 1, timedelta(seconds=7.0), "2")]  # 2: CleanUpOnly, the collective raises
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # other groups keep the process's setting
+
+
+@pytest.mark.parametrize("on_failure", ["stop", "wait"])
+def test_the_group_timeout_exceeds_the_longest_the_http_wait_can_take(on_failure, monkeypatch):
+    """Issue 46 (4.7): under `on_failure: wait` (600 s per request, 300 s recovery) the group timed out after 660 s
+    while the trainer could still be waiting for a server's answer, and the watchdog ended the trainer before its
+    checkpoint. The timeout `connect` gives both ends exceeds every retry, wait and recovery of the HTTP path."""
+    server = build_config(overrides=[f"rollout.server.on_failure={on_failure}"]).rollout.server
+    policy = Policy.of(server)
+    worst = (min(10.0, server.connect_timeout_s) + server.request_timeout_s) * 1 + (
+        server.wait_for_recovery_s + 7.0 + 10.0 + server.request_timeout_s if on_failure == "wait" else 0.0)
+    assert policy.worst_case_s(idempotent=False) == worst  # 610 s (stop), 1527 s (wait) at the defaults
+    assert nccl.answer_wait_s(policy) > worst
+    assert nccl.group_timeout_s(policy) > nccl.answer_wait_s(policy) + 30.0
+    monkeypatch.setattr(nccl, "nccl_available", lambda: (True, ""))
+    built, asked = [], []
+    monkeypatch.setattr(nccl, "_group", lambda host, port, world, rank, timeout_s, device: built.append(timeout_s))
+    monkeypatch.setattr(nccl, "_handshake", lambda pg, device: None)
+
+    class Http:
+        def __init__(self):
+            self.policy = policy
+
+        def call(self, url, method, path, **kw):
+            asked.append(kw["json"]["timeout_s"])
+
+    nccl.NcclSender.connect(Http(), ["http://127.0.0.1:1"], timeout_s=server.request_timeout_s).close()
+    assert built == asked == [nccl.group_timeout_s(policy)]  # the trainer's end and the server's
+    if on_failure == "wait":
+        assert built[0] > 1527.0 > 660.0

@@ -30,6 +30,20 @@ def test_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path, tiny_ch
     assert "Traceback" not in result.output
 
 
+def test_the_distill_preset_without_its_teacher_names_the_command_that_makes_it(tmp_path, monkeypatch):
+    """Issue 46 (4.9): a new user runs the preset from the list, not its YAML header. The list says a teacher is
+    trained first and how; without it the run stops (exit 2, before the policy loads) naming that command."""
+    monkeypatch.chdir(tmp_path)
+    listed = runner.invoke(app, ["presets", "list"])
+    line = next(row for row in listed.output.splitlines() if row.startswith("tiny-cpu-distill "))
+    assert "teacher" in line and "grpo train --output-dir runs/tiny-teacher" in line
+    result = runner.invoke(app, ["train", "--preset", "tiny-cpu-distill", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "runs/tiny-teacher/final-model is not a folder" in text and "Traceback" not in result.output
+    assert "Train the teacher first: `grpo train --output-dir runs/tiny-teacher`" in text
+
+
 def test_tokenizer_difference_sees_special_tokens(tiny_checkpoint):
     from transformers import AutoTokenizer
 

@@ -23,15 +23,23 @@ WORKER = str(Path(__file__).parents[1] / "launch" / "mean_metrics_worker.py")
 
 
 class FakeAllocator:
-    """torch.cuda's peak counters over a scripted allocator: `use(mb)` sets what is in use (the peak follows);
-    `reset_peak_memory_stats` restarts the peaks from what is in use, as CUDA's caching allocator does."""
+    """torch.cuda's peak counters over a scripted allocator: `use(mb)` sets what is in use (the peak follows), the
+    reserve is twice that; `reset_peak_memory_stats` restarts the peaks from what is in use, as CUDA's caching
+    allocator does. The device (`mem_get_info`) holds the reserve less `unmapped` (a sleeping vLLM engine's pool,
+    still on the allocator's books) plus `context` (CUDA's own, on no book)."""
 
     def __init__(self, monkeypatch) -> None:
         self.in_use = self.peak = 10 * MB
+        self.unmapped, self.context, self.total = 0, 500 * MB, 80_000 * MB
         self.resets: list = []
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2 * self.peak)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * self.in_use)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (self.total - self.used(), self.total))
+
+    def used(self) -> int:
+        return 2 * self.in_use - self.unmapped + self.context
 
     def use(self, mb: float) -> None:
         self.in_use = int(mb * MB)
@@ -70,12 +78,42 @@ def test_peaks_per_step_and_per_phase_restart_each_step(monkeypatch):
     out = timer.pop()
     assert out["memory/cuda_peak_allocated_mb"] == 800 and out["memory/cuda_peak_reserved_mb"] == 1600
     assert out["memory/cuda_peak_allocated_mb/generate"] == 300 and out["memory/cuda_peak_allocated_mb/train"] == 700
+    assert out["memory/cuda_peak_device_mb"] == 1600 + 500 and out["memory/cuda_peak_device_mb/train"] == 1400 + 500
     with timer.phase("sync"):
         fake.use(200)
     out = timer.pop()  # the next step: restarted from what was in use
     assert out["memory/cuda_peak_allocated_mb"] == 200 and set(out) == {
-        "time/sync", "memory/cuda_peak_allocated_mb", "memory/cuda_peak_reserved_mb",
-        "memory/cuda_peak_allocated_mb/sync"}
+        "time/sync", "memory/cuda_peak_allocated_mb", "memory/cuda_peak_reserved_mb", "memory/cuda_peak_device_mb",
+        "memory/cuda_peak_allocated_mb/sync", "memory/cuda_peak_device_mb/sync"}
+
+
+def test_the_device_peak_leaves_out_a_sleeping_engines_pool_the_allocator_still_counts(monkeypatch):
+    """Issue 46 (4.5): colocated vLLM allocates through a torch MemPool and its sleep unmaps the memory while the
+    allocator's books keep it, so `cuda_peak_allocated_mb/train` counted the sleeping engine's 4000 MB and could not
+    show whether training fits. The device's own figure does not count it, and the engine's sleep and wake take a
+    reading on each side (`accel.memory_changing`), so generate's figure is the awake engine's."""
+    fake = FakeAllocator(monkeypatch)
+    fake.use(100)  # the trainer's resident state
+    timer = PhaseTimer(CUDA)
+    with timer.phase("generate"):
+        fake.use(4100)  # the engine's pool (4000 MB, reserve 8000) mapped, awake
+        fake.use(4400)  # sampling
+        fake.use(4100)
+        accel.memory_changing()  # VLLMEngine.sleep, before the unmapping
+        fake.unmapped = 8000 * MB  # asleep: off the device, on the books
+    with timer.phase("train"):
+        fake.use(4800)  # training's 700 MB beside the sleeping pool
+        fake.use(4100)
+    with timer.phase("sync"):
+        fake.unmapped = 0  # the engine wakes (VLLMEngine.wake_up, then its reading)
+        accel.memory_changing()
+        fake.use(4200)
+    out = timer.pop()
+    assert out["memory/cuda_peak_allocated_mb/train"] == 4800  # the allocator's books: the sleeping pool counted
+    assert out["memory/cuda_peak_device_mb/train"] == 2 * 800 + 500  # the device: training and context only
+    assert out["memory/cuda_peak_device_mb/generate"] == 2 * 4400 + 500  # the awake engine counted
+    assert out["memory/cuda_peak_device_mb/sync"] == 2 * 4200 + 500
+    assert out["memory/cuda_peak_device_mb"] == 2 * 4400 + 500 < out["memory/cuda_peak_reserved_mb"] + 500
 
 
 def test_cpu_timer_logs_no_cuda_figures(monkeypatch):
@@ -133,6 +171,8 @@ def test_cuda_peaks_reach_metrics_summary_live_view_and_report(tmp_path, tiny_ch
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: (100 + next(calls)) * MB)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4096 * MB)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4000 * MB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70_000 * MB, 80_000 * MB))
     monkeypatch.setattr(run_module, "PhaseTimer", lambda device: PhaseTimer(CUDA))
     cfg = build_config(overrides=[f"model.name_or_path={tiny_checkpoint}", "train.steps=2",
                                   "train.prompts_per_step=2", "train.micro_batch_size=16"])
@@ -147,13 +187,18 @@ def test_cuda_peaks_reach_metrics_summary_live_view_and_report(tmp_path, tiny_ch
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert on_disk["memory/cuda_peak_allocated_mb"] == summary["memory/cuda_peak_allocated_mb"] == max(allocated)
     assert on_disk["memory/cuda_peak_reserved_mb"] == 4096 and on_disk["memory/peak_rss_mb"] > 0
+    device = 10_000 + 96  # in use now, plus the reserve's peak above its present holding
+    assert on_disk["memory/cuda_peak_device_mb"] == device and all(r["memory/cuda_peak_device_mb/train"] == device
+                                                                  for r in rows)
     live = _text(view.render())
-    assert f"GPU peak {allocated[-1]:.0f} MB allocated, 4096 MB reserved (by phase:" in live and "train " in live
-    assert f"gpu_mem={allocated[-1]:.0f}/4096MB" in console.file.getvalue()
-    assert f"gpu_mem={allocated[0]:.0f}/4096MB" in (tmp_path / "train.log").read_text()
+    assert (f"GPU peak {device} MB in use, allocator {allocated[-1]:.0f} MB allocated / 4096 MB reserved (by phase:"
+            in live and f"train {device}" in live)
+    assert f"gpu_mem={allocated[-1]:.0f}/4096MB gpu_used={device}MB" in console.file.getvalue()
+    assert f"gpu_mem={allocated[0]:.0f}/4096MB gpu_used={device}MB" in (tmp_path / "train.log").read_text()
     report = CliRunner().invoke(app, ["report", str(tmp_path / "run"), "--no-plots"])
     assert report.exit_code == 0, report.output
     assert "GPU cuda_peak_allocated (MB)" in report.output and "GPU cuda_peak_reserved (MB)" in report.output
+    assert "GPU cuda_peak_device (MB)" in report.output
     assert "GPU peak MB" in report.output  # the phase table's column
     info = json.loads(CliRunner().invoke(app, ["report", str(tmp_path / "run"), "--json", "--no-plots"]).output)
     assert info["metrics"]["memory/cuda_peak_allocated_mb"]["max"] == max(allocated)

@@ -19,6 +19,10 @@ from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.transport import wire
 
 RETRY_STATUS = {502, 503, 504}
+HEALTH_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+"""One `/health` probe while waiting for a server to come back."""
+HEALTH_PROBE_S = 7.0
+"""The longest one such probe takes (connect + read)."""
 
 
 class RolloutServerDown(RolloutError):
@@ -47,6 +51,18 @@ class Policy:
     def of(cls, server_config) -> Policy:
         """The policy `rollout.server` sets (its fields of the same names; `backoff_s` keeps its default)."""
         return cls(**server_config.model_dump(include={f.name for f in dataclasses.fields(cls)}))
+
+    def worst_case_s(self, *, idempotent: bool) -> float:
+        """The longest `HttpClient.call` may take before it answers or raises: each attempt's connect and read
+        timeouts, the back-offs between attempts, then with `on_failure: wait` the wait for recovery (its last
+        `/health` probe may overrun it by one probe's timeout) and the one retried request. Defaults, not idempotent:
+        610 s under `stop`, 1527 s under `wait` (a NCCL group's timeout must exceed it: `transport.nccl`)."""
+        attempt = min(10.0, self.connect_timeout_s) + self.request_timeout_s
+        tries = 1 + (self.retries if idempotent else 0)
+        total = tries * attempt + sum(self.backoff_s * 2**i for i in range(tries - 1))
+        if self.on_failure == "wait":
+            total += self.wait_for_recovery_s + HEALTH_PROBE_S + attempt
+        return total
 
 
 def is_loopback(url: str) -> bool:
@@ -186,7 +202,7 @@ class HttpClient:
         start = time.monotonic()
         while True:
             try:
-                if self.clients[url].get("/health", timeout=httpx.Timeout(5.0, connect=2.0)).status_code == 200:
+                if self.clients[url].get("/health", timeout=HEALTH_TIMEOUT).status_code == 200:
                     return time.monotonic() - start
             except httpx.TransportError:
                 pass

@@ -5,11 +5,12 @@ TCPStore, every server joins a NCCL group through `/init_communicator`, and each
 server answers once it has received them and the engine has taken them. Neither side holds more
 than one bucket; the server commits the version after the last.
 
-The trainer waits on those HTTP answers, with `request_timeout_s`, never on `Work.wait`: a NCCL work's wait only
-makes the current CUDA stream wait and returns at once on the host (seen on an H100), so a dead server went unnoticed
-until NCCL's watchdog aborted the trainer, with no checkpoint. A missing answer raises RolloutServerDown (the loop
-saves a checkpoint and stops), and the group is aborted; its timeout exceeds the HTTP one by `GROUP_GRACE_S`, so the
-watchdog never acts first.
+The trainer waits on those HTTP answers, never on `Work.wait`: a NCCL work's wait only makes the current CUDA stream
+wait and returns at once on the host (seen on an H100), so a dead server went unnoticed until NCCL's watchdog aborted
+the trainer, with no checkpoint. A missing answer raises RolloutServerDown (the loop saves a checkpoint and stops),
+and the group is aborted. The group's timeout exceeds the longest the HTTP wait can take (`group_timeout_s`:
+retries, `on_failure: wait`'s recovery and retried request included), and a NCCL group that times out all the same
+aborts its communicators and fails its work, never the process (`RAISE_ON_TIMEOUT`).
 
 One code path on both devices: the group is NCCL on CUDA and gloo on CPU (`_group`), which is how the CPU tests run
 this transport (trainer and server threads of one process); `nccl_available` keeps users to CUDA."""
@@ -17,6 +18,8 @@ this transport (trainer and server threads of one process); `nccl_available` kee
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
 import socket
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +36,25 @@ from grpo_cli.rollout.transport.http_client import RolloutServerDown
 
 _CODES = {v: k for k, v in DTYPES.items()}
 GROUP_GRACE_S = 60.0
-"""The group's timeout is the HTTP timeout plus this: the trainer's HTTP wait gives up first and aborts the group."""
+"""The group's timeout is the HTTP wait's longest plus this: the trainer's HTTP wait gives up first and aborts it."""
+ANSWER_BACKSTOP_S = 30.0
+"""How much longer than its HTTP call may take the trainer waits for a server's answer (the thread's own backstop)."""
+RAISE_ON_TIMEOUT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+"""Set while a ProcessGroupNCCL is built (torch reads it in the constructor, per group; no Options field holds it):
+2 is `CleanUpOnly`, a timed-out or failed collective aborts the group's communicators and its work raises. torch's
+default, 3 (`SkipCleanUp`), takes the whole process down, the trainer with its unsaved steps or the server."""
+
+
+def answer_wait_s(policy) -> float:
+    """The longest the trainer waits for one server's answer to a bucket: its HTTP call's worst case (the call is not
+    idempotent: no retries; `on_failure: wait` adds the recovery wait and one retried request) plus a backstop."""
+    return policy.worst_case_s(idempotent=False) + ANSWER_BACKSTOP_S
+
+
+def group_timeout_s(policy) -> float:
+    """The NCCL group's timeout: the longest answer wait plus `GROUP_GRACE_S`, so the HTTP path always gives up (and
+    aborts the group) before the group's watchdog acts. 1617 s under `on_failure: wait`'s defaults (it was 660)."""
+    return answer_wait_s(policy) + GROUP_GRACE_S
 
 
 def nccl_available() -> tuple[bool, str]:
@@ -59,7 +80,23 @@ def _group(host: str, port: int, world_size: int, rank: int, timeout_s: float, d
 
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s)
-    return ProcessGroupNCCL(store, rank, world_size, opts)
+    with _environment(RAISE_ON_TIMEOUT):
+        return ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """`values` in this process's environment for the block (a group built inside reads them), then as before."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _handshake(pg, device) -> None:
@@ -138,7 +175,7 @@ class NcclSender:
             raise RolloutError(f"rollout.server.weight_transport=nccl needs CUDA and NCCL on the trainer: {why}; "
                                "use weight_transport=http")
         host, port, world = _advertised_host(urls[0]), _free_port(), len(urls) + 1
-        device, group_timeout = transport_device(), timeout_s + GROUP_GRACE_S
+        device, group_timeout = transport_device(), group_timeout_s(http.policy)
         with ThreadPoolExecutor(max_workers=len(urls)) as pool:
             futures = [pool.submit(http.call, url, "POST", "/init_communicator", idempotent=False,
                                    json={"host": host, "port": port, "world_size": world, "rank": i + 1,
@@ -184,10 +221,9 @@ class NcclSender:
         return replies
 
     def _answer(self, url: str, future, index: int, version: int) -> dict:
-        """A server's answer to one bucket. The HTTP call is bounded by `request_timeout_s` (then the transport raises
+        """A server's answer to one bucket. The HTTP call is bounded (`Policy.worst_case_s`; then the transport raises
         RolloutServerDown); the wait here is a backstop in case its thread never returns."""
-        policy = self.http.policy
-        backstop = self.timeout_s + (policy.wait_for_recovery_s if policy.on_failure == "wait" else 0.0) + 30.0
+        backstop = answer_wait_s(self.http.policy)
         try:
             return future.result(timeout=backstop).json()
         except concurrent.futures.TimeoutError:

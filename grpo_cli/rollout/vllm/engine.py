@@ -321,6 +321,7 @@ class VLLMEngine(RolloutEngine):
         if not self.sleep_level or not level or self._asleep:
             return
         self.llm.reset_prefix_cache()
+        support.memory_changing()  # the device's peak so far includes the awake engine: read before the unmapping
         self.llm.sleep(level=level)
         self._asleep = set(_ALL_TAGS)
         self._weights_discarded = level >= 2
@@ -331,6 +332,7 @@ class VLLMEngine(RolloutEngine):
         if todo:
             self.llm.wake_up(tags=todo)
             self._asleep -= set(todo)
+            support.memory_changing()  # mapped again: the reading that spans the sleep ends here
 
     @contextlib.contextmanager
     def keeping_weights(self):

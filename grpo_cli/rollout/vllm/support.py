@@ -264,3 +264,11 @@ def repack_cpu_experts(model, updated: set[str]) -> int:
             weight.data.copy_(cpu_prepack_moe_weight(weight.data.clone(), experts.isa))
             count += 1
     return count
+
+
+def memory_changing() -> None:
+    """The engine is about to unmap its memory (sleep) or has mapped it again (wake): the trainer's memory readers take
+    a reading (`runtime.accel.memory_changing`), so a peak never mixes an awake and a sleeping engine."""
+    from grpo_cli.runtime import accel
+
+    accel.memory_changing()

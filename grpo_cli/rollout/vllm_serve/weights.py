@@ -170,8 +170,16 @@ class NcclPush(WeightTransport):
         return t.detach().to(self.device).contiguous()
 
     def _broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """Announce the bucket to every server (their workers enter the matching broadcasts), then broadcast it."""
+        """Announce the bucket to every server (their workers enter the matching broadcasts), broadcast it, and wait
+        for every server's answer before the stream: vLLM's communicator has no watchdog, so a server that stops
+        answering mid-bucket left `synchronize` waiting forever. The answer wait is bounded by the HTTP path's worst
+        case (`nccl.answer_wait_s`); a missing answer raises RolloutServerDown and `_send` aborts the group."""
+        import concurrent.futures
+
         import torch
+
+        from grpo_cli.rollout.transport.http_client import RolloutServerDown
+        from grpo_cli.rollout.transport.nccl import answer_wait_s
 
         if not bucket:
             return
@@ -181,9 +189,14 @@ class NcclPush(WeightTransport):
         stream = torch.cuda.current_stream()
         for _, t in bucket:
             self.comm.broadcast(t, src=0, stream=stream)
-        stream.synchronize()
-        for f in futures:
-            f.result(timeout=self.timeout_s)
+        wait = answer_wait_s(self.routes.http.policy)
+        for url, f in zip(self.routes.urls, futures, strict=True):
+            try:
+                f.result(timeout=wait)
+            except concurrent.futures.TimeoutError:
+                raise RolloutServerDown(f"rollout server {url} did not confirm a NCCL bucket within {wait:g} s; save "
+                                        "a checkpoint and stop (restart the server and resume)", url=url) from None
+        stream.synchronize()  # every server has the bucket: the broadcast is done or about to be
 
     def close(self) -> None:
         if self.comm is not None:

@@ -11,7 +11,8 @@ from pathlib import Path
 from grpo_cli.config.load import dump_config
 from grpo_cli.config.schema import GRPOConfig
 
-SUMMARY_PEAKS = ("memory/cuda_peak_allocated_mb", "memory/cuda_peak_reserved_mb", "memory/peak_rss_mb")
+SUMMARY_PEAKS = ("memory/cuda_peak_allocated_mb", "memory/cuda_peak_reserved_mb", "memory/cuda_peak_device_mb",
+                 "memory/peak_rss_mb")
 """Per-step peaks whose largest value over the run goes into summary.json, under the same names."""
 
 
