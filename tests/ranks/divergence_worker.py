@@ -8,7 +8,8 @@ Cases per backend: `masked` (rank 1's completions all empty: completion_mask 0, 
 short rows make fewer micro-batches than rank 1's long ones; also the old/ref no-grad pass), `budget_masked` (the same
 budget with rank 1's rows all empty), each step's real metrics through `mean_metrics`. Once: `metrics` (a key and a
 NaN on one rank only), `dynamic` (dynamic sampling with rank 0 full at once and rank 1 drawing two extra rounds),
-`stop` (a stop signal seen by rank 0 only), `teacher` (a served teacher refusing rank 1's request).
+`stop` (a stop signal seen by rank 0 only), `resume` (`checkpoint.resume: auto` finding a
+checkpoint on rank 1's disk only), `teacher` (a served teacher refusing rank 1's request).
 
 Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python divergence_worker.py CKPT TEACHER BACKENDS
 OUT`, TEACHER a `grpo serve-rollout` URL (max_model_len below rank 1's rows) or `-`, BACKENDS comma-separated keys of
@@ -119,15 +120,17 @@ def backend_cases(ckpt: str, backend: str, info: DistInfo) -> dict:
     return out
 
 
-def once_cases(ckpt: str, teacher: str, info: DistInfo) -> dict:
-    from once_cases import dynamic_case, metrics_case, stop_case, teacher_case
+def once_cases(ckpt: str, teacher: str, info: DistInfo, out: str) -> dict:
+    from once_cases import dynamic_case, metrics_case, resume_case, stop_case, teacher_case
 
-    out = {"metrics": metrics_case(info)}
+    root, out = out, {"metrics": metrics_case(info)}
     meet("metrics", info)
     out["dynamic"] = dynamic_case(info)
     meet("dynamic", info)
     out["stop"] = stop_case(info)
     meet("stop", info)
+    out["resume"] = resume_case(info, root)
+    meet("resume", info)
     if teacher != "-":
         out["teacher"] = teacher_case(ckpt, teacher, info, config(ckpt, "ddp", f"algorithm.distill.teacher={teacher}"))
         meet("teacher", info)
@@ -139,7 +142,7 @@ def main(ckpt: str, teacher: str, backends: str, out: str) -> None:
     info = init_from_env(torch.device("cpu"), timeout_minutes=1)
     report: dict = {}
     try:
-        report["once"] = once_cases(ckpt, teacher, info)
+        report["once"] = once_cases(ckpt, teacher, info, out)
         for backend in backends.split(","):
             report[backend] = backend_cases(ckpt, backend, info)
     except Exception:  # noqa: BLE001 - written for the test to show; the rank still fails

@@ -91,3 +91,22 @@ def teacher_case(ckpt: str, url: str, info: DistInfo, cfg) -> dict:
     except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
         return {"raised": type(exc).__name__, "message": str(exc)[:300]}
     return {"raised": None, "keys": sorted(metrics)}
+
+
+def resume_case(info: DistInfo, root: str) -> dict:
+    """`checkpoint.resume: auto` on machines without a shared output directory: only rank 1's disk holds a complete
+    checkpoint (its manifest written)."""
+    from pathlib import Path
+
+    from grpo_cli.train.checkpoint import resolve_resume
+    from grpo_cli.train.manifest import MANIFEST
+
+    mine = Path(root, f"output-rank{info.rank}")
+    if info.rank == 1:
+        (mine / "checkpoint-2").mkdir(parents=True)
+        (mine / "checkpoint-2" / MANIFEST).write_text("{}")
+    try:
+        found = resolve_resume("auto", mine, info)
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return {"raised": type(exc).__name__, "message": str(exc)[:300]}
+    return {"raised": None, "found": None if found is None else found.name}

@@ -1,9 +1,9 @@
 """The rank-divergence suite (DESIGN.md 4c, docs/distributed.md "Rank agreement"): 2 gloo processes with a 1-minute
 collective timeout, each rank fed different conditions (divergence_worker.py, one launch): an empty micro-batch, all
-rows truncated under mask_truncated_completions, different token-budget micro-batch counts on one rank, on ddp, fsdp2,
-ZeRO-2/3 and megatron; metric keys on one rank only, dynamic sampling drawing different rounds, a stop signal on one
-rank, a served teacher refusing one rank's request. Every case ends with both ranks at the same point, having run the
-same collectives."""
+rows truncated under mask_truncated_completions, different token-budget micro-batch counts, on ddp, fsdp2, ZeRO-2/3
+and megatron; metric keys on one rank only, dynamic sampling drawing different rounds, a stop signal on one rank,
+`checkpoint.resume: auto` finding a checkpoint on one rank's disk only, a served teacher refusing one rank's request.
+Every case ends with both ranks at the same point, having run the same collectives."""
 
 from __future__ import annotations
 
@@ -61,3 +61,9 @@ def test_a_teacher_failing_for_one_rank_fails_every_rank(ranks):
     zero, one = ranks[0]["once"]["teacher"], ranks[1]["once"]["teacher"]
     assert one["raised"] == "RolloutError" and "max_model_len" in one["message"]
     assert zero["raised"] == "RolloutError" and "rank 1" in zero["message"], zero
+
+
+def test_resume_auto_fails_alike_when_the_ranks_see_different_checkpoints(ranks):
+    zero, one = ranks[0]["once"]["resume"], ranks[1]["once"]["resume"]
+    assert zero["raised"] == one["raised"] == "CheckpointError", (zero, one)
+    assert "rank 0: none, rank 1:" in zero["message"] and zero["message"] == one["message"]
