@@ -99,7 +99,7 @@ def plan_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
                 segment[r, start : start + w] = k
                 row_of[b], starts[b], prompt_starts[b] = r, start, prompt_at
                 pos[b, 0] = prompt_at + prompt_len - 1
-                pos[b, 1:w] = start + torch.arange(w - 1)
+                pos[b, 1:w] = start + torch.arange(max(w - 1, 0))  # an empty completion (w = 0): none
                 start += w
     device = input_ids.device
     return Packing(src.to(device), segment.to(device), row_of.to(device), pos.to(device), starts.to(device),

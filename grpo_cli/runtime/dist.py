@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,17 +114,28 @@ PEAK_PREFIX = "memory/"
 
 
 def mean_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Average every scalar metric over ranks (same keys on every rank), except peaks (`PEAK_PREFIX`): their max
-    over ranks. One all-gather of every rank's values."""
+    """Average every scalar metric over ranks, except peaks (`PEAK_PREFIX`): their max over ranks.
+
+    Ranks may report different keys (`tools/*` where a rank's rollouts called a tool, a probe figure, a rank's own
+    count) and NaN where a rank had nothing to measure (`reward/mean` when all of its rewards are missing): one object
+    all-gather of every rank's metrics, so the collective pairs whatever the keys, then each key of any rank is
+    reduced over the ranks that have a number for it (NaN where none has)."""
     if info.world_size == 1:
         return metrics
-    keys = sorted(metrics)
-    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-    gathered = [torch.empty_like(t) for _ in range(info.world_size)]
-    dist.all_gather(gathered, t)
-    ranks = torch.stack(gathered)
-    mean, peak = ranks.mean(dim=0), ranks.max(dim=0).values
+    every = all_gather_object({k: float(v) for k, v in metrics.items()}, info)
+    keys = sorted(set().union(*every))
+    ranks = torch.tensor([[m.get(k, math.nan) for k in keys] for m in every], dtype=torch.float64)
+    seen = ~ranks.isnan()
+    mean = ranks.nansum(dim=0) / seen.sum(dim=0)  # 0/0: NaN where no rank has a number
+    peak = torch.where(seen, ranks, -math.inf).max(dim=0).values
+    peak = torch.where(seen.any(dim=0), peak, math.nan)
     return {k: float(peak[i] if k.startswith(PEAK_PREFIX) else mean[i]) for i, k in enumerate(keys)}
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """Whether `flag` is true on any rank (collective, every rank calls it): a decision taken on rank-local facts
+    (a stop signal this process received) that every rank must then follow."""
+    return bool(flag) if info.world_size == 1 else all_reduce_sum(float(bool(flag)), info) > 0
 
 
 def barrier(info: DistInfo) -> None:

@@ -172,8 +172,36 @@ def prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def resolve_resume(resume: str, output_dir: Path) -> Path | None:
-    """`auto` → newest complete checkpoint in the output dir (None if there is none); else the given path."""
+def resolve_resume(resume: str, output_dir: Path, info: DistInfo | None = None) -> Path | None:
+    """`auto` → newest complete checkpoint in the output dir (None if there is none); else the given path.
+
+    Collective when `info` spans several ranks: each rank looks on its own disk, then they agree (one object
+    all-gather). Ranks that see different checkpoints (machines without a shared output directory) or a refusal on
+    any rank raise the same CheckpointError everywhere, instead of some resuming (collective loads) while others start
+    afresh."""
+    info = info or DistInfo()
+    found, refusal = None, ""
+    try:
+        found = _resolve_here(resume, output_dir)
+    except CheckpointError as exc:
+        refusal = str(exc)
+    if info.world_size == 1:
+        if refusal:
+            raise CheckpointError(refusal)
+        return found
+    seen = all_gather_object((None if found is None else str(found), refusal), info)
+    refusals = [f"rank {r}: {msg}" for r, (_, msg) in enumerate(seen) if msg]
+    if refusals:
+        raise CheckpointError(refusals[0])
+    if len({path for path, _ in seen}) > 1:
+        views = ", ".join(f"rank {r}: {path or 'none'}" for r, (path, _) in enumerate(seen))
+        raise CheckpointError(f"checkpoint.resume: {resume}: the processes found different checkpoints ({views}). "
+                              "Every machine must see the same output directory (a shared file system): point "
+                              "--output-dir at one, or copy the checkpoint to each machine and give its path.")
+    return found
+
+
+def _resolve_here(resume: str, output_dir: Path) -> Path | None:
     if resume == "auto":
         found = complete_checkpoints(output_dir)
         return found[-1] if found else None

@@ -11,8 +11,10 @@ import torch
 from grpo_cli.algo.distill import distill_advantages, distill_metrics, distill_signal
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
+from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.loss import trained_mask
+from grpo_cli.train.weights.sync_ranks import attempt, gather_outcomes
 
 TeacherScore = Callable[[TrainBatch], torch.Tensor]
 """The teacher's logprobs (B, T) of a batch's completion tokens (0 after each row's completion)."""
@@ -118,15 +120,21 @@ def make_teacher(cfg: GRPOConfig, student_path: str, student_tokenizer, backend)
     return lambda batch: backend.batch_logprobs(batch, micro_batch_size=micro, temperature=temp, teacher=True)
 
 
-def distill_phase(cfg: GRPOConfig, batch: TrainBatch, teacher: TeacherScore, student: Callable[[], torch.Tensor]
-                  ) -> dict[str, float]:
+def distill_phase(cfg: GRPOConfig, batch: TrainBatch, teacher: TeacherScore, student: Callable[[], torch.Tensor],
+                  *, info: DistInfo) -> dict[str, float]:
     """Score the batch with the teacher and replace `batch.advantages` by the (B, T) distilled advantages. The
     student's logprobs are the behaviour ones: `batch.old_logprobs` when μ > 1 computed them, else `student()` (the
-    policy's no-grad pass before this step's update). Masks: the tokens the loss trains on (`trained_mask`)."""
+    policy's no-grad pass before this step's update). Masks: the tokens the loss trains on (`trained_mask`).
+
+    Collective: the ranks agree on the teacher's outcome (`sync_ranks.gather_outcomes`), so a teacher failing for
+    one rank's request (its server down, a row it refuses) raises on every rank, the same kind of error (a server
+    that went away lets every rank save its checkpoint together), instead of leaving the others in the step's
+    next collective."""
     d = cfg.algorithm.distill
     mask = trained_mask(batch.completion_mask, batch.truncated, algorithm=cfg.algorithm)
     behaviour = batch.old_logprobs if batch.old_logprobs is not None else student()
-    teacher_lp = teacher(batch)
+    teacher_lp, error = attempt(lambda: teacher(batch))
+    gather_outcomes(None, error, info)
     signal = distill_signal(behaviour, teacher_lp, mask, clip=d.clip)
     metrics = distill_metrics(behaviour, teacher_lp, mask, advantages=batch.advantages, signal=signal, coef=d.coef,
                               mode=d.mode, clip=d.clip)

@@ -12,7 +12,7 @@ import torch
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor, images_of, vision_of
-from grpo_cli.runtime.dist import DistInfo, all_reduce_sum, mean_metrics
+from grpo_cli.runtime.dist import DistInfo, all_reduce_sum, any_rank, mean_metrics
 from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutEngine, SamplingParams, generate_with_images
 from grpo_cli.rollout.factory import sampling_params
@@ -148,7 +148,7 @@ def logprob_phase(tr: Trainer, batch: TrainBatch) -> dict[str, float]:
                                                         reference=True)
         if tr.teacher is not None:  # the student's behaviour logprobs: the old ones, or the same no-grad pass
             return distill_phase(cfg, batch, tr.teacher, lambda: backend.batch_logprobs(
-                batch, micro_batch_size=micro, temperature=temp))
+                batch, micro_batch_size=micro, temperature=temp), info=tr.dist)
     return {}
 
 
@@ -239,9 +239,10 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
 def run_loop(tr: Trainer, state: LoopState, on_step: StepCallback, on_checkpoint: Callable[[LoopState], None]
              | None = None, should_stop: Callable[[], bool] = lambda: False) -> LoopState:
     """Run steps `state.step .. train.steps-1`, calling `on_step` after each and `on_checkpoint` when due;
-    `should_stop()` (a signal arrived) ends the loop between steps."""
+    `should_stop()` (a signal arrived) ends the loop between steps, on every rank at the same step: a signal reaches
+    each process on its own, and a rank that stopped alone would save (collectively) while its peers train on."""
     every = tr.cfg.checkpoint.every_steps
-    while state.step < tr.cfg.train.steps and not should_stop():
+    while state.step < tr.cfg.train.steps and not any_rank(should_stop(), tr.dist):
         metrics, samples = run_step(tr, state)
         state.reward_history.append(metrics["reward/mean"])
         state.step += 1

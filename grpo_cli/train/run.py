@@ -184,7 +184,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
     info = init_from_env(device, timeout_minutes=cfg.distributed.timeout_minutes)
     path = Path(output_dir or cfg.logging.output_dir or default_output_dir(cfg))
     log = reporter.message if reporter is not None and info.is_main else (lambda *_: None)
-    resume = ckpt.resolve_resume(cfg.checkpoint.resume, path) if cfg.checkpoint.resume else None
+    resume = ckpt.resolve_resume(cfg.checkpoint.resume, path, info) if cfg.checkpoint.resume else None
     if resume is not None:
         # a corrupt checkpoint fails before anything is loaded or written; collective: each file hashed once, by
         # one rank, so no rank waits past the process group's timeout (the load below does not hash again)

@@ -12,6 +12,7 @@ from grpo_cli.cli.main import app
 from grpo_cli.config.load import ConfigError
 from grpo_cli.config.load import build_config
 from grpo_cli.config.plan import BYTES, memory_plan, model_shape, resident_while_generating
+from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.distill import distill_phase, tokenizer_difference
 
@@ -96,7 +97,8 @@ def test_phase_uses_behaviour_logprobs_and_trained_mask(mu):
     calls = []
     if mu == 2:
         batch.old_logprobs = student
-    metrics = distill_phase(cfg, batch, lambda b: teacher, lambda: calls.append(1) or student)
+    metrics = distill_phase(cfg, batch, lambda b: teacher, lambda: calls.append(1) or student,
+                            info=DistInfo())
     assert calls == ([1] if mu == 1 else [])  # μ > 1 reuses the old logprobs: no second student pass
     # row 0: x = 0.5, -1.5 (clipped to -1), masked; row 1 truncated: out of the trained mask
     torch.testing.assert_close(batch.advantages, torch.tensor([[1.0 - 0.25, 1.0 + 0.5, 0.0], [0.0, 0.0, 0.0]]))
