@@ -81,8 +81,8 @@ def test_token_budget_micro_batches_on_the_gpu_stay_within_the_plan(tmp_path, mo
     from grpo_cli.train.run import run_training
 
     base = [f"distributed.device={DEVICE}", "model.dtype=bfloat16", "train.steps=2", "eval.every_steps=0",
-            "train.prompts_per_step=4", "train.generations_per_prompt=4", "rollout.max_completion_length=8",
-            "logging.progress=plain"]
+            "train.prompts_per_step=4", "train.generations_per_prompt=4", "train.micro_batch_size=8",
+            "rollout.max_completion_length=8", "logging.progress=plain"]
     longest = build_config(overrides=base).max_sequence_length
     cfg = build_config(overrides=[*base, f"train.micro_batch_tokens={2 * longest}"])
     plan = batch_plan(cfg)
