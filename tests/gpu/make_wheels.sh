@@ -13,7 +13,7 @@ mkdir -p "$dir"
 pins=$(python tests/gpu/wheel_set.py)
 platforms=()
 for tag in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 \
-           manylinux_2_17 manylinux2014 manylinux1; do
+           manylinux_2_17 manylinux2014 manylinux_2_12 manylinux2010 manylinux_2_5 manylinux1; do
   platforms+=(--platform "${tag}_x86_64")
 done
 # shellcheck disable=SC2086
