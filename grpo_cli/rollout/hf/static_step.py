@@ -1,7 +1,8 @@
 """Static shapes for the lean decode step: the active rows are padded to a bucket size (`bucket_size`), the KV
 cache's rows live in buffers allocated once per decode and compacted in place, and the step's inputs are copied into
 fixed buffers, so every step of a bucket has the same shapes and addresses. On CUDA each bucket's step is captured
-once as a CUDA graph and replayed (`runtime.accel.StepGraph`); elsewhere the same step is called."""
+once as a CUDA graph and replayed (`runtime.accel.StepGraph`), by later decodes of the same shape too (`StepStore`);
+elsewhere the same step is called."""
 
 from __future__ import annotations
 
