@@ -171,26 +171,46 @@ def set_rng_states(states: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(states["cuda"], device)
 
 
+_CAPTURE_STREAMS: dict[str, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device):
+    """One side stream per device for every capture, as `torch.cuda.graph` keeps one: graphs that share a memory
+    pool reuse each other's freed blocks only when captured on the same stream."""
+    key = str(device)
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[key]
+
+
 class StepGraph:
     """`fn()` (a step reading and writing fixed tensors, e.g. the static-shape decode step) as a CUDA graph: on a
     CUDA `device`, warmed up on a side stream (a compiled `fn` compiles there), captured once, then every call
-    replays it and returns the outputs of the capture, rewritten in place; elsewhere every call calls `fn`. Graphs of
-    one decode share `pool` (`pool()` of the first), so their intermediates take one pool's memory, not one each.
-    `device` None: never captured."""
+    replays it and returns the outputs of the capture, rewritten in place; elsewhere every call calls `fn`. Graphs
+    that share `pool` (`pool()` of the first) take one pool's memory for their intermediates, not one each.
+    `device` None: never captured.
+
+    Captured with `CUDAGraph.capture_begin/capture_end` on the side stream, not `torch.cuda.graph`: that context's
+    `__enter__` synchronizes the device and empties the caching allocator and the pinned host cache at every
+    capture (up to 2·log₂B captures per decode), handing back blocks that the next steps then allocate again."""
 
     def __init__(self, fn, device: torch.device | None, *, pool=None, warmup: int = 2) -> None:
         self.fn, self.graph, self.out = fn, None, None
         if device is None or not is_cuda(device):
             return
-        side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+        side, main = _capture_stream(device), torch.cuda.current_stream(device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             for _ in range(warmup):  # the step is idempotent: it writes the same keys/values to the same slot
                 fn()
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=pool)
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()  # after a failed capture too: the stream leaves capture mode
         main.wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn()
+        self.graph, self.out = graph, out
 
     def pool(self):
         return None if self.graph is None else self.graph.pool()

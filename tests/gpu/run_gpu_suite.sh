@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 wheels=${1:-.gpu-wheels}
 shift || true
 if ls "$wheels"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target .site "$wheels"/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site "$wheels"/*.whl
 fi
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import torch, grpo_cli.cli.main; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),

@@ -1,7 +1,8 @@
 """The hf engine's decode loop on CUDA (what the CPU tests of `tests/rollout/test_decode_syncs.py` cannot run): with
 the steps captured as CUDA graphs and the next step launched before the finished count is read, it samples what
 reading the count first samples (the CUDA generator set back when rows are dropped after all), and the host's waits
-for the whole stream (`cudaStreamSynchronize`, `cudaDeviceSynchronize`) do not grow with the number of steps."""
+for the whole stream (`cudaStreamSynchronize`, `cudaDeviceSynchronize`) do not grow with the number of steps; the
+engine's next `generate` of the same shape replays the graphs the first captured."""
 
 from __future__ import annotations
 
@@ -59,3 +60,30 @@ def test_stream_waits_do_not_grow_with_the_steps(model):
 
     short, long = waits(6), waits(30)
     assert short == long, (short, long)
+
+
+def test_generates_of_one_shape_replay_the_first_ones_graphs(model, monkeypatch):
+    """The hf engine keeps each bucket's CUDA graph for its next decode of the same shape (`static_step.StepStore`):
+    the second and third `generate` capture nothing, no capture empties the allocator's cache, and the third (the
+    first's seed again) samples the first's tokens from the replayed graphs."""
+    from grpo_cli.rollout.hf.engine import HFEngine
+
+    captures, flushes = [], []
+
+    class Counted(torch.cuda.CUDAGraph):
+        def capture_begin(self, *args, **kwargs):
+            captures.append(1)
+            return super().capture_begin(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Counted)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: flushes.append(1))
+    engine = HFEngine(model, eos_token_ids=EOS, pad_token_id=0, shares_policy_weights=True)
+    params = [SamplingParams(n=8, max_tokens=24, temperature=0.9, seed=seed) for seed in (7, 8, 7)]
+    first = engine.generate(PROMPTS, params[0])
+    captured = len(captures)
+    engine.generate(PROMPTS, params[1])
+    again = engine.generate(PROMPTS, params[2])
+    assert len(captures) == captured and flushes == []
+    assert again.completion_ids == first.completion_ids
+    if DEVICE == "cuda":
+        assert captured > 1  # one graph per bucket the first decode ran

@@ -1,12 +1,9 @@
 """The lean decode step at static shapes (`rollout.static_step`): active rows padded to a bucket, finished rows
 compacted in place into the next smaller bucket, the same tokens as the full forward for a fixed seed; on CUDA each
-bucket's step is captured once as a CUDA graph and replayed (driven here with torch.cuda's graph calls faked); a
-compiled step compiles at most once per bucket and not again for the next decode."""
+bucket's step is captured once as a CUDA graph and replayed (driven here with torch.cuda's graph calls faked:
+`graph_fakes`); a compiled step compiles at most once per bucket and not again for the next decode."""
 
 from __future__ import annotations
-
-import contextlib
-import types
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ from grpo_cli.models.attention import attention_implementation
 from grpo_cli.rollout.base import SamplingParams
 from grpo_cli.rollout.hf.decode import decode
 from grpo_cli.rollout.hf.static_step import bucket_size
-from grpo_cli.runtime import accel
+from graph_fakes import FakeGraph, fake_cuda
 
 PROMPTS = [[3, 5, 7, 9, 11], [4, 6], [8, 9, 10, 11, 12, 13, 14], [20]]
 SAMPLING = SamplingParams(n=3, max_tokens=12, temperature=0.9, seed=7)  # 12 rows
@@ -74,83 +71,14 @@ def test_bucketed_steps_sample_the_tokens_of_the_full_forward(model, monkeypatch
     assert torch.allclose(lean.logprobs, full.logprobs, atol=1e-5)
 
 
-class FakeGraph:
-    """torch.cuda.CUDAGraph on CPU: the step called during capture is recorded (`capturing`), and `replay` calls it
-    again into the captured outputs, as a graph replay rewrites them."""
-
-    made: list[FakeGraph] = []
-    capturing: FakeGraph | None = None
-
-    def __init__(self) -> None:
-        self.redo, self.replays = None, 0
-        FakeGraph.made.append(self)
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.redo()
-
-    def pool(self):
-        return ("pool", id(FakeGraph.made[0]))
-
-
-@contextlib.contextmanager
-def fake_capture(graph, pool=None):
-    FakeGraph.capturing = graph
-    graph.pool_given = pool
-    yield
-    FakeGraph.capturing = None
-
-
 def test_each_bucket_is_captured_once_and_replayed_on_cuda(model, monkeypatch):
     monkeypatch.setattr(decode_mod, "COMPACT_FRACTION", 0.0)
     full = full_forward(model, monkeypatch)
-    FakeGraph.made = []
-    real = decode_step.decode_sample
-    calls = {"warmup": 0}
-
-    def step(*args, **kwargs):
-        out = real(*args, **kwargs)
-        graph = FakeGraph.capturing
-        if graph is not None:
-            graph.batch = args[3].shape[0]
-            graph.redo = lambda: [o.copy_(n) for o, n in zip(out, real(*args, **kwargs), strict=True)]
-        elif stream.current is not None:
-            calls["warmup"] += 1
-        return out
-
-    class Stream:
-        current = None
-
-        def __init__(self, device) -> None:
-            self.device = device
-
-        def wait_stream(self, other) -> None:
-            pass
-
-    stream = Stream
-
-    @contextlib.contextmanager
-    def on_stream(s):
-        Stream.current = s
-        yield
-        Stream.current = None
-
-    monkeypatch.setattr(decode_mod, "decode_sample", step)
-    monkeypatch.setattr(decode_mod, "is_cuda", lambda device: True)
-    monkeypatch.setattr(accel, "is_cuda", lambda device: True)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
-    monkeypatch.setattr(torch.cuda, "stream", on_stream)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
-    # the finished count's read (accel.HostReadback) on its CUDA branch: an event, a host buffer (pinning needs CUDA)
-    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda: None, synchronize=lambda: None))
-    real_host_copy = accel.host_copy
-    monkeypatch.setattr(accel, "host_copy", lambda t, *, pinned: real_host_copy(t, pinned=False))
+    calls = fake_cuda(monkeypatch)
     out = decode(model, PROMPTS, SAMPLING, eos_token_ids=EOS, pad_token_id=0)
     batches = [g.batch for g in FakeGraph.made]
     assert len(batches) == len(set(batches)) > 1 and set(batches) <= BUCKETS  # one capture per bucket
-    assert calls["warmup"] == 2 * len(batches)  # warmed up on the side stream before each capture
+    assert calls.warmup == 2 * len(batches)  # warmed up on the side stream before each capture
     assert all(g.replays > 0 for g in FakeGraph.made)
     assert all(g.pool_given == FakeGraph.made[0].pool() for g in FakeGraph.made[1:])  # one memory pool
     assert torch.equal(out.tokens, full.tokens) and torch.allclose(out.logprobs, full.logprobs, atol=1e-5)

@@ -16,7 +16,7 @@ from grpo_cli.rollout.hf.continuation import KeptRows, RowKV, chunk_inputs, cont
 from grpo_cli.rollout.hf import lookahead
 from grpo_cli.rollout.hf.decode_step import compiled_decode_sample, decode_sample, decoder_parts, plan_decode, preallocated
 from grpo_cli.rollout.hf.sampling import process_logits, sample_tokens
-from grpo_cli.rollout.hf.static_step import StaticStep
+from grpo_cli.rollout.hf.static_step import StaticStep, StepStore, bucket_size, weight_addresses
 from grpo_cli.runtime.accel import is_cuda
 
 COMPACT_FRACTION = 0.25
@@ -185,7 +185,7 @@ def _mark_dynamic(plan, keys, values, tokens, positions, slot, bias, noise) -> N
 @torch.no_grad()
 def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_token_ids: list[int],
            pad_token_id: int, compile_step: bool = False, keep: bool = False, vision: VisionInputs | None = None,
-           banned: list[int] | None = None) -> Decoded:
+           banned: list[int] | None = None, steps_store: StepStore | None = None) -> Decoded:
     """Sample `sampling.n` completions of each prompt (group-contiguous rows) with `model` in its current mode.
 
     Positions follow transformers' `generate` for left padding: position = (cumsum(mask) − 1), 0 on padding, and
@@ -193,7 +193,8 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
     `decode_step.decode_sample` (the same modules and math without transformers' per-call machinery, and the draw;
     under `torch.compile` with `compile_step`), others the model's forward. Each step's token is drawn from
     `process_logits` of the fp32 logits and its logprob recorded (`sample_tokens`); a row stops after a stop token.
-    The lean step runs at static shapes (`static_step.StaticStep`: rows padded to a bucket, CUDA graphs on CUDA).
+    The lean step runs at static shapes (`static_step.StaticStep`: rows padded to a bucket, CUDA graphs on CUDA);
+    `steps_store` (an engine's) keeps the captured graphs for its next decode of the same shape.
     Without a seed, the generator's seed is drawn from torch's global RNG.
     With `keep`, `Decoded.kept` holds each row's KV for `decode_continue`. `vision`: the prompts' images (one row
     per prompt; a vision-language model, which decodes through its full forward); `banned`: token ids never
@@ -204,21 +205,23 @@ def decode(model, prompt_ids: list[list[int]], sampling: SamplingParams, *, eos_
                            "vision-language model are not supported)")
     prefilled = _prefill(model, prompt_ids, sampling.n, sampling.max_tokens, pad_token_id, vision)
     return _sample(model, *prefilled, sampling, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                   compile_step=compile_step, keep=keep, banned=banned)
+                   compile_step=compile_step, keep=keep, banned=banned, steps_store=steps_store)
 
 
 @torch.no_grad()
 def decode_continue(model, kept: list[RowKV], new_ids: list[list[int]], sampling: SamplingParams, *,
-                    eos_token_ids: list[int], pad_token_id: int, compile_step: bool = False) -> Decoded:
+                    eos_token_ids: list[int], pad_token_id: int, compile_step: bool = False,
+                    steps_store: StepStore | None = None) -> Decoded:
     """Continue rows whose KV was kept (`decode(keep=True)`), after `new_ids[j]` more tokens for row j: one
     completion per row (`sampling.n` is ignored), drawn as `decode` draws; the rows' KV is kept again."""
     prefilled = _continue_prefill(model, kept, new_ids, sampling.max_tokens, pad_token_id)
     return _sample(model, *prefilled, sampling, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                   compile_step=compile_step, keep=True)
+                   compile_step=compile_step, keep=True, steps_store=steps_store)
 
 
 def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingParams, *, eos_token_ids: list[int],
-            pad_token_id: int, compile_step: bool, keep: bool, banned: list[int] | None = None) -> Decoded:
+            pad_token_id: int, compile_step: bool, keep: bool, banned: list[int] | None = None,
+            steps_store: StepStore | None = None) -> Decoded:
     """The decode loop from the prefilled state: one token per step for every active row until each stops.
 
     After step t the loop stops when every active row is done (or t is the last step) and drops the finished rows
@@ -240,7 +243,6 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
     stop_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
     kept: list | None = [None] * batch if keep and continuable(cache) else None
     parts = decoder_parts(model) if preallocated(cache, width + steps) and not banned else None
-    plan = None if parts is None else plan_decode(parts, max_positions=width + steps)
     knobs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     ban = torch.tensor(banned or [], dtype=torch.long, device=device)
 
@@ -250,11 +252,10 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
         return sample_tokens(process_logits(logits, **knobs), generator)
 
     static = None
-    if plan is not None:  # the slot is a tensor where the step is compiled or captured (CUDA graphs)
+    if parts is not None:
         rows.bias = step_bias(rows.mask, width)
-        lean_step = functools.partial(compiled_decode_sample() if compile_step else decode_sample, **knobs)
-        static = StaticStep(lean_step, plan, cache, vocab=logits.shape[-1], tensor_slot=compile_step or is_cuda(
-            device), prepare=_mark_dynamic if compile_step else None)
+        static, held = _static_step(model, parts, cache, width + steps, logits.shape[-1], knobs, compile_step,
+                                    steps_store)
 
     def advance(feed: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch step t: the active rows' tokens `feed` (token t, pad where done) at slot width + t → token t + 1."""
@@ -300,4 +301,26 @@ def _sample(model, cache, logits, rows: _Rows, width: int, sampling: SamplingPar
         tokens, logprobs = launched if launched is not None else advance(feed, t)
         rows.next_pos += 1
     out.kept = kept
+    if static is not None and steps_store is not None and kept is None:  # kept rows are views of its buffers
+        steps_store.put(*held, static)
     return out
+
+
+def _static_step(model, parts, cache, slots: int, vocab: int, knobs: dict, compile_step: bool,
+                 store: StepStore | None) -> tuple[StaticStep, tuple]:
+    """The decode's `StaticStep` (from `store` when the last decode kept one of this shape over these weights),
+    and the (key, weights) it is kept under. The slot is a tensor where the step is compiled or captured (CUDA)."""
+    keys = cache.layers[0].keys
+    tensor_slot = compile_step or is_cuda(keys.device)
+    key = (bucket_size(keys.shape[0]), len(cache.layers), tuple(keys.shape[1:]), keys.dtype, str(keys.device), slots,
+           vocab, tuple(knobs.items()), compile_step, tensor_slot)
+
+    def build() -> StaticStep:
+        lean_step = functools.partial(compiled_decode_sample() if compile_step else decode_sample, **knobs)
+        return StaticStep(lean_step, plan_decode(parts, max_positions=slots), cache, vocab=vocab,
+                          tensor_slot=tensor_slot, prepare=_mark_dynamic if compile_step else None)
+
+    if store is None:
+        return build(), (key, None)
+    weights = weight_addresses(model)
+    return store.take(key, weights, cache, build), (key, weights)

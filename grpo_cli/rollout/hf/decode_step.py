@@ -137,6 +137,16 @@ class _Layer:
         mlp = layer.mlp
         self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if type(mlp).__name__ in GATED_MLPS else None
 
+    def refresh(self) -> None:
+        """The fused copies rewritten in place from the projections' current weights (a graph reads them there)."""
+        mlp = self.layer.mlp
+        for fused, modules in ((self.qkv, (self.attn.q_proj, self.attn.k_proj, self.attn.v_proj)),
+                               (self.gate_up, (mlp.gate_proj, mlp.up_proj))):
+            if fused is not None:
+                torch.cat([m.weight.detach() for m in modules], out=fused[1])
+                if fused[2] is not None:
+                    torch.cat([m.bias.detach() for m in modules], out=fused[2])
+
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[q | k] (B, H + KV, D) and v (B, KV, D) of the normed input h (B, hidden)."""
         attn, batch, dim = self.attn, h.shape[0], self.head_dim
@@ -166,10 +176,16 @@ class DecodePlan:
     cos: torch.Tensor  # (max_positions, D)
     signed_sin: torch.Tensor  # (max_positions, D): sin · [−1 … −1 | 1 … 1], so rot(x)·sin = roll(x, D/2)·signed_sin
 
+    def refresh(self) -> None:
+        """The fused weights copied from the model again, in place: a plan kept for another generation
+        (`static_step.StepStore`) computes with the weights of the last update. RoPE's tables do not change."""
+        for layer in self.layers:
+            layer.refresh()
+
 
 def plan_decode(parts: DecoderParts, max_positions: int) -> DecodePlan:
     """A `DecodePlan` for positions < `max_positions`. Fused weights are copies: build the plan after the weights'
-    last update and use it for one generation."""
+    last update, or `refresh` it before another generation."""
     weight = parts.embed.weight
     positions = torch.arange(max_positions, device=weight.device)[None]
     cos, sin = (t[0] for t in parts.rotary(weight[:1], positions))  # the module only reads x's dtype and device

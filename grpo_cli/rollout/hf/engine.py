@@ -16,6 +16,7 @@ from grpo_cli.models.vision import VisionInputs, placeholder_ids
 from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams
 from grpo_cli.rollout.hf.decode import Decoded, decode, decode_continue
 from grpo_cli.rollout.hf.decode_step import decoder_parts
+from grpo_cli.rollout.hf.static_step import StepStore
 from grpo_cli.models.logprobs import score_sequences
 from grpo_cli.models.weight_names import parameters_by_name
 
@@ -38,6 +39,7 @@ class HFEngine(RolloutEngine):
         self.weight_version = 0
         self._kept = None  # the last call's rows' KV (`keep_cache`), for `continue_rows`
         self._copy: GenerationCopy | None = None  # the weights in autocast's dtype (`generation_model`)
+        self._steps = StepStore()  # the last decode's CUDA graphs, replayed by the next decode of its shape
 
     def _run(self, fn, *args, refresh: bool = True, **kwargs) -> Decoded:
         model, context = self.generation_model(refresh=refresh)
@@ -46,7 +48,7 @@ class HFEngine(RolloutEngine):
         try:
             with context:
                 return fn(model, *args, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                          compile_step=self.compile_step, **kwargs)
+                          compile_step=self.compile_step, steps_store=self._steps, **kwargs)
         finally:
             model.train(was_training)
 
@@ -131,7 +133,9 @@ class HFEngine(RolloutEngine):
         self.weight_version = version
 
     def sleep(self, level: int) -> None:
-        """Nothing to release: the engine is the policy (or a small copy)."""
+        """Release the last decode's kept graphs and KV buffers (`StepStore`); the weights are the policy's (or a
+        small copy) and stay."""
+        self._steps.clear()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Nothing to restore."""
@@ -140,6 +144,7 @@ class HFEngine(RolloutEngine):
         self.model = None
         self._kept = None
         self._copy = None
+        self._steps.clear()
 
 
 def image_processor(cfg, ctx):
