@@ -1,0 +1,40 @@
+"""Images on one rank only (issue 46, item 1): rank 0's rows carry images, rank 1's are text only. The ranks agree
+per micro-batch that one has an image, and rank 1 runs the vision tower on a dummy image with zero weight, so
+fsdp2's per-block gathers, ZeRO-3's per-module fetches and ddp's reducer (tower trained) pair up. One launch of 2
+gloo processes (`images_worker.py`), a 1-minute group timeout: before the fix fsdp2 failed at once with gloo's
+"Received data size doesn't match expected size"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from dist_env import run_two_ranks
+
+WORKER = str(Path(__file__).with_name("images_worker.py"))
+
+
+def _close(a, b, tol: float) -> bool:
+    return torch.allclose(torch.tensor(a), torch.tensor(b), atol=tol, rtol=tol)
+
+
+def test_images_on_one_rank_only_pair_up_and_the_dummy_changes_nothing(tmp_path):
+    ranks = run_two_ranks(WORKER, [], tmp_path, timeout=240)
+    assert [r["has_vision"] for r in ranks] == [True, False]
+    for backend, reference in (("fsdp2", "frozen"), ("zero3", "frozen"), ("ddp", "trained")):
+        one = ranks[0][reference]  # one process, both ranks' rows (rank 0's first), no dummy image
+        for rank, r in enumerate(ranks):
+            run = r[backend]
+            # the no-grad passes and each micro-batch's loss are those of the same rows on one process
+            mine = slice(4 * rank, 4 * rank + 4)
+            assert _close(run["old"], one["old"][mine], 1e-5), (backend, rank)
+            assert _close(run["ref"], one["ref"][mine], 1e-5), (backend, rank)
+            assert _close(run["losses"], one["losses"][2 * rank : 2 * rank + 2], 1e-5), (backend, rank)
+            assert abs(run["grad_norm"] - one["grad_norm"]) <= 1e-5 * one["grad_norm"], (backend, rank)
+            # the update (every weight, gathered) is the one-process update: the dummy adds no gradient
+            for name, moved in one["moved"].items():
+                assert _close(run["moved"][name], moved, 1e-5), (backend, rank, name)
+        vision = [n for n in one["moved"] if n.startswith("model.visual.")]
+        frozen = reference == "frozen"
+        assert all(torch.tensor(ranks[0][backend]["moved"][n]).abs().max() == 0 for n in vision) == frozen, backend
+        assert (ranks[0][backend]["trainable_vision"] == 0) == frozen
