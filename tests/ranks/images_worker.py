@@ -1,7 +1,8 @@
 """Worker for test_ranks_images: one rank of a 2-process gloo job (group timeout 1 minute) where rank 0's rows carry
 images and rank 1's are text only, under fsdp2 and ZeRO-3 (tower frozen) and ddp (tower trained) in turn: the
-old-policy and reference passes, then one optimizer step. Rank 0 also runs the same passes on one process over
-both ranks' rows (nothing to agree, no dummy image) as the reference. Writes to `OUT/rank{r}.json`.
+old-policy and reference passes, then one optimizer step (ddp: then two steps on text rows on both ranks). Rank 0
+also runs the same passes on one process over both ranks' rows (nothing to agree, no dummy image) as the reference.
+Writes to `OUT/rank{r}.json`.
 
 Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python images_worker.py OUT`."""
 
@@ -91,7 +92,9 @@ def passes(cfg, policy, batch, num_items: float) -> dict:
             "moved": {n: (after[n] - before[n]).tolist() for n in before}}
 
 
-def run(overrides: list[str], info, path: str, batch, num_items: float) -> dict:
+def run(overrides: list[str], info, path: str, batch, num_items: float, text=None) -> dict:
+    """`passes` under `overrides` on `info`'s ranks; with `text` (text-only rows, the tower trained), then two more
+    steps on them on every rank: no rank has an image, and ddp's reducer still needs the tower's gradients."""
     cfg = build_config(overrides=[
         "model.name_or_path=builtin:tiny-vlm", f"distributed.num_processes={info.world_size}",
         "algorithm.kl.beta=0.1", "train.micro_batch_size=2", "train.learning_rate=1e-2", "train.max_grad_norm=1e9",
@@ -99,6 +102,8 @@ def run(overrides: list[str], info, path: str, batch, num_items: float) -> dict:
         'rollout.server.urls=["http://127.0.0.1:1"]', *overrides])  # no engine is built
     policy = load_policy(cfg, path, device=torch.device("cpu"), info=info)
     out = passes(cfg, policy, batch, num_items)
+    if text is not None:
+        out["text_norms"] = [passes(cfg, policy, text, num_items)["grad_norm"] for _ in range(2)]
     out["trainable_vision"] = sum(p.requires_grad for n, p in policy.module.named_parameters()
                                   if is_vision_parameter(n))
     return out
@@ -118,7 +123,8 @@ def main(out: str) -> None:
     num_items = float(len(comps) * T)
     report = {"has_vision": rows[info.rank].vision is not None}
     for backend in BACKENDS:
-        report[backend] = run(BACKENDS[backend], info, path, rows[info.rank], num_items)
+        report[backend] = run(BACKENDS[backend], info, path, rows[info.rank], num_items,
+                              text=rows[1] if backend == "ddp" else None)
     if info.is_main:  # one process over both ranks' rows (rank 0's first): no agreement, no dummy image
         for name, overrides in REFERENCES.items():
             one = batch_of(ps, comps, tok.pad_token_id)

@@ -1,8 +1,9 @@
 """Images on one rank only (issue 46, item 1): rank 0's rows carry images, rank 1's are text only. The ranks agree
 per micro-batch that one has an image, and rank 1 runs the vision tower on a dummy image with zero weight, so
 fsdp2's per-block gathers, ZeRO-3's per-module fetches and ddp's reducer (tower trained) pair up. One launch of 2
-gloo processes (`images_worker.py`), a 1-minute group timeout: before the fix fsdp2 failed at once with gloo's
-"Received data size doesn't match expected size"."""
+gloo processes (`images_worker.py`), a 1-minute group timeout: before the fix fsdp2 and ZeRO-3 failed at once
+with gloo's "Received data size doesn't match expected size", ddp timed out; and ddp with the tower trained and no
+image on any rank failed at the next step ("Expected to have finished reduction in the prior iteration")."""
 
 from __future__ import annotations
 
@@ -38,3 +39,5 @@ def test_images_on_one_rank_only_pair_up_and_the_dummy_changes_nothing(tmp_path)
         frozen = reference == "frozen"
         assert all(torch.tensor(ranks[0][backend]["moved"][n]).abs().max() == 0 for n in vision) == frozen, backend
         assert (ranks[0][backend]["trainable_vision"] == 0) == frozen
+    # ddp, tower trained, no image on any rank: the reducer got the tower's (zero) gradients, the next step ran
+    assert ranks[0]["ddp"]["text_norms"] == ranks[1]["ddp"]["text_norms"] and len(ranks[0]["ddp"]["text_norms"]) == 2

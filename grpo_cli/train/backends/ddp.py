@@ -44,6 +44,18 @@ class DDPBackend(TrainingBackend):
         self.optimizer = make_adamw(cfg, list(self.module.parameters()))
         self.scheduler = make_scheduler(cfg, self.optimizer)
 
+    def agree_images(self, has_images: bool) -> bool:
+        """Also True for every training micro-batch when the vision tower trains (`model.freeze_vision: false`):
+        DDP's reducer (unused-parameter detection off) waits in the backward that syncs for a gradient of every
+        trainable parameter, so a step whose last micro-batch has no image on any rank failed at the next forward
+        ("Expected to have finished reduction in the prior iteration"); the zero-weight dummy image gives the
+        tower's parameters their (zero) gradients."""
+        from grpo_cli.models.vision import is_vision_parameter
+
+        agreed = super().agree_images(has_images)
+        trains = any(p.requires_grad for n, p in self.module.named_parameters() if is_vision_parameter(n))
+        return agreed or (torch.is_grad_enabled() and trains)
+
     def compute_context(self):
         dtype = compute_dtype(self.cfg)
         if dtype == next(self.module.parameters()).dtype:
