@@ -33,7 +33,9 @@ def _rows(tmp_path) -> list[dict]:
     return rows
 
 
-@pytest.mark.slow  # a server and two trainer processes start; ~1-2 min on the loaded 2-core machine
+# a server and two trainer processes start (42 s at load ~10 on 2 cores); the default run covers the same paths in
+# tests/ranks/test_ranks_images.py (fsdp2 with images on one rank only, every pass)
+@pytest.mark.extended
 def test_fsdp2_on_two_ranks_with_images_on_some_ranks_only(tmp_path):
     from grpo_cli.server.launch import wait_ready_line
 

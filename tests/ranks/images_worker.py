@@ -1,7 +1,7 @@
 """Worker for test_ranks_images: one rank of a 2-process gloo job (group timeout 1 minute) where rank 0's rows carry
 images and rank 1's are text only, under fsdp2 and ZeRO-3 (tower frozen) and ddp (tower trained) in turn: the
-old-policy and reference passes, then one optimizer step (ddp: then two steps on text rows on both ranks). Rank 0
-also runs the same passes on one process over both ranks' rows (nothing to agree, no dummy image) as the reference.
+old-policy and reference passes, then one optimizer step (ddp: then two steps on text rows on both ranks). Each rank
+also runs the same passes on one process over both ranks' rows (nothing to agree, no dummy image) as a reference.
 Writes to `OUT/rank{r}.json`.
 
 Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python images_worker.py OUT`."""
@@ -125,10 +125,9 @@ def main(out: str) -> None:
     for backend in BACKENDS:
         report[backend] = run(BACKENDS[backend], info, path, rows[info.rank], num_items,
                               text=rows[1] if backend == "ddp" else None)
-    if info.is_main:  # one process over both ranks' rows (rank 0's first): no agreement, no dummy image
-        for name, overrides in REFERENCES.items():
-            one = batch_of(ps, comps, tok.pad_token_id)
-            report[name] = run(overrides, DistInfo(), path, one, num_items)
+    # one process over both ranks' rows (rank 0's first): no agreement, no dummy image; one reference on each rank
+    name = list(REFERENCES)[info.rank]
+    report[name] = run(REFERENCES[name], DistInfo(), path, batch_of(ps, comps, tok.pad_token_id), num_items)
     Path(out, f"rank{info.rank}.json").write_text(json.dumps(report))
     shutdown(info)
 
