@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -176,15 +177,17 @@ class TrainingBackend:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t)
 
+    @functools.cached_property
+    def _agrees_images(self) -> bool:
+        from grpo_cli.config.model_shape import is_vision_model
+
+        return self.info.world_size > 1 and is_vision_model(self.cfg.model.name_or_path)
+
     def image_agreement(self) -> Callable[[bool], bool] | None:
         """`agree_images` for a vision-language model on several ranks (`train.batch.take` calls it for every
         micro-batch of every pass); None in one process or for a text-only model, decided from the config alike on
         every rank."""
-        from grpo_cli.config.model_shape import is_vision_model
-
-        if self.info.world_size == 1 or not is_vision_model(self.cfg.model.name_or_path):
-            return None
-        return self.agree_images
+        return self.agree_images if self._agrees_images else None
 
     def agree_images(self, has_images: bool) -> bool:
         """Whether any rank's micro-batch has an image (one all-reduce on the CPU group): a rank whose micro-batch
