@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from dist_env import run_two_ranks
 
@@ -40,3 +41,36 @@ def test_images_on_one_rank_only_pair_up_and_the_dummy_changes_nothing(tmp_path)
         assert (ranks[0][backend]["trainable_vision"] == 0) == frozen
     # ddp, tower trained, no image on any rank: the reducer got the tower's (zero) gradients, the next step ran
     assert ranks[0]["ddp"]["text_norms"] == ranks[1]["ddp"]["text_norms"] and len(ranks[0]["ddp"]["text_norms"]) == 2
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_dummy_image_runs_every_tower_parameter_and_changes_nothing(any_vlm, packed):
+    """On one process, either architecture (Qwen2.5-VL: window attention): rows without images with the dummy
+    (`VisionInputs.dummy_only`) give bit-identical logprobs and entropy, and the backward gives every vision-tower
+    parameter a gradient of exactly 0 and every other parameter the gradient it gets without the dummy."""
+    from transformers import AutoModelForImageTextToText
+
+    from grpo_cli.models.logprobs import completion_logprobs_entropy
+    from grpo_cli.models.vision import VisionInputs, is_vision_parameter
+
+    model = AutoModelForImageTextToText.from_pretrained(any_vlm, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 40, (4, 9), generator=g)
+    if packed:  # two groups of two completions sharing a prompt: the packed forward
+        ids[1, :5], ids[3, :5] = ids[0, :5], ids[2, :5]
+    mask = torch.ones_like(ids)
+    mask[1, -1] = 0
+
+    def run(vision):
+        model.zero_grad(set_to_none=True)
+        lp, ent = completion_logprobs_entropy(model, ids, mask, logits_to_keep=4, temperature=0.7, entropy_grad=True,
+                                              vision=vision)
+        (lp.sum() + ent.sum()).backward()
+        return lp.detach(), ent.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    lp, ent, grads = run(None)
+    lp_d, ent_d, grads_d = run(VisionInputs.dummy_only(4))
+    assert torch.equal(lp, lp_d) and torch.equal(ent, ent_d)
+    tower = [n for n in grads if is_vision_parameter(n)]
+    assert tower and all(grads[n] is None and torch.equal(grads_d[n], torch.zeros_like(grads_d[n])) for n in tower)
+    assert all(torch.equal(grads[n], grads_d[n]) for n in grads if n not in tower)
