@@ -48,8 +48,8 @@ def tokenize_prompts(rows: list[dict], tokenizer, *, prompt_column: str, max_pro
     """Tokenise every row; prompts longer than `max_prompt_length` (image tokens included) are dropped (`filter`)
     or rejected (`error`). With `images` (a vision-language model's processor) each row's images are read
     (`data.images.row_images`), put before the first user message's text where the messages have no image part (a
-    plain string with an image column is that user message), processed, and the prompt's placeholders expanded. Returns the prompts kept and
-    the number dropped."""
+    plain string with an image column is that user message), processed, and the prompt's placeholders expanded.
+    Returns the prompts kept and the number dropped."""
     if rows and prompt_column not in rows[0]:
         raise DataError(f"data.prompt_column '{prompt_column}' is not a column of the data (columns: "
                         f"{sorted(rows[0])}); set data.prompt_column to the one holding the prompt.")

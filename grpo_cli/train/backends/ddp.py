@@ -4,6 +4,7 @@ bf16/fp16 compute comes from autocast."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import torch
@@ -50,11 +51,14 @@ class DDPBackend(TrainingBackend):
         trainable parameter, so a step whose last micro-batch has no image on any rank failed at the next forward
         ("Expected to have finished reduction in the prior iteration"); the zero-weight dummy image gives the
         tower's parameters their (zero) gradients."""
+        agreed = super().agree_images(has_images)
+        return agreed or (torch.is_grad_enabled() and self._tower_trains)
+
+    @functools.cached_property
+    def _tower_trains(self) -> bool:
         from grpo_cli.models.vision import is_vision_parameter
 
-        agreed = super().agree_images(has_images)
-        trains = any(p.requires_grad for n, p in self.module.named_parameters() if is_vision_parameter(n))
-        return agreed or (torch.is_grad_enabled() and trains)
+        return any(p.requires_grad for n, p in self.module.named_parameters() if is_vision_parameter(n))
 
     def compute_context(self):
         dtype = compute_dtype(self.cfg)
