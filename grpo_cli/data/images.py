@@ -99,6 +99,16 @@ def image_parts(messages) -> list[dict]:
             for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
 
+def as_user_message(value, row: dict):
+    """A plain-string prompt of a row with an `images`/`image` column (its value may be empty) as one user message,
+    which `with_image_parts` then gives the row's images before its text and the chat template renders with the
+    vision tokens, as for chat-message prompts. Every such row, with images or not, so a dataset's rows share one
+    format. Anything else as it is."""
+    if isinstance(value, str) and any(c in row for c in IMAGE_COLUMNS):
+        return [{"role": "user", "content": value}]
+    return value
+
+
 def with_image_parts(messages, count: int):
     """`messages` with `count` image parts (no value: the template renders a placeholder) put before the first user
     message's text when they have none (a dataset whose images are only in a column)."""

@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from grpo_cli.data.images import ImageProcessor, row_images, with_image_parts
+from grpo_cli.data.images import ImageProcessor, as_user_message, row_images, with_image_parts
 from grpo_cli.data.sources import DataError
 
 if TYPE_CHECKING:
@@ -21,7 +21,8 @@ class Prompt:
     ids: list[int]
     columns: dict
     messages: list | None = None
-    """The chat messages the text was rendered from (None for a plain-string prompt): a reward model renders them
+    """The chat messages the text was rendered from (None for a plain-string prompt, except one of a row with an
+    `images`/`image` column, which is a user message: `data.images.as_user_message`): a reward model renders them
     with its own template."""
     images: list | None = None
     """A vision-language model's prompt: its images (RGB `PIL.Image`s, size-capped), in placeholder order; then
@@ -46,8 +47,9 @@ def tokenize_prompts(rows: list[dict], tokenizer, *, prompt_column: str, max_pro
                      images: ImageProcessor | None = None) -> tuple[list[Prompt], int]:
     """Tokenise every row; prompts longer than `max_prompt_length` (image tokens included) are dropped (`filter`)
     or rejected (`error`). With `images` (a vision-language model's processor) each row's images are read
-    (`data.images.row_images`), processed, and the prompt's placeholders expanded. Returns the prompts kept and
-    the number dropped."""
+    (`data.images.row_images`), put before the first user message's text where the messages have no image part (a
+    plain string with an image column is that user message), processed, and the prompt's placeholders expanded.
+    Returns the prompts kept and the number dropped."""
     if rows and prompt_column not in rows[0]:
         raise DataError(f"data.prompt_column '{prompt_column}' is not a column of the data (columns: "
                         f"{sorted(rows[0])}); set data.prompt_column to the one holding the prompt.")
@@ -56,7 +58,7 @@ def tokenize_prompts(rows: list[dict], tokenizer, *, prompt_column: str, max_pro
         value, pics, vision = row[prompt_column], None, None
         if images is not None:
             pics = row_images(row, prompt_column, where=f"data row {i}", max_pixels=images.max_pixels)
-            value = with_image_parts(value, len(pics))
+            value = with_image_parts(as_user_message(value, row), len(pics))
         text = render(tokenizer, value, prompt_column, tools=tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if images is not None:

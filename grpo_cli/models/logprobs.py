@@ -9,6 +9,8 @@ keeping completions apart — the same logits in one pass over fewer positions.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from grpo_cli.algo.chunk_size import chunk_rows
@@ -18,7 +20,7 @@ from grpo_cli.models.attention import LAYOUT_ATTR
 from grpo_cli.models.attention import NAME as ATTENTION
 from grpo_cli.models.linear_fn import LINEAR_FN_ATTR
 from grpo_cli.models.packing import attention_cost, completion_widths, packed_mask, plan_packing
-from grpo_cli.models.vision import VisionInputs, mrope_positions
+from grpo_cli.models.vision import VisionInputs, dummy_tower, mrope_positions
 
 MIN_SAVING = 0.1
 """Packing is used only when it cuts the estimated forward cost (`attention_cost`) by at least this share."""
@@ -189,9 +191,15 @@ def _completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     Position ids are (cumsum(mask) − 1) clamped at 0, as in generation. Rows run packed (`_packed_logits`) when the
     model allows it and it pays, else as one padded batch; both compute the same logits. With `vision` (a
     vision-language model's rows) the model also gets the rows' pixel patches and grids, positions are M-RoPE's
-    (`vision.mrope_positions`, (3, B, S)), and rows are not packed.
+    (`vision.mrope_positions`, (3, B, S)), and rows are not packed; rows without an image run as text, with the
+    tower on a zero-weight dummy image when the ranks agreed that another rank's micro-batch has one
+    (`VisionInputs.dummy`).
     """
     prompt_len = input_ids.shape[1] - logits_to_keep
+    if vision is not None and vision.num_images == 0:  # rows without images run as text (packed where it pays)
+        with dummy_tower(model) if vision.dummy else contextlib.nullcontext():
+            return _completion_logits(model, input_ids, attention_mask, logits_to_keep=logits_to_keep,
+                                      temperature=temperature, head=head)
     extra = {}
     if vision is not None:
         position_ids = mrope_positions(model, input_ids, attention_mask, vision)

@@ -4,6 +4,7 @@ tower's."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,11 @@ class VisionInputs:
     """(images, 3) long: each image's (t, h, w) patch grid."""
     images_per_row: torch.Tensor
     """(B,) long."""
+    dummy: bool = False
+    """No row has an image, but another rank's micro-batch has one (the ranks agreed: `train.batch.take`): the
+    forward runs the vision tower on a dummy image whose output enters with weight 0 (`dummy_tower`), so this rank's
+    collectives (fsdp2's per-block gathers, ZeRO-3's per-module fetches) and the parameters its backward reaches
+    (ddp's and ZeRO-2's reducers) are its peers'."""
 
     def __len__(self) -> int:
         return self.images_per_row.shape[0]
@@ -95,7 +101,7 @@ class VisionInputs:
 
     def to(self, device) -> VisionInputs:
         return VisionInputs(self.pixel_values.to(device), self.image_grid_thw.to(device),
-                            self.images_per_row.to(device))
+                            self.images_per_row.to(device), dummy=self.dummy)
 
     @classmethod
     def cat(cls, parts: list[VisionInputs]) -> VisionInputs:
@@ -109,6 +115,12 @@ class VisionInputs:
         return cls(torch.zeros((0, patch_dim), dtype=dtype), torch.zeros((0, 3), dtype=torch.long),
                    torch.zeros(rows, dtype=torch.long))
 
+    @classmethod
+    def dummy_only(cls, rows: int) -> VisionInputs:
+        """`rows` rows without images that still run the vision tower (`dummy`)."""
+        return cls(torch.zeros((0, 0)), torch.zeros((0, 3), dtype=torch.long), torch.zeros(rows, dtype=torch.long),
+                   dummy=True)
+
     def model_kwargs(self) -> dict:
         """What the model's forward takes: `pixel_values` and `image_grid_thw`, or nothing when no row has an
         image (the vision tower is then not run)."""
@@ -121,6 +133,32 @@ def unwrap(model):
     """The Hugging Face module under DDP/DeepSpeed (`.module`) and PEFT (`get_base_model()`)."""
     model = getattr(model, "module", model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextlib.contextmanager
+def dummy_tower(model):
+    """Inside: every forward of `model` also runs its vision tower (`get_image_features`, the path an image takes)
+    on one all-zero image of one merged patch group, right after the input embedding as with a real image, and adds
+    0 × the sum of its output to the embeddings: the values do not change (x + 0 = x; the tower's output on zeros
+    is finite), the gradient reaching the tower is exactly 0, and every tower module runs, so its FSDP2 / ZeRO-3
+    gathers and the reducer's used parameters are those of a rank with images."""
+    hf = unwrap(model)
+    vision = hf.config.vision_config
+    merge = vision.spatial_merge_size
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+
+    def add(module, args, output):
+        pixels = torch.zeros((merge * merge, width), device=output.device)
+        grid = torch.tensor([[1, merge, merge]], device=output.device)
+        features = hf.model.get_image_features(pixels, grid, return_dict=True).pooler_output
+        zero = sum(f.sum() for f in features) * 0.0
+        return output + zero.to(output.dtype)
+
+    handle = hf.get_input_embeddings().register_forward_hook(add)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -194,10 +194,19 @@ def micro_batch_rows(batch: TrainBatch, *, micro_batch_size: int, micro_batch_to
     return split_to(groups, agree(len(groups))) if agree is not None else groups
 
 
-def take(batch: TrainBatch, rows: list[int], *, micro_batch_tokens: int | None) -> TrainBatch:
+def take(batch: TrainBatch, rows: list[int], *, micro_batch_tokens: int | None,
+         any_images: Callable[[bool], bool] | None = None) -> TrainBatch:
     """Micro-batch `rows` of `batch`: a slice as cut by `micro_batch_size`, `select`ed (own padding only) under a
-    token budget."""
-    return batch.rows(rows[0], rows[-1] + 1) if micro_batch_tokens is None else batch.select(rows)
+    token budget. Every pass's micro-batch comes from here. `any_images` (a vision-language model on several ranks:
+    the backend's `agree_images`, a collective that every rank calls for every micro-batch) says whether any rank's
+    micro-batch has an image; when one has and this one has none, it runs the tower on a dummy image
+    (`VisionInputs.dummy`), so that the ranks' forwards and backwards issue the same collectives."""
+    mb = batch.rows(rows[0], rows[-1] + 1) if micro_batch_tokens is None else batch.select(rows)
+    if any_images is not None:
+        has = mb.vision is not None and mb.vision.num_images > 0
+        if any_images(has) and not has:
+            mb = replace(mb, vision=VisionInputs.dummy_only(len(mb)))
+    return mb
 
 
 def scatter_rows(parts: list[torch.Tensor], groups: list[list[int]], steps: int) -> torch.Tensor:
@@ -221,15 +230,17 @@ def forward_logprobs(model, mb: TrainBatch, *, temperature: float) -> torch.Tens
 
 @torch.no_grad()
 def batch_logprobs(model, batch: TrainBatch, *, micro_batch_size: int, temperature: float,
-                   micro_batch_tokens: int | None = None, agree: Callable[[int], int] | None = None) -> torch.Tensor:
-    """No-grad logprobs (B, T) of the whole batch, micro-batch by micro-batch (old-policy or reference pass); the
-    micro-batches as `micro_batch_rows` cuts them, the result in the batch's row order."""
-    if micro_batch_tokens is None:
-        return torch.cat([forward_logprobs(model, batch.rows(i, i + micro_batch_size), temperature=temperature)
-                          for i in range(0, len(batch), micro_batch_size)])
+                   micro_batch_tokens: int | None = None, agree: Callable[[int], int] | None = None,
+                   any_images: Callable[[bool], bool] | None = None) -> torch.Tensor:
+    """No-grad logprobs (B, T) of the whole batch, micro-batch by micro-batch (old-policy, reference or teacher
+    pass); the micro-batches as `micro_batch_rows` cuts them and `take` takes them (`any_images`: see there), the
+    result in the batch's row order."""
     from grpo_cli.models.logprobs import packs_rows
 
     groups = micro_batch_rows(batch, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                               agree=agree, packed=packs_rows(model, batch.vision))
-    parts = [forward_logprobs(model, batch.select(rows), temperature=temperature) for rows in groups]
+    parts = [forward_logprobs(model, take(batch, rows, micro_batch_tokens=micro_batch_tokens, any_images=any_images),
+                              temperature=temperature) for rows in groups]
+    if micro_batch_tokens is None:
+        return torch.cat(parts)
     return scatter_rows(parts, groups, batch.num_completion_tokens)

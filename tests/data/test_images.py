@@ -9,6 +9,7 @@ import io
 import math
 
 import pytest
+import torch
 from PIL import Image
 
 from grpo_cli.data.images import ImageError, load_image, row_images, with_image_parts
@@ -89,9 +90,36 @@ def test_prompts_get_expanded_ids_and_a_text_model_is_untouched(tiny_vlm, tiny_c
     # the tiny processor's max 56² pixels: 112 × 56 → 56 × 28, 4 × 2 patches, 2 tokens of 2 × 2
     assert prompt.vision.image_grid_thw.tolist() == [[1, 4, 2]]
     assert prompt.ids.count(images.image_token_id) == 2 and prompt.text.count("<|image_pad|>") == 1
-    with pytest.raises(ImageError, match="data row 0: the prompt has 0 image placeholder"):
-        tokenize_prompts([{"prompt": "a plain string", "image": _b64()}], tok, prompt_column="prompt",
-                         max_prompt_length=64, overlong_prompts="error", images=images)
+
+
+
+def test_a_plain_string_prompt_with_an_image_column_is_a_user_message_with_its_images_first(tiny_vlm):
+    """docs/vision.md: a column's images go before the first user message's text; a plain string is that message
+    (it was refused: "0 image placeholder(s) for 1 image(s)"). Rows of the column without images are messages too."""
+    from transformers import AutoTokenizer
+
+    from grpo_cli.data.images import ImageProcessor
+    from grpo_cli.data.prompts import tokenize_prompts
+
+    images = ImageProcessor.load(tiny_vlm, max_pixels=10**6)
+    tok = AutoTokenizer.from_pretrained(tiny_vlm)
+    q, picture = "how many shapes are there ?", _b64((56, 56))
+
+    def prompts(rows):
+        return tokenize_prompts(rows, tok, prompt_column="prompt", max_prompt_length=64, overlong_prompts="error",
+                                images=images)[0]
+
+    strings = prompts([{"prompt": q, "image": picture}, {"prompt": q, "images": []}, {"prompt": q}])
+    chats = prompts([{"prompt": _user({"type": "image", "image": picture}, {"type": "text", "text": q})},
+                     {"prompt": [{"role": "user", "content": q}]}])
+    for got, want in zip(strings, chats):
+        assert (got.text, got.ids) == (want.text, want.ids)
+    assert strings[0].ids.count(images.image_token_id) == 4 and strings[0].text.index("<|image_pad|>") \
+        < strings[0].text.index(q)
+    assert torch.equal(strings[0].vision.pixel_values, chats[0].vision.pixel_values)
+    assert strings[0].messages == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}]
+    assert strings[1].vision is None and strings[1].messages == [{"role": "user", "content": q}]
+    assert (strings[2].text, strings[2].messages) == (q, None)  # no image column: the string as it is
 
 
 def test_shapes_task_has_a_heldout_split_and_answers_what_it_draws():

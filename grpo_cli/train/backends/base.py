@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -161,7 +162,8 @@ class TrainingBackend:
                   else contextlib.nullcontext(self.model))
         with self.compute_context(), chosen as m:
             return batch_logprobs(m, batch, micro_batch_size=micro_batch_size, temperature=temperature,
-                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens, agree=self.agree_count)
+                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens, agree=self.agree_count,
+                                  any_images=self.image_agreement())
 
     def agree_count(self, count: int) -> int:
         """The largest micro-batch count of any rank (one all-reduce): under `train.micro_batch_tokens` each rank
@@ -174,6 +176,29 @@ class TrainingBackend:
         t = torch.tensor([count], dtype=torch.long)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t)
+
+    @functools.cached_property
+    def _agrees_images(self) -> bool:
+        from grpo_cli.config.model_shape import is_vision_model
+
+        return self.info.world_size > 1 and is_vision_model(self.cfg.model.name_or_path)
+
+    def image_agreement(self) -> Callable[[bool], bool] | None:
+        """`agree_images` for a vision-language model on several ranks (`train.batch.take` calls it for every
+        micro-batch of every pass); None in one process or for a text-only model, decided from the config alike on
+        every rank."""
+        return self.agree_images if self._agrees_images else None
+
+    def agree_images(self, has_images: bool) -> bool:
+        """Whether any rank's micro-batch has an image (one all-reduce on the CPU group): a rank whose micro-batch
+        has none then runs the vision tower on a zero-weight dummy image, because the tower's forward gathers
+        sharded weights (fsdp2, ZeRO-3) and its backward reaches parameters a reducer waits for (ddp, ZeRO-2 with
+        `model.freeze_vision: false`), on every rank or none."""
+        import torch.distributed as dist
+
+        t = torch.tensor([int(has_images)], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t)
 
     def forward_backward(self, batch: TrainBatch, *, micro_batch_size: int, temperature: float, entropy_grad: bool,
                          loss_fn: LossFn) -> list[dict[str, torch.Tensor]]:
@@ -188,7 +213,7 @@ class TrainingBackend:
                                   agree=self.agree_count, packed=packs_rows(self.model, batch.vision))
         out = []
         for k, rows in enumerate(groups):
-            mb = take(batch, rows, micro_batch_tokens=tokens)
+            mb = take(batch, rows, micro_batch_tokens=tokens, any_images=self.image_agreement())
             with self.accumulation_context(last=k == len(groups) - 1):
                 with self.compute_context():
                     logprobs, entropy = completion_logprobs_entropy(

@@ -4,6 +4,7 @@ bf16/fp16 compute comes from autocast."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import torch
@@ -43,6 +44,21 @@ class DDPBackend(TrainingBackend):
             self.model = DistributedDataParallel(self.module, gradient_as_bucket_view=True)
         self.optimizer = make_adamw(cfg, list(self.module.parameters()))
         self.scheduler = make_scheduler(cfg, self.optimizer)
+
+    def agree_images(self, has_images: bool) -> bool:
+        """Also True for every training micro-batch when the vision tower trains (`model.freeze_vision: false`):
+        DDP's reducer (unused-parameter detection off) waits in the backward that syncs for a gradient of every
+        trainable parameter, so a step whose last micro-batch has no image on any rank failed at the next forward
+        ("Expected to have finished reduction in the prior iteration"); the zero-weight dummy image gives the
+        tower's parameters their (zero) gradients."""
+        agreed = super().agree_images(has_images)
+        return agreed or (torch.is_grad_enabled() and self._tower_trains)
+
+    @functools.cached_property
+    def _tower_trains(self) -> bool:
+        from grpo_cli.models.vision import is_vision_parameter
+
+        return any(p.requires_grad for n, p in self.module.named_parameters() if is_vision_parameter(n))
 
     def compute_context(self):
         dtype = compute_dtype(self.cfg)
