@@ -80,4 +80,5 @@ def run_rehearse(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool) -> 
         return 0
     from grpo_cli.launch.rehearse_run import run_rehearsal
 
+    FaultPlan.from_env()  # its server and training runs inherit GRPO_INJECT_FAULT: a malformed one fails here
     return run_rehearsal(cfg, output_dir=output_dir, deepspeed_ready=deepspeed_ready())

@@ -82,13 +82,13 @@ def run_server(opts: ServeOptions) -> None:
     """Serve until SIGINT/SIGTERM. Raises ServeError for user errors (bad model, port in use, missing package)."""
     from grpo_cli.server.engines import check_options
 
-    check_options(opts)
     faults = FaultPlan.from_env()
     if faults:
         _say(faults.banner())
     if opts.engine == "sglang" and faults.server_hang_step() is not None:
         raise ServeError("GRPO_INJECT_FAULT=server_hang is injected by grpo serve-rollout's own app (--engine hf or "
                          "vllm); an SGLang server answers by itself: rehearse with --engine hf, or unset it.")
+    check_options(opts)
     if opts.engine == "sglang":
         return run_sglang(opts)
     sock = bind(opts.host, opts.port)

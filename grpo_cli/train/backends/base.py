@@ -198,7 +198,7 @@ class TrainingBackend:
                         temperature=temperature, entropy_grad=entropy_grad, vision=mb.vision)
                 loss, metrics = loss_fn(mb, logprobs, entropy)
                 if not torch.isfinite(loss):  # backward runs all the same: the other ranks' reductions wait for it
-                    nonfinite = float(loss) if nonfinite is None else nonfinite
+                    nonfinite = float(loss.detach()) if nonfinite is None else nonfinite
                     loss = loss * math.nan
                 self.backward(loss)
             out.append(metrics)
