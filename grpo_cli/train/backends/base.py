@@ -242,7 +242,8 @@ class TrainingBackend:
 
     def clip_and_step(self) -> float:
         """Clip the global gradient norm to `train.max_grad_norm`, step optimizer and schedule; returns the norm
-        before clipping. Raises `NonFiniteStep` (gradients zeroed, no step) when it is not finite."""
+        before clipping. Raises `NonFiniteStep` (gradients zeroed, no step) when it is not finite: on every rank
+        together, since the norm is of the reduced gradients (ddp: the same on every rank; fsdp2: all-reduced)."""
         clip = self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm is not None else math.inf
         norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip))
         if not math.isfinite(norm):
