@@ -41,9 +41,11 @@ def test_nonfinite_loss_on_one_rank_is_skipped_by_both(tmp_path):
     assert log.count("FAULT INJECTION") == 1 and "the loss of rank 1 at step 2 is NaN" in log
 
 
+# extended (CI time); the default run covers its paths: tests/cli/test_inject_fault.py's kill test (the SIGKILL at its
+# step) and tests/e2e/test_resume.py's SIGKILL cases (the resume)
 @pytest.mark.slow
-@pytest.mark.extended  # default run: test_inject_fault.py::test_kill_fault_sigkills_the_process_at_its_step_only
-def test_kill_at_a_step_then_resume(tmp_path):  # (the SIGKILL) and test_resume.py's SIGKILL cases (the resume)
+@pytest.mark.extended
+def test_kill_at_a_step_then_resume(tmp_path):
     run = tmp_path / "run"
     args = [*TRAIN, "--set", "train.steps=3", "--set", "checkpoint.every_steps=1", "--set", "eval.every_steps=0",
             "--output-dir", str(run)]
@@ -57,9 +59,11 @@ def test_kill_at_a_step_then_resume(tmp_path):  # (the SIGKILL) and test_resume.
     assert "resumed from" in resumed.stdout and [r["step"] for r in _rows(run)][-1] == 3
 
 
+# extended (CI time); the default run covers its paths: tests/server/test_server_hang_fault.py (the hang, the
+# client's timeout) and tests/e2e/test_server_death.py (the trainer stopping with a checkpoint)
 @pytest.mark.slow
-@pytest.mark.extended  # default run: test_server_hang_fault.py (the hang, the client's timeout) and
-def test_server_hang_stops_the_trainer_with_a_checkpoint(tmp_path):  # test_server_death.py (stop, checkpoint)
+@pytest.mark.extended
+def test_server_hang_stops_the_trainer_with_a_checkpoint(tmp_path):
     from test_server_death import _start_server
 
     server, url = _start_server(_env(tmp_path, "server_hang:step=3"), tmp_path)
