@@ -15,6 +15,7 @@ from grpo_cli.config.plan_render import render_plan
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.config.deepspeed import deepspeed_json
 from grpo_cli.launch.command import launch_command
+from grpo_cli.runtime.faults import FaultPlan
 
 
 def check_gpus(cfg: GRPOConfig) -> None:
@@ -43,6 +44,7 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
         typer.echo("\n# launch command\n" + (" ".join(cmd) if cmd else "(single process: runs in this process)"))
         return 0
     check_gpus(cfg)
+    FaultPlan.from_env()  # a malformed GRPO_INJECT_FAULT fails here (exit 2), before any worker starts
     if cmd and not worker:
         typer.echo("launching: " + " ".join(cmd))
         return subprocess.call(cmd)
@@ -78,4 +80,5 @@ def run_rehearse(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool) -> 
         return 0
     from grpo_cli.launch.rehearse_run import run_rehearsal
 
+    FaultPlan.from_env()  # its server and training runs inherit GRPO_INJECT_FAULT: a malformed one fails here
     return run_rehearsal(cfg, output_dir=output_dir, deepspeed_ready=deepspeed_ready())

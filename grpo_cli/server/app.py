@@ -75,6 +75,24 @@ class Guard:
         await self.app(scope, replay, send)
 
 
+class HangFrom:
+    """Pure-ASGI wrapper for `GRPO_INJECT_FAULT=server_hang:step=S`: from the first /generate that arrives while the
+    server holds the weights the trainer pushed after step S-1 (version S-1: the rollout of step S), no request on any
+    path is answered, /health included, as when the engine hangs; the trainer's timeouts and
+    `rollout.server.on_failure` take over."""
+
+    def __init__(self, app, st: State, *, step: int) -> None:
+        self.app, self.st, self.version = app, st, step - 1
+        self.hung = False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and not self.hung and scope["path"] == "/generate":
+            self.hung = self.st.weight_version >= self.version
+        if self.hung and scope["type"] == "http":
+            await anyio.sleep_forever()
+        return await self.app(scope, receive, send)
+
+
 async def _send_json(send, status: int, message: str, extra=()) -> None:
     body = json.dumps({"error": message}).encode()
     await send({"type": "http.response.start", "status": status,
@@ -84,8 +102,8 @@ async def _send_json(send, status: int, message: str, extra=()) -> None:
 
 
 def create_app(served: Served, *, token: str | None = None, max_request_bytes: int = 16 << 20,
-               max_frame_bytes: int = 4 << 30, on_startup=None) -> Guard:
-    """The ASGI app (FastAPI wrapped in `Guard`) serving `served`."""
+               max_frame_bytes: int = 4 << 30, on_startup=None, hang_from_step: int | None = None):
+    """The ASGI app (FastAPI wrapped in `Guard`) serving `served`; with `hang_from_step`, wrapped in `HangFrom`."""
     st = State(served)
     app = FastAPI(title="grpo serve-rollout", version=grpo_cli.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None, on_startup=[on_startup] if on_startup else None)
@@ -95,7 +113,8 @@ def create_app(served: Served, *, token: str | None = None, max_request_bytes: i
     from grpo_cli.server.weights import weight_routes
 
     weight_routes(app, st, max_frame_bytes=max_frame_bytes)
-    return Guard(app, token=token, max_body=max_request_bytes)
+    guarded = Guard(app, token=token, max_body=max_request_bytes)
+    return guarded if hang_from_step is None else HangFrom(guarded, st, step=hang_from_step)
 
 
 def _errors(app: FastAPI) -> None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from grpo_cli.runtime.faults import FaultPlan
 from grpo_cli.server.engines import ServeError, ServeOptions
 
 READY_PREFIX = "grpo serve-rollout: listening on "
@@ -81,6 +82,12 @@ def run_server(opts: ServeOptions) -> None:
     """Serve until SIGINT/SIGTERM. Raises ServeError for user errors (bad model, port in use, missing package)."""
     from grpo_cli.server.engines import check_options
 
+    faults = FaultPlan.from_env()
+    if faults:
+        _say(faults.banner())
+    if opts.engine == "sglang" and faults.server_hang_step() is not None:
+        raise ServeError("GRPO_INJECT_FAULT=server_hang is injected by grpo serve-rollout's own app (--engine hf or "
+                         "vllm); an SGLang server answers by itself: rehearse with --engine hf, or unset it.")
     check_options(opts)
     if opts.engine == "sglang":
         return run_sglang(opts)
@@ -96,7 +103,7 @@ def run_server(opts: ServeOptions) -> None:
 
     served = with_nccl(build(opts))
     app = create_app(served, token=opts.token, max_request_bytes=int(opts.max_request_mb * 2**20),
-                     max_frame_bytes=int(opts.max_frame_mb * 2**20),
+                     max_frame_bytes=int(opts.max_frame_mb * 2**20), hang_from_step=faults.server_hang_step(),
                      on_startup=lambda: _say(f"{READY_PREFIX}{url} (engine {opts.engine}, model {opts.model})"))
     config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])

@@ -13,6 +13,7 @@ from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.data.prompts import PromptCursor, images_of, vision_of
 from grpo_cli.runtime.dist import DistInfo, all_reduce_sum, any_rank, mean_metrics
+from grpo_cli.runtime.faults import FaultPlan
 from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutEngine, SamplingParams, generate_with_images
 from grpo_cli.rollout.factory import sampling_params
@@ -60,6 +61,8 @@ class Trainer:
     """`eval.every_steps`: held-out metrics after a step (empty when none is due)."""
     teacher: TeacherScore | None = None
     """`algorithm.distill`: the teacher's logprobs of a batch's completion tokens."""
+    faults: FaultPlan = field(default_factory=FaultPlan.from_env)
+    """`GRPO_INJECT_FAULT`: failures injected on purpose (rehearsals, reliability tests)."""
 
 
 class TrainingStopped(UserError):
@@ -153,23 +156,26 @@ def logprob_phase(tr: Trainer, batch: TrainBatch) -> dict[str, float]:
 
 
 def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, float]:
-    """μ optimizer steps on the batch; non-finite steps are skipped (counted) or stop the run."""
+    """μ optimizer steps on the batch; non-finite steps are skipped (counted) or stop the run. The backends raise
+    `NonFiniteStep` on every rank together (`TrainingBackend.agree_finite`), so every rank counts the same skips
+    and stops at the same step."""
     cfg = tr.cfg
     trained = trained_mask(batch.completion_mask, batch.truncated, algorithm=cfg.algorithm)
     num_items = all_reduce_sum(float(trained.sum()), tr.dist)
+    poison = tr.faults.nonfinite_loss(rank=tr.dist.rank, step=state.step + 1)
     out: dict[str, float] = {}
     with tr.timer.phase("train"):
         for _ in range(cfg.algorithm.num_iterations):
             try:
                 out = optimizer_step(tr.policy, batch, cfg, num_items=num_items,
-                                     num_sequences=len(batch) * tr.dist.world_size)
+                                     num_sequences=len(batch) * tr.dist.world_size, inject_nonfinite=poison)
                 state.nonfinite_streak = 0
             except NonFiniteStep as exc:
                 state.nonfinite_streak += 1
                 state.skipped_steps += 1
                 if cfg.train.on_nonfinite == "stop" or state.nonfinite_streak >= cfg.train.max_consecutive_nonfinite:
                     raise TrainingStopped(
-                        f"{exc} at step {state.step} ({state.nonfinite_streak} in a row); stopping. Lower "
+                        f"{exc} at step {state.step + 1} ({state.nonfinite_streak} in a row); stopping. Lower "
                         "train.learning_rate or check the reward scale; the last checkpoint is intact."
                     ) from exc
     out["train/skipped_steps"] = float(state.skipped_steps)
@@ -243,6 +249,7 @@ def run_loop(tr: Trainer, state: LoopState, on_step: StepCallback, on_checkpoint
     each process on its own, and a rank that stopped alone would save (collectively) while its peers train on."""
     every = tr.cfg.checkpoint.every_steps
     while state.step < tr.cfg.train.steps and not any_rank(should_stop(), tr.dist):
+        tr.faults.kill_if_due(rank=tr.dist.rank, step=state.step + 1)
         metrics, samples = run_step(tr, state)
         state.reward_history.append(metrics["reward/mean"])
         state.step += 1

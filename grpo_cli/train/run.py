@@ -12,6 +12,7 @@ from grpo_cli.data.images import ImageProcessor, copy_processor_files
 from grpo_cli.data.prompts import PromptCursor, images_of, tokenize_prompts
 from grpo_cli.data.sources import load_rows
 from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
+from grpo_cli.runtime.faults import FaultPlan
 from grpo_cli.runtime.dist import DistInfo, barrier, broadcast_object, init_from_env, release_own_group, shutdown
 from grpo_cli.runtime.quiet import quiet_hf_stack
 from grpo_cli.rewards.resolve import reward_fns_for
@@ -184,6 +185,8 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
     info = init_from_env(device, timeout_minutes=cfg.distributed.timeout_minutes)
     path = Path(output_dir or cfg.logging.output_dir or default_output_dir(cfg))
     log = reporter.message if reporter is not None and info.is_main else (lambda *_: None)
+    if faults := FaultPlan.from_env():  # a malformed value stops here, before anything loads
+        log(faults.banner())
     resume = ckpt.resolve_resume(cfg.checkpoint.resume, path, info) if cfg.checkpoint.resume else None
     if resume is not None:
         # a corrupt checkpoint fails before anything is loaded or written; collective: each file hashed once, by

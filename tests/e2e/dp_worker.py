@@ -2,8 +2,8 @@
 
 Run as `[DP_WORKER_STEPS=3] python dp_worker.py CKPT OUT AGGREGATION [OVERRIDE ...]` (1 process) or under torchrun
 (each rank trains its rows); overrides such as `distributed.backend=fsdp2` pick the training backend. Rank 0 saves
-the consolidated parameters (gathered from shards by the backend's `export_hf`). `DP_WORKER_ABANDON=1` first
-abandons a step mid-accumulation; `DP_WORKER_RESUME_AT=k` writes a checkpoint after step k (train/checkpoint.py,
+the consolidated parameters (gathered from shards by the backend's `export_hf`). `DP_WORKER_SKIP_NONFINITE=1` first
+skips a step whose loss is NaN on the last rank; `DP_WORKER_RESUME_AT=k` writes a checkpoint after step k (train/checkpoint.py,
 through the backend) and continues from it in a freshly built policy, rank 0 also saving the weights just before
 the save and just after the load (OUT with suffixes .saved / .loaded).
 """
@@ -23,7 +23,7 @@ from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 from grpo_cli.runtime.dist import all_reduce_sum, init_from_env, shutdown
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.policy import load_policy
-from grpo_cli.train.step import batch_logprobs, forward_logprobs, optimizer_step
+from grpo_cli.train.step import NonFiniteStep, batch_logprobs, optimizer_step
 
 B, P, T = 16, 5, 7
 
@@ -61,15 +61,17 @@ def export(policy, out: Path, info) -> None:
         save_file({k: v.contiguous() for k, v in load_file(folder / "model.safetensors").items()}, out)
 
 
-def abandon_accumulation(policy, batch: TrainBatch) -> None:
-    """What a non-finite loss on a later micro-batch leaves behind: one micro-batch's gradients accumulated (large,
-    ×100), then the step abandoned with `zero_grad`. The next steps must not see any of it."""
-    backend = policy.backend
-    backend.zero_grad()
-    with backend.accumulation_context(last=False), backend.compute_context():
-        logprobs = forward_logprobs(policy.model, batch.rows(0, 4), temperature=1.0)
-        backend.backward((logprobs * batch.completion_mask[:4]).sum() * 100.0)
-    backend.zero_grad()
+def skip_nonfinite_step(policy, batch: TrainBatch, cfg, info) -> None:
+    """What a non-finite loss on the last rank leaves behind: a step that every rank back-propagates (that rank's
+    gradients NaN, reduced into every rank's) and then skips together (`NonFiniteStep`, DeepSpeed's buffers dropped
+    through its own overflow path). The next steps must not see any of it."""
+    num_items = all_reduce_sum(float(batch.completion_mask.sum()), info)
+    try:
+        optimizer_step(policy, batch, cfg, num_items=num_items, num_sequences=B,
+                       inject_nonfinite=info.rank == info.world_size - 1)
+    except NonFiniteStep:
+        return
+    raise AssertionError("the step with a NaN loss on one rank was not skipped")
 
 
 def save_and_reload(policy, cfg, ckpt: str, out: Path, info):
@@ -99,8 +101,8 @@ def main(ckpt: str, out: str, aggregation: str, *overrides: str) -> None:
     if policy.ref_model is not None:  # β > 0: the reference (sharded like the policy) scores the batch
         with policy.backend.compute_context():
             batch.ref_logprobs = batch_logprobs(policy.ref_model, batch, micro_batch_size=4, temperature=1.0)
-    if os.environ.get("DP_WORKER_ABANDON"):
-        abandon_accumulation(policy, batch)
+    if os.environ.get("DP_WORKER_SKIP_NONFINITE"):
+        skip_nonfinite_step(policy, batch, cfg, info)
     resume_at = int(os.environ.get("DP_WORKER_RESUME_AT", "-1"))
     for step in range(steps):
         num_items = all_reduce_sum(float(batch.completion_mask.sum()), info)

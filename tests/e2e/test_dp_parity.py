@@ -59,10 +59,10 @@ def test_two_processes_equal_one_process(tmp_path, checkpoints, one_process, cas
     ckpt = checkpoints[ckpt_name]
     a = one_process(case)
     deepspeed = "distributed.backend=deepspeed" in backend
-    # DeepSpeed holds accumulated gradients in its own buffers: its runs first abandon a step mid-accumulation
-    # (as after a non-finite loss), which must leave nothing behind
+    # DeepSpeed holds reduced gradients in its own buffers: its runs first skip a step whose loss is NaN on rank 1
+    # (every rank back-propagates it, then all skip it together), which must leave nothing behind
     b = run_worker(ckpt, out, aggregation, *backend, *extra, procs=2,
-                   **({"DP_WORKER_ABANDON": "1"} if deepspeed else {}))
+                   **({"DP_WORKER_SKIP_NONFINITE": "1"} if deepspeed else {}))
     initial = load_file(Path(ckpt) / "model.safetensors")
     moved = max(float((a[k] - initial[k]).abs().max()) for k in initial)
     assert moved > 1e-3, "the steps must actually change the weights"

@@ -105,3 +105,33 @@ def test_report_to_tensorboard_writes_events(tmp_path, tiny_checkpoint):
     run_training(cfg, output_dir=str(tmp_path / "run"))
     events = list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+class _Messages:
+    """A reporter that keeps what the run says (rank 0's terminal and train.log)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.lines.append(text)
+
+    def update(self, *_args) -> None:
+        pass
+
+    def alarm(self, _step, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_injected_nonfinite_loss_is_announced_once_then_skipped(tmp_path, tiny_checkpoint, monkeypatch):
+    """GRPO_INJECT_FAULT reaches the loss through the loop (the real detection path), and the run says so loudly."""
+    from grpo_cli.train.run import run_training
+
+    monkeypatch.setenv("GRPO_INJECT_FAULT", "nonfinite_loss:rank=0:step=2")
+    cfg = build_config(overrides=[f"model.name_or_path={tiny_checkpoint}", "train.steps=2", "train.prompts_per_step=2",
+                                  "train.micro_batch_size=16", "eval.every_steps=0"])
+    reporter = _Messages()
+    summary = run_training(cfg, output_dir=str(tmp_path / "run"), reporter=reporter)
+    assert summary["skipped_steps"] == 1 and summary["steps"] == 2
+    loud = [line for line in reporter.lines if "FAULT INJECTION" in line]
+    assert len(loud) == 1 and "the loss of rank 0 at step 2 is NaN" in loud[0]

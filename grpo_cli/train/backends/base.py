@@ -203,15 +203,17 @@ class TrainingBackend:
     def forward_backward(self, batch: TrainBatch, *, micro_batch_size: int, temperature: float, entropy_grad: bool,
                          loss_fn: LossFn) -> list[dict[str, torch.Tensor]]:
         """Forward, `loss_fn` and backward of every micro-batch of `batch` (gradient reduction on the last); returns
-        each micro-batch's metrics. Raises `NonFiniteStep` (gradients zeroed) on a non-finite loss. Backends that
-        cannot run a micro-batch at a time (pipeline parallel) override the whole of it."""
+        each micro-batch's metrics. Raises `NonFiniteStep` (gradients zeroed) on every rank when any rank's loss was
+        not finite (`agree_finite`): each rank still back-propagates every micro-batch (a non-finite loss times NaN),
+        so the ranks' gradient reductions stay paired. Backends that cannot run a micro-batch at a time (pipeline
+        parallel) override the whole of it."""
         from grpo_cli.models.logprobs import completion_logprobs_entropy, packs_rows
         from grpo_cli.train.batch import micro_batch_rows, take
 
         tokens = self.cfg.train.micro_batch_tokens
         groups = micro_batch_rows(batch, micro_batch_size=micro_batch_size, micro_batch_tokens=tokens,
                                   agree=self.agree_count, packed=packs_rows(self.model, batch.vision))
-        out = []
+        out, nonfinite = [], None
         for k, rows in enumerate(groups):
             mb = take(batch, rows, micro_batch_tokens=tokens, any_images=self.image_agreement())
             with self.accumulation_context(last=k == len(groups) - 1):
@@ -220,12 +222,33 @@ class TrainingBackend:
                         self.model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
                         temperature=temperature, entropy_grad=entropy_grad, vision=mb.vision)
                 loss, metrics = loss_fn(mb, logprobs, entropy)
-                if not torch.isfinite(loss):
-                    self.zero_grad()
-                    raise NonFiniteStep(f"non-finite loss {loss.item()}")
+                if not torch.isfinite(loss):  # backward runs all the same: the other ranks' reductions wait for it
+                    nonfinite = float(loss.detach()) if nonfinite is None else nonfinite
+                    loss = loss * math.nan
                 self.backward(loss)
             out.append(metrics)
+        self.agree_finite(nonfinite)
         return out
+
+    def agree_finite(self, nonfinite: float | None) -> None:
+        """Collective (one all-reduce on the CPU group): whether any rank's loss of this step was not finite
+        (`nonfinite`: this rank's first such value, else None). If one was, every rank drops the step's gradients
+        (`discard_step`) and raises `NonFiniteStep` naming the ranks, so all of them skip it together."""
+        import torch.distributed as dist
+
+        seen = torch.zeros(self.info.world_size, 2, dtype=torch.float64)  # per rank: (non-finite?, its loss)
+        if nonfinite is not None:
+            seen[self.info.rank] = torch.tensor([1.0, nonfinite])
+        if self.info.world_size > 1:
+            dist.all_reduce(seen)
+        ranks = [r for r in range(self.info.world_size) if seen[r, 0] > 0]
+        if ranks:
+            self.discard_step()
+            raise NonFiniteStep("non-finite loss " + ", ".join(f"{float(seen[r, 1])} on rank {r}" for r in ranks))
+
+    def discard_step(self) -> None:
+        """After every rank's backward of a step that is skipped: drop its gradients (all ranks call it)."""
+        self.zero_grad()
 
     def compute_context(self):
         """Around every forward of the policy or reference (autocast where the backend does not cast itself)."""
@@ -244,7 +267,8 @@ class TrainingBackend:
 
     def clip_and_step(self) -> float:
         """Clip the global gradient norm to `train.max_grad_norm`, step optimizer and schedule; returns the norm
-        before clipping. Raises `NonFiniteStep` (gradients zeroed, no step) when it is not finite."""
+        before clipping. Raises `NonFiniteStep` (gradients zeroed, no step) when it is not finite: on every rank
+        together, since the norm is of the reduced gradients (ddp: the same on every rank; fsdp2: all-reduced)."""
         clip = self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm is not None else math.inf
         norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip))
         if not math.isfinite(norm):

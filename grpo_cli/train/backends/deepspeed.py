@@ -111,7 +111,6 @@ class DeepSpeedBackend(TrainingBackend):
         if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: no CUDA probe
         self.stage = cfg.distributed.deepspeed.zero_stage
-        self._pending = False  # micro-batches accumulated since the last step
 
     @property
     def shards_parameters(self) -> bool:  # type: ignore[override]
@@ -161,7 +160,6 @@ class DeepSpeedBackend(TrainingBackend):
     def accumulation_context(self, *, last: bool):
         """DeepSpeed reduces (and `step` updates) only at the boundary we set: the step's last micro-batch."""
         self.engine.set_gradient_accumulation_boundary(last)
-        self._pending = not last
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -170,30 +168,21 @@ class DeepSpeedBackend(TrainingBackend):
         self.engine.backward(loss * scale if scale > 1 else loss, scale_wrt_gas=False)
 
     def zero_grad(self) -> None:
-        if self._pending:  # a step abandoned mid-accumulation (non-finite loss): drop what DeepSpeed holds
-            self._discard_accumulated()
         self.engine.zero_grad()
 
-    def _discard_accumulated(self) -> None:
-        """Drop gradients accumulated before an abandoned step. ZeRO-1/2: one boundary micro-batch with a NaN loss,
-        so DeepSpeed's own overflow path clears every buffer and applies nothing; ZeRO-3: its overflow clean-up
-        directly (its parameters are partitioned). Collective, like the step it replaces."""
-        if self.stage == 3:
-            self.optimizer._overflow_clean_up(self.optimizer.loss_scale)
-        else:
-            self.engine.set_gradient_accumulation_boundary(True)
-            ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            loss = self.engine(input_ids=ids).logits.float().sum() * math.nan
-            self.engine.backward(loss, scale_wrt_gas=False)
-            self.engine.step()
-        self.engine.set_gradient_accumulation_boundary(True)
-        self._pending = False
+    def discard_step(self) -> None:
+        """Every rank has back-propagated the step and a rank whose loss was not finite did so times NaN, so the
+        reduced gradients hold a NaN on every rank: DeepSpeed's own step then finds the overflow collectively, clears
+        every buffer it accumulated (ZeRO-1/2's partitions, ZeRO-3's) and applies nothing."""
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if norm is not None and math.isfinite(float(norm)):
+            raise RuntimeError(f"DeepSpeed applied a step every rank agreed to skip (gradient norm {float(norm)})")
 
     def clip_and_step(self) -> float:
         """DeepSpeed computes the global norm, clips to `gradient_clipping` (= train.max_grad_norm) and skips the
         update (clearing gradients) when the norm is not finite; our schedule steps only on an applied update."""
         self.engine.step()
-        self._pending = False
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else math.nan
         if not math.isfinite(norm):

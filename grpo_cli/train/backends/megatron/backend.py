@@ -123,7 +123,8 @@ class MegatronBackend(TrainingBackend):
                          loss_fn: LossFn) -> list[dict[str, float]]:
         """Collective: the model-parallel group's merged rows through the pipeline schedule, the loss on the last
         stage; gradients summed over data-parallel ranks by `finalize_model_grads`. Each rank reports `loss` as its
-        share of the group's (the sum over ranks stays the step loss, as with the other backends)."""
+        share of the group's (the sum over ranks stays the step loss, as with the other backends). A non-finite loss
+        on any rank's last stage skips the step on every rank (`agree_finite`), as in the other backends."""
         group = self._model_parallel_group()
         merged, _ = gather_group(batch, group)
         loss = partial(schedule.train_loss, vocab_size=self.vocab_size, temperature=temperature,
@@ -132,9 +133,8 @@ class MegatronBackend(TrainingBackend):
             schedule.run_schedule(self.chunks, schedule.micro_batches(merged, micro_batch_size), loss,
                                   forward_only=False, head=dict(vocab_size=self.vocab_size, temperature=temperature,
                                                                 with_entropy=True, entropy_grad=entropy_grad)))
-        if not all(r.pop("__finite__") for r in reports):
-            self.zero_grad()
-            raise NonFiniteStep("non-finite loss")
+        nonfinite = [value for r in reports if (value := r.pop("__nonfinite__")) is not None]
+        self.agree_finite(nonfinite[0] if nonfinite else None)  # the schedule back-propagated every micro-batch
         share = torch.distributed.get_world_size(group)
         return [{k: (v / share if k == "loss" else v) for k, v in r.items()} for r in reports]
 

@@ -81,7 +81,7 @@ def train_loss(mb: TrainBatch, aligned: Aligned, head: VocabParallelHead | None,
             with_entropy=True, entropy_grad=entropy_grad)
     loss, metrics = loss_fn(mb, logprobs * aligned.valid, entropy * aligned.valid)
     report = {name: float(value) for name, value in metrics.items()}
-    report["__finite__"] = bool(torch.isfinite(loss))
+    report["__nonfinite__"] = None if torch.isfinite(loss) else float(loss.detach())
     return loss, torch.ones((), dtype=torch.int, device=loss.device), report
 
 
