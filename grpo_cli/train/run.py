@@ -13,7 +13,7 @@ from grpo_cli.data.prompts import PromptCursor, images_of, tokenize_prompts
 from grpo_cli.data.sources import load_rows
 from grpo_cli.runtime.accel import local_rank_from_env, resolve_device
 from grpo_cli.runtime.faults import FaultPlan
-from grpo_cli.runtime.dist import DistInfo, barrier, broadcast_object, init_from_env, release_own_group, shutdown
+from grpo_cli.runtime.dist import DistInfo, any_rank, barrier, broadcast_object, init_from_env, release_own_group, shutdown
 from grpo_cli.runtime.quiet import quiet_hf_stack
 from grpo_cli.rewards.resolve import reward_fns_for
 from grpo_cli.rollout.base import EngineContext
@@ -178,6 +178,12 @@ def export_final_model(tr: Trainer, path: Path, log) -> None:
     barrier(tr.dist)
 
 
+def stopped_by_signal(flag: SignalFlag, info: DistInfo) -> bool:
+    """Whether a stop signal reached any rank (collective): a signal reaches each process on its own, and a rank
+    that exported the final model (collective gathers) while its peer only checkpointed would wait forever."""
+    return any_rank(flag.signum is not None, info)
+
+
 def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=None) -> dict:
     """Train per `cfg`; returns the summary (also written to summary.json). `reporter` renders progress."""
     quiet_hf_stack()
@@ -220,6 +226,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
             for alarm in alarms.check(metrics):
                 reporter.alarm(step, alarm)
 
+    stopped = False
     try:
         with SignalFlag() as flag, StallWatchdog(trainer.timer, minutes=cfg.logging.stall_warning_minutes,
                                                   warn=log, dump_path=path / "stacks.log"):
@@ -230,10 +237,11 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
                     save(state)  # rollout server gone: keep what was trained
                 raise
             save(state)
-            if flag.signum is None:
+            stopped = stopped_by_signal(flag, info)
+            if not stopped:
                 export_final_model(trainer, path, log)
-            if flag.signum is not None:
-                log(f"stopped by signal {flag.reason} after step {state.step}; resume with "
+            else:
+                log(f"stopped by signal {flag.reason if flag.signum is not None else 'on another rank'} after step {state.step}; resume with "
                     f"--set checkpoint.resume=auto --output-dir {path}")
     finally:
         close_trackers(trackers)
@@ -243,7 +251,7 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
         release_own_group()  # a one-process job's 1-rank group, also when the run failed (a launched job's: shutdown)
     first, last = reward_rise(state.reward_history)
     summary = {"steps": state.step, "reward_first_10pct": first, "reward_last_10pct": last,
-               "skipped_steps": state.skipped_steps, "output_dir": str(path), "interrupted": flag.signum is not None,
+               "skipped_steps": state.skipped_steps, "output_dir": str(path), "interrupted": stopped,
                "world_size": info.world_size, "backend": trainer.policy.backend.name}
     if run_dir is not None:
         summary.update(run_dir.peaks)  # memory/*: the run's largest per-step peaks

@@ -66,14 +66,19 @@ def stop_case(info: DistInfo) -> dict:
         steps.append(all_reduce_sum(1.0, info))
         return {"reward/mean": 0.0}, []
 
-    tr = SimpleNamespace(cfg=build_config(overrides=["train.steps=4"]), dist=info, evaluate=None)
+    from grpo_cli.runtime.faults import FaultPlan
+    from grpo_cli.train.run import stopped_by_signal
+
+    tr = SimpleNamespace(cfg=build_config(overrides=["train.steps=4"]), dist=info, evaluate=None, faults=FaultPlan())
     state = loop.LoopState()
     real, loop.run_step = loop.run_step, run_step
     try:
         loop.run_loop(tr, state, lambda *a: None, should_stop=lambda: info.rank == 0 and state.step >= 1)
     finally:
         loop.run_step = real
-    return {"steps": state.step, "collectives": steps}
+    # after the loop, run.py exports the final model (collective) only where no rank was stopped
+    stopped = stopped_by_signal(SimpleNamespace(signum=15 if info.rank == 0 else None), info)
+    return {"steps": state.step, "collectives": steps, "stopped": stopped}
 
 
 def teacher_case(ckpt: str, url: str, info: DistInfo, cfg) -> dict:
