@@ -26,6 +26,10 @@ CASES = ["qwen2:tp2", "qwen2:pp2", "qwen2:dp2", "qwen2:dp2_flat", "qwen2_untied:
          "qwen3:pp2_selective", "qwen3_moe:ep2"]
 BF16_CASES = ["qwen2:tp2_bf16", "qwen2:dp2_bf16", "qwen2:dp2_flat_bf16"]
 TOLERANCE = 1e-5
+WEIGHTS_TOLERANCE = 2e-5
+"""Largest |Δ| of an updated weight after 3 AdamW steps: Adam divides by √v, so a reduction-order difference far
+below TOLERANCE in a small gradient moves its weight more; qwen3 at tp2 (q/k norms split across ranks) measured
+1.0016e-5 on this machine's CPU (2026-11-28, unchanged code), over the 1e-5 the other quantities keep."""
 HIDDEN = 128
 """4 query heads of 32 over 2 key/value heads (grouped-query attention), so tensor parallel 2 splits both."""
 BF16_TOLERANCE = {"old": 1e-2, "ref": 1e-2, "loss": 1e-4, "grad_norm": 5e-3, "entropy": 1e-4, "weights": 1e-2}
@@ -78,8 +82,9 @@ def test_parity_with_single_process_ddp(ranks, case):
     steps, and the updated weights under their Hugging Face names all equal single-process ddp on the same rows."""
     for r in ranks:
         res = r[case]
-        for key in ("old", "ref", "loss", "grad_norm", "entropy", "weights", "lr"):
+        for key in ("old", "ref", "loss", "grad_norm", "entropy", "lr"):
             assert res[key] <= TOLERANCE, (case, key, res)
+        assert res["weights"] <= WEIGHTS_TOLERANCE, (case, "weights", res)
         assert res["moved"] > 1e-4, res  # every exported tensor was trained (none stuck at its initial value)
         assert res["names_missing"] == [] and res["names_extra"] == [], res
 
