@@ -16,12 +16,16 @@ class ContractError(Exception):
 
 
 def qwen_vl_processor(model_path: str):
-    """transformers' Qwen2VLProcessor over the checkpoint's tokenizer and image processor (PIL backend), as SGLang's
-    `AutoProcessor` builds it, less the video processor: transformers' Qwen2-VL video processor needs torchvision,
-    which is not installed here, and the contract sends no videos."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+    """transformers' processor of the checkpoint's model type (Qwen2VLProcessor, Qwen2_5_VLProcessor) over its
+    tokenizer and image processor (PIL backend), as SGLang's `AutoProcessor` builds it, less the video processor:
+    transformers' Qwen-VL video processor needs torchvision, which is not installed here, and no video is sent."""
+    import transformers
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    class _NoVideoProcessor(Qwen2VLProcessor):
+    processor_class = getattr(transformers, PROCESSOR_MAPPING_NAMES[AutoConfig.from_pretrained(model_path).model_type])
+
+    class _NoVideoProcessor(processor_class):
         def check_argument_for_proper_class(self, name, arg):
             return None if arg is None else super().check_argument_for_proper_class(name, arg)
 
