@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from grpo_cli.models.vision import placeholder_ids
+from grpo_cli.rollout.base import RolloutError
 
 BAN_BIAS = -1e9
 """Added to a banned token's logit. JSON has no -inf, and SGLang's `logit_bias` values are floats
@@ -46,7 +47,8 @@ class Placeholders:
         `<|image_pad|>` it finds into a whole image: the trainer's expanded run would read as one image per pad.
         From one pad per image, `_expand_input_ids` rebuilds exactly the trainer's ids."""
         if self.image is None:
-            return list(ids)
+            raise RolloutError("images for SGLang need the trainer's model folder (its config.json names the image "
+                               "placeholder): give SGLangEngine model_path")
         return [t for k, t in enumerate(ids) if not (t == self.image and k and ids[k - 1] == self.image)]
 
     def unscored(self, seq: list[int], logprobs: list[float]) -> list[float]:
