@@ -117,7 +117,8 @@ class RolloutEngine:
 
     def score(self, sequences: list[list[int]], images: list[list[PILImage]] | None = None) -> list[list[float]]:
         """Temperature-1 logprob of each token after the first, given the tokens before it (weight-sync probes);
-        `images` (`accepts_images` engines only): sequence i's images, as in `generate`."""
+        `images` (`accepts_images` engines only): sequence i's images, as in `generate`. NaN where the engine
+        scores another token than the sequence's (SGLang at image placeholders); the probe skips those."""
         raise NotImplementedError(f"{type(self).__name__} defines no score")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

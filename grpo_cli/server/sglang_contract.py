@@ -5,7 +5,8 @@ Written from the sglang 0.5.23 wheel: `srt/entrypoints/http_server.py` (routes, 
 `stop_token_ids`, `sampling_seed`, `n`), `srt/managers/tokenizer_manager.py` (`meta_info.output_token_logprobs` as
 `[logprob, token_id, text|None]`, `finish_reason` dicts, `input_token_logprobs` starting with a None logprob,
 batch outputs prompt-major), `srt/multimodal/processors/qwen_vl.py` and `base_processor.py` (`image_data` of a
-Qwen-VL model: one placeholder `<|vision_start|>(<|image_pad|>)+<|vision_end|>` per image). Each server-side rule the client must respect cites its upstream file below. It is
+Qwen-VL model: the ids decoded and run through transformers' own Qwen2-VL processor, `sglang_contract_mm.py`).
+Each server-side rule the client must respect cites its upstream file below. It is
 configured from the `sglang.launch_server` argument list (`launch_args`), so a test can run the launcher's own
 command against it. Generation is backed by the hf engine on the tiny checkpoint.
 
@@ -27,6 +28,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
 from grpo_cli.rollout.base import SamplingParams
+from grpo_cli.server.sglang_contract_mm import (
+    ContractError,
+    expanded_ids,
+    logit_bias_bans,
+    prompt_logprobs,
+    qwen_vl_processor,
+)
 
 # srt/constants.py: GPU_MEMORY_ALL_TYPES, what `tags: null` means for release and resume.
 ALL_TAGS = ("kv_cache", "weights", "cuda_graph")
@@ -110,9 +118,13 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
         if isinstance(images, JSONResponse):
             return images
         outs = []
-        for prompt, p, imgs in zip(ids, params, images, strict=True):
-            for _ in range(p.get("n", 1) or 1):
-                outs.append(_one(engine, prompt, p, obj, state, imgs))
+        try:
+            ids = [_run_ids(served, state, prompt, imgs) for prompt, imgs in zip(ids, images, strict=True)]
+            for prompt, p, imgs in zip(ids, params, images, strict=True):
+                for _ in range(p.get("n", 1) or 1):
+                    outs.append(_one(engine, prompt, p, obj, state, imgs))
+        except ContractError as exc:
+            return JSONResponse(exc.body, status_code=exc.status)
         return outs[0] if single and len(outs) == 1 else outs
 
     _weight_routes(app, engine, state, sessions)
@@ -123,10 +135,8 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
 def _image_data(data, ids: list[list[int]], served) -> list | JSONResponse:
     """Each input's images (None: none). `srt/managers/io_struct.py` GenerateReqInput._normalize_image_data: a list
     must have one entry per input ("The length of image_data should be equal to the batch size.", a ValueError: 400),
-    an entry a list of images (or one image); `srt/utils` load_image decodes a `data:...;base64,` string. A Qwen-VL
-    input holds one `<|vision_start|>(<|image_pad|>)+<|vision_end|>` per image (`qwen_vl.py`'s image_token_regex,
-    which `base_processor.py` counts per modality against the images); a count that does not match is answered
-    400 here (not an upstream status code: SGLang's processor cannot pair them either)."""
+    an entry a list of images (or one image); `srt/utils` load_image decodes a `data:...;base64,` string. How the
+    images pair with the ids: `_run_ids`."""
     from grpo_cli.rollout import images as wire_images
 
     if data is None or data == []:
@@ -136,14 +146,9 @@ def _image_data(data, ids: list[list[int]], served) -> list | JSONResponse:
                             status_code=400)
     if "images" not in served.capabilities:
         return JSONResponse({"error": f"{served.model} is not a multimodal model"}, status_code=400)
-    cfg = served.engine.model.config
     out = []
-    for i, (entry, prompt) in enumerate(zip(data, ids, strict=True)):
+    for i, entry in enumerate(data):
         entry = None if entry in (None, [None]) else (entry if isinstance(entry, list) else [entry])
-        found = _placeholders(prompt, cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id)
-        if found != len(entry or []):
-            return JSONResponse({"error": f"input {i} has {found} image placeholders for {len(entry or [])} "
-                                 "images"}, status_code=400)
         try:
             out.append(None if entry is None else [wire_images.from_data_url(u, where=f"image_data[{i}]")
                                                    for u in entry])
@@ -152,18 +157,14 @@ def _image_data(data, ids: list[list[int]], served) -> list | JSONResponse:
     return out
 
 
-def _placeholders(ids: list[int], start: int, pad: int, end: int) -> int:
-    """How many runs `start pad+ end` `ids` holds."""
-    count, i = 0, 0
-    while i < len(ids):
-        if ids[i] == start:
-            j = i + 1
-            while j < len(ids) and ids[j] == pad:
-                j += 1
-            if j > i + 1 and j < len(ids) and ids[j] == end:
-                count, i = count + 1, j
-        i += 1
-    return count
+def _run_ids(served, state: dict, prompt: list[int], images: list | None) -> list[int]:
+    """The ids SGLang runs for one input: as sent without images; with images, as its Qwen-VL processor path
+    rebuilds them (`sglang_contract_mm.expanded_ids`, transformers' processor built once per server)."""
+    if images is None:
+        return list(prompt)
+    if "processor" not in state:
+        state["processor"] = qwen_vl_processor(served.model)
+    return expanded_ids(state["processor"], served.engine.model.config, prompt, images)
 
 
 def _die(state: dict, why: str) -> JSONResponse:
@@ -279,8 +280,12 @@ def _one(engine, prompt: list[int], p: dict, obj: dict, state: dict, images: lis
     if max_new == 0:
         out_ids: list[int] = []
         meta["finish_reason"] = {"type": "length", "length": 0}
-        lps = engine.score([prompt], **with_images)[0] if len(prompt) > 1 else []
-        meta["input_token_logprobs"] = [[None, prompt[0], None]] + [[lp, t, None] for lp, t in zip(lps, prompt[1:])]
+        if images is not None:
+            meta["input_token_logprobs"] = prompt_logprobs(engine, prompt, images)
+        else:
+            lps = engine.score([prompt])[0] if len(prompt) > 1 else []
+            meta["input_token_logprobs"] = [[None, prompt[0], None]] + [[lp, t, None] for lp, t in
+                                                                        zip(lps, prompt[1:])]
         meta["output_token_logprobs"] = []
     else:
         top_k = p.get("top_k", -1)
@@ -289,12 +294,18 @@ def _one(engine, prompt: list[int], p: dict, obj: dict, state: dict, images: lis
         seed = (42 if p.get("sampling_seed") is None else p["sampling_seed"]) if state["deterministic"] else None
         sampling = SamplingParams(n=1, max_tokens=max_new, temperature=p.get("temperature", 1.0),
                                   top_p=p.get("top_p", 1.0), top_k=0 if top_k in (-1, None) else top_k, seed=seed)
+        # sampling_batch_info.py: the request's logit_bias is added to the logits, nothing else is banned (the hf
+        # engine would ban a VLM's placeholders by itself: here it bans what the request bans).
+        bans = logit_bias_bans(p["logit_bias"], engine.model.config.get_text_config().vocab_size) \
+            if p.get("logit_bias") else []
         saved = engine.eos_token_ids
         engine.eos_token_ids = list(p.get("stop_token_ids") or saved)
+        engine.banned_ids = lambda: bans or None
         try:
             batch = engine.generate([prompt], sampling, **with_images)
         finally:
             engine.eos_token_ids = saved
+            del engine.banned_ids
         out_ids, lps = batch.completion_ids[0], batch.sampler_logprobs[0]
         meta["finish_reason"] = ({"type": "stop", "matched": out_ids[-1]} if batch.finish_reasons[0] == "stop"
                                  else {"type": "length", "length": max_new})

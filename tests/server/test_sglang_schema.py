@@ -76,6 +76,7 @@ def test_every_body_the_client_sends_passes_sglangs_schema(sglang_schema, served
     ("/generate", {"input_ids": [[1]], "sampling_params": {"max_tokens": 3}}, "unknown field `max_tokens`"),
     ("/generate", {"input_ids": [[1]], "return_logprobs": True}, r"no field\(s\) \['return_logprobs'\]"),
     ("/generate", {"input_ids": [[1]], "sampling_params": {"sampling_seed": "3"}}, "expected i64"),
+    ("/generate", {"input_ids": [[1]], "sampling_params": {"logit_bias": [8]}}, "a map"),
     ("/update_weights_from_disk", {"model_path": "/w", "version": "3"}, "would ignore them"),
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]}, "base64"),
     ("/release_memory_occupation", {"tags": "kv_cache"}, "ReleaseMemoryOccupationReqInput"),
@@ -90,3 +91,19 @@ def test_the_fake_server_answers_only_routes_sglang_has(sglang_schema, served_ti
     fake = {r.path for r in create_contract_app(served_tiny).routes if hasattr(r, "methods")}
     fake -= {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
     assert fake and fake <= set(sglang_schema.routes)
+
+
+def test_image_bodies_pass_sglangs_schema(sglang_schema, served_vlm, tmp_path):
+    """A vision-language model's bodies: `image_data` per input and the placeholder ban as `logit_bias` (a map of
+    decimal token ids to floats in `api/v1/api_types.py`)."""
+    served, ids, images = served_vlm
+    app = create_contract_app(served, launch_args=["--enable-deterministic-inference"])
+    with app_in_thread(app) as url:
+        eng = SGLangEngine([url], policy=FAST, model_path=served.model, weight_sync_dir=str(tmp_path))
+        eng.generate(ids, SamplingParams(n=2, max_tokens=2, seed=1), images=images)
+        eng.score(ids, images=images)
+        eng.close()
+    bodies = [b for path, b in app.state.contract["log"] if path == "/generate"]
+    assert len(bodies) == 2 and all("logit_bias" in p for p in bodies[0]["sampling_params"])
+    for body in bodies:
+        sglang_schema.check("/generate", body)

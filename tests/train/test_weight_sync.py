@@ -178,3 +178,15 @@ def test_lora_merged_sync_of_a_tied_model_sends_the_tied_name(tied_policy):
     assert names["base_model.model.model.embed_tokens.weight"] == ["model.embed_tokens.weight", "lm_head.weight"]
     metrics = sync_weights(engine, lora, version=1, bucket_mb=1, verify=True, probe=PROBE)
     assert metrics["sync/tensors"] == len(list(tied_policy.parameters())) + 1 and metrics["sync/max_probe_diff"] < 1e-5
+
+
+def test_an_engine_that_scores_nan_everywhere_is_refused(policy):
+    """The probe skips the positions an engine answers NaN (SGLang's image placeholders); NaN at every position is
+    an engine whose weights compute NaN. Before the skip, a NaN mean compared False with the tolerance: it passed."""
+    class Poisoned(HFEngine):
+        def update_weights(self, named_tensors, version):
+            super().update_weights(((n, torch.full_like(t, float("nan"))) for n, t in named_tensors), version)
+
+    engine = Poisoned(copy.deepcopy(policy).eval(), eos_token_ids=[1], pad_token_id=0, shares_policy_weights=False)
+    with pytest.raises(RolloutError, match="probe logprobs are all NaN"):
+        sync_weights(engine, policy, version=1, bucket_mb=1, verify=True, probe=PROBE)

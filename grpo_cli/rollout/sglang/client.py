@@ -17,6 +17,7 @@ from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.http_engine import HttpServerEngine
 from grpo_cli.rollout.remote.client import model_identity
+from grpo_cli.rollout.sglang.vision import Placeholders
 from grpo_cli.rollout.transport.http_client import Policy, split_groups
 
 if TYPE_CHECKING:
@@ -60,8 +61,9 @@ class SGLangEngine(HttpServerEngine):
     session (a second rank's /begin_weight_update would close the first one's session)."""
     accepts_images = True
     """Images go in `/generate`'s `image_data` (PNG data URLs, one list per input, `srt/managers/io_struct.py`
-    GenerateReqInput); SGLang's Qwen-VL processor (`srt/multimodal/processors/qwen_vl.py`) finds each image's
-    placeholder as `<|vision_start|>(<|image_pad|>)+<|vision_end|>`, so the trainer's expanded ids go as they are."""
+    GenerateReqInput). SGLang decodes the ids and runs the HF processor on the text, so each image's run of
+    `<|image_pad|>` goes as one pad (`vision.Placeholders.collapse`), which SGLang expands back to the trainer's
+    ids; the image/video placeholders are banned with `logit_bias`, as the hf engine bans them."""
 
     def __init__(self, urls: list[str], *, policy: Policy | None = None, api_key: str | None = None,
                  stop_token_ids: list[int] | None = None, model_path: str | None = None,
@@ -77,6 +79,7 @@ class SGLangEngine(HttpServerEngine):
         self.weights_released = False  # their memory comes back garbage: generate waits for a sync
         self.released: set[str] = set()  # SGLang memory tags this client released and did not resume yet
         self.facts: dict[str, ServerFacts] = {}
+        self.placeholders = Placeholders.of(model_path)
         if connect:
             self.connect()
 
@@ -150,6 +153,8 @@ class SGLangEngine(HttpServerEngine):
             params["stop_token_ids"] = self.stop_token_ids
         if seed is not None:
             params["sampling_seed"] = seed
+        if self.placeholders.banned:
+            params["logit_bias"] = self.placeholders.logit_bias()
         return params
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, images=None) -> RolloutBatch:
@@ -168,7 +173,7 @@ class SGLangEngine(HttpServerEngine):
             ids, params, image_data = [], [], []
             for i, prompt in enumerate(prompt_ids[sl], start=sl.start):
                 for j in range(sampling.n):
-                    ids.append(list(prompt))
+                    ids.append(self.placeholders.collapse(prompt) if urls is not None else list(prompt))
                     seed = None if sampling.seed is None else sampling.seed + i * sampling.n + j
                     params.append(self._sampling(sampling, seed))
                     image_data.append(urls[i] if urls is not None else None)
@@ -195,9 +200,11 @@ class SGLangEngine(HttpServerEngine):
         return out
 
     def score(self, sequences: list[list[int]], images=None) -> list[list[float]]:
-        """Prompt logprobs of a 0-token generation (`logprob_start_len=0`); SGLang's first entry is None."""
+        """Prompt logprobs of a 0-token generation (`logprob_start_len=0`); SGLang's first entry is None. With
+        `images`: NaN at the placeholder positions, where SGLang scores another id (`Placeholders.unscored`)."""
         self.wake_up()
-        body = {"input_ids": sequences, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        sent = sequences if images is None else [self.placeholders.collapse(s) for s in sequences]
+        body = {"input_ids": sent, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
                 "return_logprob": True, "logprob_start_len": 0}
         if images is not None:
             body["image_data"] = wire_images.encode(images)
@@ -207,7 +214,8 @@ class SGLangEngine(HttpServerEngine):
             entries = out["meta_info"]["input_token_logprobs"]
             if len(entries) != len(seq):
                 raise RolloutError(f"SGLang returned {len(entries)} prompt logprobs for a {len(seq)}-token sequence")
-            result.append([float(e[0]) for e in entries[1:]])
+            lps = [float(e[0]) for e in entries[1:]]
+            result.append(lps if images is None else self.placeholders.unscored(seq, lps))
         return result
 
     # -- weight sync -------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ buckets, LoRA merged, under Hugging Face names) to a rollout engine, then verify
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -185,12 +186,15 @@ def _check_engine(engine, trainer_dtype: torch.dtype, version: int, sent: dict[s
         probe, out["sync/probe_deferred"] = [], 1.0
     if probe:
         images = {} if probe_images is None else {"images": probe_images}
-        out.update(_probe_diffs(engine.score(probe, **images), trainer_lp))
+        diffs, scored = _probe_diffs(engine.score(probe, **images), trainer_lp)
+        out.update(diffs)
         dtype, compared = _dtype_of(engine, trainer_dtype)
         tol = PROBE_TOLERANCE.get(dtype, 1e-3)
-        checked_what.append(f"the logprobs of {sum(len(s) - 1 for s in probe)} probe tokens against the "
+        checked_what.append(f"the logprobs of {scored} probe tokens against the "
                             f"trainer's (mean |diff| ≤ {tol:g} nats/token for {_dtype_name(dtype)})")
-        if out["sync/mean_probe_diff"] > tol:
+        if not scored:  # NaN everywhere: weights that compute NaN, not an engine that skips a few positions
+            problems.append("the engine's probe logprobs are all NaN")
+        elif out["sync/mean_probe_diff"] > tol:
             problems.append(
                 f"probe logprobs differ from the trainer's by {out['sync/mean_probe_diff']:.3g} nats/token on "
                 f"average (max {out['sync/max_probe_diff']:.3g}; tolerance {tol:g} for {_dtype_name(dtype)}, "
@@ -218,10 +222,13 @@ def _compare_readback(engine, sent: dict[str, torch.Tensor]) -> tuple[list[str],
     return checked, problems
 
 
-def _probe_diffs(engine_lp: list[list[float]], trainer_lp: list[list[float]]) -> dict[str, float]:
+def _probe_diffs(engine_lp: list[list[float]], trainer_lp: list[list[float]]) -> tuple[dict[str, float], int]:
+    """Max and mean |engine − trainer| over the positions the engine scored, and how many: an engine answers NaN
+    where it scores another token than the sequence's (SGLang at image placeholders, `rollout/sglang/vision.py`)."""
     diffs = torch.tensor([abs(a - b) for e, t in zip(engine_lp, trainer_lp, strict=True)
-                          for a, b in zip(e, t, strict=True)])
-    return {"sync/max_probe_diff": float(diffs.max()), "sync/mean_probe_diff": float(diffs.mean())}
+                          for a, b in zip(e, t, strict=True) if not math.isnan(a)] or [0.0])
+    scored = sum(not math.isnan(a) for e in engine_lp for a in e)
+    return {"sync/max_probe_diff": float(diffs.max()), "sync/mean_probe_diff": float(diffs.mean())}, scored
 
 
 def _projection_report(engine, sent_rows: dict) -> str:
