@@ -43,8 +43,11 @@ def test_serve_rollout_client_keys_each_ranks_request(served_tiny, tiny_checkpoi
     a shared prompt identically."""
     got = []
     real = served_tiny.engine.generate
-    monkeypatch.setattr(served_tiny.engine, "generate",
-                        lambda prompts, sampling, *a, **k: got.append(sampling.seed) or real(prompts, sampling, *a, **k))
+    def generate(prompts, sampling, *args, **kwargs):
+        got.append(sampling.seed)
+        return real(prompts, sampling, *args, **kwargs)
+
+    monkeypatch.setattr(served_tiny.engine, "generate", generate)
     with app_in_thread(create_app(served_tiny)) as url:
         every = [c for r in (0, 1) for c in _completions(_engine("hf", url, tiny_checkpoint, r, tmp_path), [PROMPT])]
     assert len(set(every)) == len(every) == 6

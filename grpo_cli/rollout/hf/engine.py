@@ -123,8 +123,8 @@ class HFEngine(RolloutEngine):
         start = time.perf_counter()
         kept = [self._kept[r] for r in rows]
         self._kept = None
-        return self._batch(self._run(decode_continue, kept, new_ids, self._seeded(sampling), refresh=False), [[] for _ in rows],
-                           start)
+        out = self._run(decode_continue, kept, new_ids, self._seeded(sampling), refresh=False)
+        return self._batch(out, [[] for _ in rows], start)
 
     def drop_cache(self) -> None:
         self._kept = None

@@ -2,8 +2,9 @@
 (vLLM 0.32, started by the user in dev mode with scale-out; the exact command is `server_facts.serve_command`).
 
 - generation: token-in, token-out at `/inference/v1/generate`, one request per prompt (`n` samples, seed
-  `seeds.request_seed(sampling.seed, rank, prompt index)`; vLLM gives child j that seed + j), the sampled tokens' processed logprobs (`--logprobs-mode processed_logprobs`,
-  checked at connect) and the weight version of every sampled token (vLLM's `weight_versions` spans);
+  `seeds.request_seed(sampling.seed, rank, prompt index)`; vLLM gives child j that seed + j), the sampled tokens'
+  processed logprobs (`--logprobs-mode processed_logprobs`, checked at connect) and the weight version of every
+  sampled token (vLLM's `weight_versions` spans);
 - the weight-sync probe: the same route with `prompt_logprobs: 0` at temperature 1 (`score`);
 - weight sync: vLLM's RL API with the `grpo_shm` plugin engine (same host) or vLLM's `nccl` engine (`weights`,
   built through the transport registry as the `vllm-serve` client's `shm` and `nccl`);
