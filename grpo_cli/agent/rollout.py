@@ -12,9 +12,7 @@ from grpo_cli.agent.template import ToolFraming
 from grpo_cli.agent.tools import Tool, ToolCall
 from grpo_cli.config.agent import AgentConfig
 from grpo_cli.rollout.base import EngineWrapper, RolloutBatch, SamplingParams, held_awake
-
-TURN_SEED_STRIDE = 1_000_003
-"""Turn t of a step samples with seed `seed + t·stride` (reproducible, different from turn 0's)."""
+from grpo_cli.rollout.seeds import turn_seed
 
 
 @dataclass
@@ -152,7 +150,7 @@ class AgentEngine(EngineWrapper):
             if not self.engine.agree_any(bool(go)):
                 break
             room = [budget - len(trajs[j].ids) for j in go]
-            seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
+            seed = None if sampling.seed is None else turn_seed(sampling.seed, turn)  # reproducible, not turn 0's
             params = SamplingParams(n=1, max_tokens=max(room, default=1), temperature=sampling.temperature,
                                     top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
             if resume is not None and self.engine.can_continue():

@@ -89,7 +89,7 @@ def evaluate_folder(cfg: GRPOConfig) -> dict[str, float]:
     policy = load_policy(cfg, path, device=device, info=info)
     hf_module = policy.backend.hf_module()
     ctx = EngineContext(path, eos_token_ids(policy.tokenizer, path if hf_module is None else hf_module),
-                        policy.tokenizer.pad_token_id)
+                        policy.tokenizer.pad_token_id, info.rank, info.world_size)  # seeds as the run's ranks had
     from grpo_cli.agent.wrap import wrap_rollout
 
     engine = make_engine(cfg, ctx, policy=hf_module, device=device, wrap=wrap_rollout)  # async: in each actor

@@ -67,7 +67,8 @@ def make_hf_engine(cfg: GRPOConfig, ctx: EngineContext, *, policy, device=None) 
     shares = dtype == "auto" or getattr(torch, dtype) == next(policy.parameters()).dtype
     model = policy if shares else _frozen_copy(policy, getattr(torch, dtype))
     return HFEngine(model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
-                    shares_policy_weights=shares, compile_step=cfg.rollout.compile, images=image_processor(cfg, ctx))
+                    shares_policy_weights=shares, compile_step=cfg.rollout.compile, images=image_processor(cfg, ctx),
+                    rank=ctx.rank)
 
 
 def _frozen_copy(policy, dtype):

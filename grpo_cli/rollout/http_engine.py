@@ -25,6 +25,9 @@ class HttpServerEngine(RolloutEngine):
     push_from_main_only = True
     client: ClassVar[str]
     """This client's name in the weight-transport registry."""
+    rank: int = 0
+    """The training process this client generates for (`EngineContext.rank`): every rank sends the step's seed, and
+    the requests' seeds are keyed by it (`rollout/seeds.py`) so two ranks never draw the same noise."""
     thread_name_prefix: ClassVar[str]
 
     def _open(self, urls: list[str], *, token: str | None, policy: Policy | None, transport: str, offered: dict,
@@ -44,8 +47,10 @@ class HttpServerEngine(RolloutEngine):
     @classmethod
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> HttpServerEngine:
         s = cfg.rollout.server
-        return cls(list(s.urls), policy=Policy.of(s), stop_token_ids=ctx.eos_token_ids, chunk_mb=s.weight_chunk_mb,
-                   **cls.config_args(cfg, ctx))
+        engine = cls(list(s.urls), policy=Policy.of(s), stop_token_ids=ctx.eos_token_ids,
+                     chunk_mb=s.weight_chunk_mb, **cls.config_args(cfg, ctx))
+        engine.rank = ctx.rank
+        return engine
 
     @classmethod
     def config_args(cls, cfg: GRPOConfig, ctx: EngineContext) -> dict:

@@ -14,10 +14,8 @@ from grpo_cli.train.eval_metrics import local_sums, reduce_means
 from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.rewards.resolve import RewardFn, pop_reward_metrics
 from grpo_cli.rollout.base import RolloutBatch, SamplingParams
+from grpo_cli.rollout.seeds import eval_seed
 from grpo_cli.train.scoring.rewards_phase import score_rollout
-
-EVAL_SEED = 7_777_777
-"""Offset of the evaluation seed from `train.seed · 1_000_003` (step seeds use offsets below `train.steps`)."""
 
 Generate = Callable[[list[Prompt], SamplingParams], RolloutBatch]
 
@@ -36,7 +34,7 @@ def eval_sampling(cfg: GRPOConfig) -> SamplingParams:
     e, r = cfg.eval, cfg.rollout
     return SamplingParams(n=e.generations_per_prompt, max_tokens=e.max_completion_length or r.max_completion_length,
                           temperature=e.temperature, top_p=r.top_p, top_k=r.top_k,
-                          seed=cfg.train.seed * 1_000_003 + EVAL_SEED)
+                          seed=eval_seed(cfg.train.seed))
 
 
 @dataclass

@@ -16,10 +16,11 @@ from grpo_cli.runtime.dist import DistInfo, all_reduce_sum, any_rank, mean_metri
 from grpo_cli.runtime.faults import FaultPlan
 from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.rollout.base import RolloutEngine, SamplingParams, generate_with_images
+from grpo_cli.rollout import seeds
 from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
 from grpo_cli.train.distill import TeacherScore, distill_phase
-from grpo_cli.train.scoring.dynamic_sampling import ROUND_SEED_STRIDE, fill_step
+from grpo_cli.train.scoring.dynamic_sampling import fill_step
 from grpo_cli.train.loss import trained_mask
 from grpo_cli.train.pipeline import RolloutPipeline, take_step_prompts
 from grpo_cli.train.policy import Policy
@@ -71,7 +72,7 @@ class TrainingStopped(UserError):
 
 def step_seed(cfg: GRPOConfig, step: int) -> int:
     """Sampling seed of a step: a function of (seed, step) only, so a resumed run samples the same batches."""
-    return cfg.train.seed * 1_000_003 + step
+    return seeds.step_seed(cfg.train.seed, step)
 
 
 def rollout_phase(tr: Trainer, state: LoopState):
@@ -111,7 +112,7 @@ def extra_round(tr: Trainer, state: LoopState, round_index: int) -> ScoredRollou
     cfg = tr.cfg
     prompts = take_step_prompts(tr.cursor, prompts_per_step=cfg.train.prompts_per_step, rank=tr.dist.rank,
                                 world_size=tr.dist.world_size)
-    rollout = generate_phase(tr, prompts, seed=step_seed(cfg, state.step) + round_index * ROUND_SEED_STRIDE)
+    rollout = generate_phase(tr, prompts, seed=seeds.round_seed(step_seed(cfg, state.step), round_index))
     with tr.timer.phase("reward"):
         return score_rollout(cfg, tr.reward_fns, tr.policy.tokenizer, prompts, rollout)
 

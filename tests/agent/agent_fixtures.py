@@ -15,10 +15,12 @@ class ScriptedEngine(RolloutEngine):
     def __init__(self, turns: list[list[list[int]]], eos: int, finish: list[list[str]] | None = None):
         self.turns, self.eos, self.finish = turns, eos, finish
         self.calls: list[tuple[list[list[int]], int, int]] = []
+        self.seeds: list[int | None] = []  # each call's sampling seed
 
     def generate(self, prompt_ids, sampling):
         k = len(self.calls)
         self.calls.append(([list(p) for p in prompt_ids], sampling.n, sampling.max_tokens))
+        self.seeds.append(sampling.seed)
         out = [ids[: sampling.max_tokens] for ids in self.turns[k]]
         reasons = (self.finish[k] if self.finish else
                    ["stop" if ids and ids[-1] == self.eos else "length" for ids in out])

@@ -18,6 +18,7 @@ from grpo_cli.agent.template import ToolFraming, check_template
 from grpo_cli.agent.tools import ToolCall, ToolError, load_tools, parse_hermes
 from grpo_cli.config.agent import AgentConfig
 from grpo_cli.rollout.base import SamplingParams
+from grpo_cli.rollout.seeds import turn_seed
 
 HERE = Path(__file__).parent
 TOOLS = str(HERE / "tools_for_tests.py")
@@ -56,6 +57,7 @@ def test_ids_are_the_sampled_ones_and_equal_one_rendering_of_the_conversation(to
     assert out.loss_masks[0] == [1] * len(turn1) + [0] * len(env) + [1] * len(turn2)
     assert out.sampler_logprobs[0] == [-0.5] * len(turn1) + [0.0] * len(env) + [-0.5] * len(turn2)
     assert engine.calls[1][0] == [prompt + turn1 + env]  # turn 2's input: ids, not a re-encoding of text
+    assert engine.seeds == [1, turn_seed(1, 1)]  # rollout/seeds.py: turn 1's seed is no other call's
     assert out.trajectories[0][1] == {"role": "tool", "content": "5"} and out.metrics["tools/turns"] == 2.0
 
 

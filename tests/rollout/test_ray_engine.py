@@ -98,16 +98,17 @@ def test_actors_are_placed_on_the_placement_group(manager):
 
 
 def test_actor_samples_what_the_local_engine_samples(manager, tiny_checkpoint):
-    """Actor i uses seed + i·stride on its consecutive chunk of prompts: the merged batch equals local
-    generation chunk by chunk (same weights, same seeds), prompt order kept."""
-    from grpo_cli.rollout.ray.engine import ACTOR_SEED_STRIDE
-
+    """Actor i samples its consecutive chunk of prompts as an engine of rank i does (its seeds keyed by its number,
+    rollout/seeds.py): the merged batch equals local generation chunk by chunk at ranks 0 and 1 (same weights,
+    same step seed), prompt order kept."""
     model, local = _local_engine(tiny_checkpoint)
     manager.update_weights(iter(model.state_dict().items()), manager.weight_version + 1)
     got = manager.generate(PROMPTS, SAMPLING)
     chunks = split_evenly(PROMPTS, 2)
-    want = [local.generate(c, dataclasses.replace(SAMPLING, seed=SAMPLING.seed + i * ACTOR_SEED_STRIDE))
-            for i, c in enumerate(chunks)]
+    want = []
+    for i, c in enumerate(chunks):
+        local.rank = i
+        want.append(local.generate(c, SAMPLING))
     assert got.prompt_ids == PROMPTS
     assert got.completion_ids == [row for w in want for row in w.completion_ids]
     flat_got = torch.tensor([x for row in got.sampler_logprobs for x in row])

@@ -14,6 +14,7 @@ from served_app import app_in_thread
 
 from grpo_cli.rollout.base import RolloutError, SamplingParams
 from grpo_cli.models.logprobs import completion_logprobs, score_sequences
+from grpo_cli.rollout.seeds import child_seed
 from grpo_cli.rollout.sglang.client import SGLangEngine, ServerFacts
 from grpo_cli.server.engines import ServeError, ServeOptions
 from grpo_cli.server.launch import run_sglang, sglang_command
@@ -60,7 +61,8 @@ def test_generate_request_schema_groups_and_logprobs(sgl):
     assert req["return_logprob"] is True and req["logprob_start_len"] == -1
     assert req["input_ids"] == [[3, 4, 5], [3, 4, 5], [6, 7], [6, 7]]
     params = req["sampling_params"]
-    assert [p["sampling_seed"] for p in params] == [7, 8, 9, 10]
+    assert [p["sampling_seed"] for p in params] == [child_seed(7, rank=0, prompt=i, child=j) for i in (0, 1)
+                                                    for j in (0, 1)]
     assert all(p["n"] == 1 and p["top_k"] == -1 and p["stop_token_ids"] == [1] and p["max_new_tokens"] == 5
                for p in params)
     assert len(batch.completion_ids) == 4

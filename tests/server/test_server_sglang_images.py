@@ -15,6 +15,7 @@ from served_app import app_in_thread
 
 from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import SamplingParams
+from grpo_cli.rollout.seeds import child_seed
 from grpo_cli.rollout.sglang.client import SGLangEngine
 from grpo_cli.rollout.transport.http_client import Policy
 from grpo_cli.server.sglang_contract import create_contract_app
@@ -50,7 +51,8 @@ def test_image_data_goes_with_each_input_and_the_outputs_are_the_engines(served_
     assert all(p["logit_bias"] == {str(t): -1e9 for t in sorted(banned)} for p in req["sampling_params"])
     assert len(req["image_data"]) == 4 and req["image_data"][0] == req["image_data"][1] != req["image_data"][2]
     for j, (comp, lps) in enumerate(zip(batch.completion_ids, batch.sampler_logprobs, strict=True)):
-        seed = 5 + j  # the client's per-input seed, which the contract uses under deterministic inference
+        # the client's per-input seed, which the contract uses under deterministic inference
+        seed = child_seed(5, rank=0, prompt=j // 2, child=j % 2)
         own = served.engine.generate([ids[j // 2]], SamplingParams(n=1, max_tokens=4, seed=seed),
                                      images=[images[j // 2]])
         assert own.completion_ids[0] == comp and not banned & set(comp)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -17,6 +18,7 @@ from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, Sam
 from grpo_cli.rollout.hf.decode import Decoded, decode, decode_continue
 from grpo_cli.rollout.hf.decode_step import decoder_parts
 from grpo_cli.rollout.hf.static_step import StepStore
+from grpo_cli.rollout.seeds import request_seed
 from grpo_cli.models.logprobs import score_sequences
 from grpo_cli.models.weight_names import parameters_by_name
 
@@ -29,8 +31,9 @@ class HFEngine(RolloutEngine):
     accepts_images = True
 
     def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, shares_policy_weights: bool,
-                 compile_step: bool = False, images: ImageProcessor | None = None) -> None:
+                 compile_step: bool = False, images: ImageProcessor | None = None, rank: int = 0) -> None:
         self.model = model
+        self.rank = rank  # the training process (or Ray actor) this engine samples for: it keys the seeds
         self.images = images  # a vision-language model's image processor (`generate(images=)`)
         self.compile_step = compile_step  # `rollout.compile`: the lean decode step under torch.compile
         self.eos_token_ids = list(eos_token_ids)
@@ -71,6 +74,13 @@ class HFEngine(RolloutEngine):
             self._copy.refresh()
         return self._copy.model, torch.autocast(next(self.model.parameters()).device.type, enabled=False)
 
+    def _seeded(self, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with the seed of this rank's batch (`rollout/seeds.py`): one generator draws every row's noise,
+        so the rows of a call differ, and the ranks of a step, seeded alike, must not draw the same noise."""
+        if sampling.seed is None:
+            return sampling
+        return dataclasses.replace(sampling, seed=request_seed(sampling.seed, rank=self.rank, prompt=0))
+
     def _batch(self, out: Decoded, prompt_ids: list[list[int]], start: float) -> RolloutBatch:
         completions, reasons, sampler = _trim(out)
         self._kept = out.kept
@@ -98,7 +108,7 @@ class HFEngine(RolloutEngine):
         row's KV stays here for `continue_rows` (multi-turn)."""
         start = time.perf_counter()
         self._kept = None
-        out = self._run(decode, prompt_ids, sampling, keep=keep_cache, vision=self.vision_inputs(images),
+        out = self._run(decode, prompt_ids, self._seeded(sampling), keep=keep_cache, vision=self.vision_inputs(images),
                         banned=self.banned_ids())
         return self._batch(out, prompt_ids, start)
 
@@ -113,8 +123,8 @@ class HFEngine(RolloutEngine):
         start = time.perf_counter()
         kept = [self._kept[r] for r in rows]
         self._kept = None
-        return self._batch(self._run(decode_continue, kept, new_ids, sampling, refresh=False), [[] for _ in rows],
-                           start)
+        out = self._run(decode_continue, kept, new_ids, self._seeded(sampling), refresh=False)
+        return self._batch(out, [[] for _ in rows], start)
 
     def drop_cache(self) -> None:
         self._kept = None

@@ -36,4 +36,4 @@ def hf_copy_engine(cfg: GRPOConfig, ctx: EngineContext, *, device=None) -> Rollo
         require_compilable(model)
     return HFEngine(model, eos_token_ids=ctx.eos_token_ids, pad_token_id=ctx.pad_token_id,
                     shares_policy_weights=False, compile_step=cfg.rollout.compile,
-                    images=image_processor(cfg, ctx))
+                    images=image_processor(cfg, ctx), rank=ctx.rank)

@@ -28,9 +28,6 @@ if TYPE_CHECKING:
 
 BOARD_NAMESPACE = "grpo_cli"
 """Ray namespace of the weight board (named actors are looked up by namespace + name)."""
-ACTOR_SEED_STRIDE = 7919
-"""Actor i (numbered over all training processes) samples its share with seed + i · stride: actor 0 uses the
-step's seed, as the sync engines do, and a job samples the same tokens whatever the number of processes."""
 
 
 def import_ray():
@@ -258,9 +255,9 @@ class AsyncRolloutEngine(RolloutEngine):
         for i, (actor, chunk, chunk_rows, chunk_images) in enumerate(zip(
                 self.actors, split_evenly(prompt_ids, count), row_chunks, image_chunks, strict=True)):
             if chunk:
-                seed = None if sampling.seed is None else sampling.seed + (self.first_index + i) * ACTOR_SEED_STRIDE
-                refs.append(actor.generate.remote(chunk, dataclasses.replace(sampling, seed=seed), chunk_rows,
-                                                  chunk_images))
+                # The step's seed as it is: actor i's engine keys its seeds by its rank, its number over all
+                # training processes (`rollout/seeds.py`), as a training process's engine does.
+                refs.append(actor.generate.remote(chunk, sampling, chunk_rows, chunk_images))
         self._tickets[key] = refs
 
     def collect(self, key, timeout: float | None = None) -> RolloutBatch:

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.http_engine import HttpServerEngine
+from grpo_cli.rollout.seeds import request_seed
 from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, split_groups
 
 if TYPE_CHECKING:
@@ -100,7 +101,8 @@ class ServerEngine(HttpServerEngine):
         self._calls += 1
         futures = []
         for server, sl in parts:
-            seed = None if sampling.seed is None else sampling.seed + sl.start
+            # one request per server slice: the server's engine derives each prompt's seed from this one
+            seed = None if sampling.seed is None else request_seed(sampling.seed, rank=self.rank, prompt=sl.start)
             body = {"prompt_ids": prompt_ids[sl], "stop_token_ids": self.stop_token_ids,
                     "sampling": {"n": sampling.n, "max_tokens": sampling.max_tokens,
                                  "temperature": sampling.temperature, "top_p": sampling.top_p,

@@ -17,6 +17,7 @@ from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.http_engine import HttpServerEngine
 from grpo_cli.rollout.remote.client import model_identity
+from grpo_cli.rollout.seeds import child_seed
 from grpo_cli.rollout.sglang.vision import Placeholders
 from grpo_cli.rollout.transport.http_client import Policy, split_groups
 
@@ -174,7 +175,8 @@ class SGLangEngine(HttpServerEngine):
             for i, prompt in enumerate(prompt_ids[sl], start=sl.start):
                 for j in range(sampling.n):
                     ids.append(self.placeholders.collapse(prompt) if urls is not None else list(prompt))
-                    seed = None if sampling.seed is None else sampling.seed + i * sampling.n + j
+                    seed = (None if sampling.seed is None else
+                            child_seed(sampling.seed, rank=self.rank, prompt=i, child=j))
                     params.append(self._sampling(sampling, seed))
                     image_data.append(urls[i] if urls is not None else None)
             body = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}

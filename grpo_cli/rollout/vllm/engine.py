@@ -7,7 +7,6 @@ import contextlib
 import gc
 import math
 import os
-import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.vllm import support as support
 from grpo_cli.rollout.base import RolloutBatch, RolloutEngine, RolloutError, SamplingParams, engine_dtype
+from grpo_cli.rollout.seeds import derive_seed, request_seed
 
 if TYPE_CHECKING:
     import torch
@@ -189,7 +189,7 @@ class VLLMEngine(RolloutEngine):
     def _fallback_seed(self) -> int:
         """A step seed for unseeded calls: same on every rank of a TP group, different on every call."""
         self._calls += 1
-        return random.Random(f"grpo-cli:{self.seed}:{self._calls}").getrandbits(31)
+        return derive_seed("unseeded", self.seed, self._calls)
 
     def _run(self, prompts: list[list[int]], params: list) -> list:
         if not prompts:  # the whole TP group came with nothing (a step with no prompts)
@@ -205,10 +205,12 @@ class VLLMEngine(RolloutEngine):
             check, self._pending_probe = self._pending_probe, None
             self.last_probe = check()
         seed = sampling.seed if sampling.seed is not None else self._fallback_seed()
-        # Requests carry their rank's settings (a later agent turn's max_tokens differs per rank; some bring none).
+        # Requests carry their rank's settings (a later agent turn's max_tokens differs per rank; some bring none)
+        # and their rank's seeds (rollout/seeds.py), so the same step on another rank or TP grouping differs. They
+        # are always seeded: unseeded ones would draw from each process's global generator, and the ranks of a TP
+        # group would sample differently.
         ask = (sampling.n, sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k)
-        local = [(list(p), s, ask)
-                 for p, s in zip(prompt_ids, support.request_seeds(seed, self.rank, len(prompt_ids)))]
+        local = [(list(p), request_seed(seed, rank=self.rank, prompt=i), ask) for i, p in enumerate(prompt_ids)]
         everything, offset = self._gather_tp(local)
         params = support.request_params(vllm, everything, stop_token_ids=self.eos_token_ids)
         try:

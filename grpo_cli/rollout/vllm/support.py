@@ -1,4 +1,4 @@
-"""Helpers of the vLLM engine that do not need its state: the supported vLLM versions, request seeds, start-up
+"""Helpers of the vLLM engine that do not need its state: the supported vLLM versions, start-up
 error messages, RNG and logger guards, and the launcher-safe shutdown."""
 
 from __future__ import annotations
@@ -47,15 +47,6 @@ def version_status(version: str | None) -> tuple[bool, str]:
         return True, f"vllm {version} within the supported range {SUPPORTED_VLLM}"
     return False, (f"vllm {version} is outside the range grpo-cli is written against ({SUPPORTED_VLLM}): weight "
                    "reloads (reload_weights with keyword arguments), logprobs and sleep may fail or differ")
-
-
-def request_seeds(seed: int, origin_rank: int, count: int) -> list[int]:
-    """One vLLM request seed per prompt, derived from the step seed and the rank that owns the prompt (so the
-    same step on another rank, or with another TP grouping, draws different, reproducible samples). vLLM gives
-    the n children of a request the seeds `s, s+1, …, s+n−1`. Requests are always seeded: unseeded ones would
-    draw from each process's global generator, and the ranks of a TP group would sample differently."""
-    rng = random.Random(f"grpo-cli:{seed}:{origin_rank}")
-    return [rng.getrandbits(31) for _ in range(count)]
 
 
 def tp_subgroup(device, tp: int, world_size: int, timeout_minutes: float | None):

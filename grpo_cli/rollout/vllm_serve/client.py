@@ -2,8 +2,9 @@
 (vLLM 0.32, started by the user in dev mode with scale-out; the exact command is `server_facts.serve_command`).
 
 - generation: token-in, token-out at `/inference/v1/generate`, one request per prompt (`n` samples, seed
-  `sampling.seed + prompt index`), the sampled tokens' processed logprobs (`--logprobs-mode processed_logprobs`,
-  checked at connect) and the weight version of every sampled token (vLLM's `weight_versions` spans);
+  `seeds.request_seed(sampling.seed, rank, prompt index)`; vLLM gives child j that seed + j), the sampled tokens'
+  processed logprobs (`--logprobs-mode processed_logprobs`, checked at connect) and the weight version of every
+  sampled token (vLLM's `weight_versions` spans);
 - the weight-sync probe: the same route with `prompt_logprobs: 0` at temperature 1 (`score`);
 - weight sync: vLLM's RL API with the `grpo_shm` plugin engine (same host) or vLLM's `nccl` engine (`weights`,
   built through the transport registry as the `vllm-serve` client's `shm` and `nccl`);
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.http_engine import HttpServerEngine
+from grpo_cli.rollout.seeds import request_seed
 from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
 from grpo_cli.rollout.transport import base as transports
 from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, is_loopback, split_groups
@@ -127,7 +129,7 @@ class VLLMServeEngine(HttpServerEngine):
                   "stop_token_ids": self.stop_token_ids}
         futures = []
         for url, index in self._placement(len(prompt_ids)):
-            seed = None if sampling.seed is None else sampling.seed + index
+            seed = None if sampling.seed is None else request_seed(sampling.seed, rank=self.rank, prompt=index)
             body = {"token_ids": list(prompt_ids[index]), "sampling_params": {**params, "seed": seed}}
             futures.append(self._pool.submit(self._post, url, body))
         completions, reasons, logps = [], [], []

@@ -17,10 +17,6 @@ from grpo_cli.rollout.base import RolloutBatch
 from grpo_cli.train.scoring.rewards_phase import ScoredRollout
 from grpo_cli.train.scoring.step_rewards import StepRewards
 
-ROUND_SEED_STRIDE = 1_000_000_007
-"""Extra round r of a step samples with the step's seed + r · stride (round 0 is the step's usual seed)."""
-
-
 def _rows(scored: ScoredRollout, groups: list[int], g: int) -> ScoredRollout:
     """The given groups of `scored`, in that order."""
     rows = [j for k in groups for j in range(k * g, (k + 1) * g)]
