@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from grpo_cli.config.base import Section
 from grpo_cli.config.engine_modes import EngineMode, engine_mode, engines
+from grpo_cli.config.transports import WeightTransportName
 
 
 class VLLMConfig(Section):
@@ -60,7 +61,7 @@ class ServerConfig(Section):
     token_env: str = "GRPO_ROLLOUT_TOKEN"
     """Environment variable holding the bearer token sent to the server (unset: no token); for `vllm serve`, its
     `--api-key`."""
-    weight_transport: Literal["http", "shm", "nccl", "disk", "tensor"] | None = None
+    weight_transport: WeightTransportName | None = None
     """How weights reach the servers at each sync (default: the engine's first below). `grpo serve-rollout`
     (engines hf, vllm): `http` streams checksummed safetensors chunks; `shm` (server on the trainer's host, same
     user) writes those chunks once to a file in /dev/shm and sends only its name (token-guarded like every update;
