@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from grpo_cli.config.transports import names_for
+
 Mode = Literal["colocate", "server", "async"]
 BUILD_ARGS = ("policy", "device", "broadcast", "wrap")
 """What the factory can hand a builder besides (cfg, ctx): the trainer's Hugging Face policy, the device, a
@@ -45,7 +47,10 @@ class EngineMode:
     """The engine is a client of rollout servers at `rollout.server.urls`, which build their engine themselves
     (engine settings of the trainer's config such as `rollout.compile` do not reach them)."""
     transports: tuple[str, ...] = ()
-    """The weight transports it takes (the first is the default)."""
+    """The weight transports it takes (the first is the default); a row with a `client` takes that client's
+    (`config/transports.py`), which is what a row left empty here gets."""
+    client: str | None = None
+    """Server rows: the weight-transport client its engine is (`config.transports.TRANSPORTS`)."""
     actor_build: str | None = None
     """Async rows: `module:attr` of the builder `fn(cfg, ctx)` each Ray actor calls for its own engine."""
     rehearsal_server: str | None = None
@@ -56,6 +61,14 @@ class EngineMode:
     with them (docs/vision.md's matrix); on the other rows such a run is refused (`config/rules_vision.py`)."""
     about: str = ""
 
+    def __post_init__(self) -> None:
+        if self.client is None:
+            return
+        if self.transports and self.transports != names_for(self.client):
+            raise ValueError(f"engine {self.engine!r}: a row of the {self.client} client takes its transports "
+                             f"{names_for(self.client)}, not {self.transports} (config/transports.py)")
+        object.__setattr__(self, "transports", names_for(self.client))
+
     @property
     def key(self) -> tuple[str, str]:
         return self.engine, self.mode
@@ -63,7 +76,6 @@ class EngineMode:
 
 _SERVER = "grpo_cli.rollout.remote.client:ServerEngine.from_config"
 _ASYNC = "grpo_cli.rollout.ray.engine:AsyncRolloutEngine.from_config"
-_HTTP = ("http", "shm", "nccl")
 
 MODES: dict[tuple[str, str], EngineMode] = {row.key: row for row in (
     EngineMode("hf", "colocate", "grpo_cli.rollout.factory:make_hf_engine", ("policy", "device"), colocated=True,
@@ -72,15 +84,15 @@ MODES: dict[tuple[str, str], EngineMode] = {row.key: row for row in (
     EngineMode("vllm", "colocate", "grpo_cli.rollout.vllm.engine:VLLMEngine.from_config", colocated=True,
                can_sleep=True, transports=("in-process",),
                about="vllm.LLM in every training process (tensor-parallel groups of training ranks)"),
-    EngineMode("hf", "server", _SERVER, remote=True, transports=_HTTP, rehearsal_server="grpo-hf", images=True,
-               about="`grpo serve-rollout --engine hf`"),
-    EngineMode("vllm", "server", _SERVER, remote=True, transports=_HTTP, rehearsal_server="grpo-vllm",
+    EngineMode("hf", "server", _SERVER, remote=True, client="serve-rollout", rehearsal_server="grpo-hf",
+               images=True, about="`grpo serve-rollout --engine hf`"),
+    EngineMode("vllm", "server", _SERVER, remote=True, client="serve-rollout", rehearsal_server="grpo-vllm",
                about="`grpo serve-rollout --engine vllm`"),
     EngineMode("sglang", "server", "grpo_cli.rollout.sglang.client:SGLangEngine.from_config", remote=True,
-               transports=("disk", "tensor"), rehearsal_server="sglang-contract", images=True,
+               client="sglang", rehearsal_server="sglang-contract", images=True,
                about="SGLang servers"),
     EngineMode("vllm-serve", "server", "grpo_cli.rollout.vllm_serve.client:VLLMServeEngine.from_config", remote=True,
-               transports=("shm", "nccl"),
+               client="vllm-serve",
                about="a stock `vllm serve` in dev mode (vLLM's RL API; docs/server-mode.md gives its command)"),
     EngineMode("hf", "async", _ASYNC, ("broadcast", "wrap"), transports=("ray",), images=True,
                actor_build="grpo_cli.rollout.ray.actor:hf_actor_engine",

@@ -1,5 +1,6 @@
-"""Generate the config reference of docs/configuration.md (markdown) from the schema: `python -m
-grpo_cli.config.reference` prints it, `--write` puts it between the markers of docs/configuration.md."""
+"""Generate the config reference of docs/configuration.md (markdown) from the schema, and docs/server-mode.md's table
+of weight transports from `config/transports.py`: `python -m grpo_cli.config.reference` prints both, `--write` puts
+each between its markers."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from grpo_cli.config.engine_modes import MODES
 from grpo_cli.config.judge import JudgeConfig
 from grpo_cli.config.schema import GRPOConfig
+from grpo_cli.config.transports import TRANSPORTS
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+TRANSPORTS_BEGIN, TRANSPORTS_END = "<!-- weight-transports:begin -->", "<!-- weight-transports:end -->"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def _default(field) -> str:
@@ -72,14 +77,39 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
+CLIENTS = {"serve-rollout": "`grpo serve-rollout`", "sglang": "SGLang", "vllm-serve": "stock `vllm serve`"}
+
+
+def transport_table() -> str:
+    """docs/server-mode.md's table: one row per transport of each client (`config.transports.TRANSPORTS`), the
+    engines whose server rows take it (`config.engine_modes.MODES`), its topology, whether the config refuses a server
+    on another host (`same_host`), and when to use it."""
+    lines = [TRANSPORTS_BEGIN, "| transport | engines | topology | same host only | when to use it |",
+             "|---|---|---|---|---|"]
+    for t in TRANSPORTS:
+        rows = [row for row in MODES.values() if row.client == t.client]
+        engines = ", ".join(row.engine for row in rows)
+        default = " (default)" if rows and rows[0].transports[0] == t.name else ""
+        lines.append(f"| `{t.name}`{default} | {engines} ({CLIENTS.get(t.client, t.client)}) | {t.topology} | "
+                     f"{'yes (loopback URLs)' if t.same_host else 'no'} | {t.when} |")
+    return "\n".join([*lines, TRANSPORTS_END])
+
+
+def write_between(page: Path, begin: str, end: str, text: str) -> None:
+    """Replace the text between `begin` and `end` (markers included in `text`) in `page`."""
+    old = page.read_text()
+    page.write_text(old[: old.index(begin)] + text + old[old.index(end) + len(end):])
+
+
 def write_reference(page: Path) -> None:
     """Replace the table between `BEGIN` and `END` in `page` with the current one."""
-    text = page.read_text()
-    page.write_text(text[: text.index(BEGIN)] + reference_markdown() + text[text.index(END) + len(END):])
+    write_between(page, BEGIN, END, reference_markdown())
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write"]:
-        write_reference(Path(__file__).resolve().parents[2] / "docs" / "configuration.md")
+        write_reference(DOCS / "configuration.md")
+        write_between(DOCS / "server-mode.md", TRANSPORTS_BEGIN, TRANSPORTS_END, transport_table())
     else:
         print(reference_markdown())
+        print(transport_table())

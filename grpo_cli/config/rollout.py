@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from grpo_cli.config.base import Section
 from grpo_cli.config.engine_modes import EngineMode, engine_mode, engines
+from grpo_cli.config.transports import WeightTransportName
 
 
 class VLLMConfig(Section):
@@ -34,7 +35,7 @@ class VLLMConfig(Section):
     block_size: int | None = Field(None, ge=1)
     """KV-cache block size (vLLM's `block_size`); prefix caching reuses whole blocks only. Default: vLLM's own
     (16 on CUDA; 128 on CPU, whose attention takes multiples of 32), except multi-turn runs (`agent:`,
-    `rollout.custom`) on CPU, which take 32 (`rollout.vllm_engine.CPU_MULTI_TURN_BLOCK_SIZE`): every turn
+    `rollout.custom`) on CPU, which take 32 (`rollout/vllm/support.py: CPU_MULTI_TURN_BLOCK_SIZE`): every turn
     re-reads the whole conversation, and 128 reused nothing of a short one (tools added +114% to the rollout of
     a 21M model, +25% with 32; benchmarks/agent_tools.py)."""
     verify_sync: bool = True
@@ -60,17 +61,14 @@ class ServerConfig(Section):
     token_env: str = "GRPO_ROLLOUT_TOKEN"
     """Environment variable holding the bearer token sent to the server (unset: no token); for `vllm serve`, its
     `--api-key`."""
-    weight_transport: Literal["http", "shm", "nccl", "disk", "tensor"] | None = None
-    """How weights reach the servers at each sync (default: the engine's first below). `grpo serve-rollout`
-    (engines hf, vllm): `http` streams checksummed safetensors chunks; `shm` (server on the trainer's host, same
-    user) writes those chunks once to a file in /dev/shm and sends only its name (token-guarded like every update;
-    each chunk's XXH3-128 checksum is checked by the server); `nccl` broadcasts over a NCCL group set up through
-    `/init_communicator` (CUDA on both sides). SGLang: `disk` writes a safetensors checkpoint to `weight_sync_dir`
-    and calls `/update_weights_from_disk`; `tensor` uses `/update_weights_from_tensor` (CUDA IPC handles: a trainer
-    on CUDA on the server's machine; refused for a server with `--dp-size` > 1). `vllm-serve` (a stock `vllm
-    serve`, through vLLM's RL API, which has no HTTP data path): `shm` (grpo-cli's `grpo_shm` vLLM plugin engine
-    loads the file) or `nccl` (vLLM's own NCCL engine). Table and measured throughput:
-    docs/server-mode.md."""
+    weight_transport: WeightTransportName | None = None
+    """How weights reach the servers at each sync. Each engine takes its own transports, the first its default (a
+    value it does not take is refused naming them): `grpo serve-rollout` (engines hf, vllm) streams checksummed
+    safetensors chunks over HTTP (`http`), writes them once to a file in /dev/shm (`shm`) or broadcasts over NCCL
+    (`nccl`); SGLang loads a checkpoint from `weight_sync_dir` (`disk`) or takes CUDA IPC handles (`tensor`); a
+    stock `vllm serve` (`vllm-serve`, through vLLM's RL API) loads a /dev/shm file with grpo-cli's `grpo_shm` plugin
+    (`shm`) or uses vLLM's NCCL engine (`nccl`). A same-host transport (`shm`, `tensor`) refuses a server URL that is
+    not loopback. Table (generated from `config/transports.py`) and measured throughput: docs/server-mode.md."""
     shm_keep_file: bool = True
     """With `weight_transport: shm`: keep the /dev/shm file between syncs and overwrite it in place (about twice as
     fast as allocating and freeing a model's worth of shared memory every sync: 0.09 vs 0.22 s for 403 MB here),

@@ -8,6 +8,7 @@ from grpo_cli.config.engine_modes import engine_mode, modes_of
 from grpo_cli.config.rules_megatron import check_megatron, divisors
 from grpo_cli.config.rules_vision import check_vision
 from grpo_cli.config.rules_offload import check_offload
+from grpo_cli.config.transports import facts, is_loopback
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
@@ -123,6 +124,7 @@ def _check_weight_transport(cfg: GRPOConfig) -> None:
     r = cfg.rollout
     name = r.server.weight_transport
     if name is None:
+        _check_same_host(cfg)
         return
     if r.mode != "server":
         raise ValueError(
@@ -136,6 +138,23 @@ def _check_weight_transport(cfg: GRPOConfig) -> None:
             f"rollout.server.weight_transport={name} is not a weight transport of rollout.engine '{r.engine}': "
             f"{server} takes {', '.join(valid)} (default {valid[0]}); set rollout.server.weight_transport to one "
             "of these (see docs/server-mode.md for when to use which).")
+    _check_same_host(cfg)
+
+
+def _check_same_host(cfg: GRPOConfig) -> None:
+    """A transport that needs the server on the trainer's host (`TransportFacts.same_host`: a file in /dev/shm, CUDA
+    IPC handles) refuses a URL that is not loopback, default transports included."""
+    r = cfg.rollout
+    found = facts(r.layout.client, r.transport) if r.layout.client else None
+    away = [u.rstrip("/") for u in r.server.urls if not is_loopback(u)]
+    if found is None or not found.same_host or not away:
+        return
+    others = [n for n in r.layout.transports if n != found.name]
+    raise ValueError(
+        f"rollout.server.weight_transport={found.name} ({found.topology}) needs every rollout server on the "
+        f"trainer's host, addressed by a loopback URL (127.0.0.1 or localhost), but rollout.server.urls has "
+        f"{', '.join(away)}: point the URLs at 127.0.0.1 for a server on this host, or set "
+        f"rollout.server.weight_transport to {' or '.join(others)} (docs/server-mode.md).")
 
 
 def _check_async(cfg: GRPOConfig) -> None:

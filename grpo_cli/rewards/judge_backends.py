@@ -55,6 +55,28 @@ def _as_chat(tokenizer, text: str) -> str:
                                          add_generation_prompt=True)
 
 
+HINTS = {401: "is `token_env` the variable holding the server's key (vLLM's --api-key)?",
+         403: "is `token_env` the variable holding the server's key (vLLM's --api-key)?",
+         404: "is `api` right? a grpo serve-rollout judge is api: grpo"}
+"""What a status usually means for a judge's settings, added to the warning."""
+
+
+def _server_says(exc: Exception) -> str:
+    """The server's own error message of an HTTP error (an OpenAI-compatible `{"error": {"message": ...}}`, or the
+    body's text), and a hint for the status; empty for other exceptions."""
+    resp = getattr(exc, "response", None)
+    if resp is None:
+        return ""
+    try:
+        body = resp.json()
+        error = body.get("error", body) if isinstance(body, dict) else body
+        message = error.get("message", error) if isinstance(error, dict) else error
+    except ValueError:
+        message = resp.text
+    hint = f"; {HINTS[resp.status_code]}" if resp.status_code in HINTS else ""
+    return f": the server says {str(message)[:300]!r}{hint}"
+
+
 class Backend:
     """`answer(texts)`: one answer per judge prompt, in order, None where its request failed. Subclasses answer
     `batch_size` prompts per `_request` (`per_request`) or one per request, `batch_size` in flight (`pooled`)."""
@@ -78,10 +100,10 @@ class Backend:
             first = self.stats.failed_requests == 0  # warn once per step; the metric counts the rest
             self.stats.add(requests=1, failed_requests=1, latency_s=time.perf_counter() - started)
             if first:
-                hint = " (a 404: is `api` right? a grpo serve-rollout judge is api: grpo)" if "404" in str(exc) else ""
                 log.warning("judge %s: a request for %d prompt(s) failed (%s: %s)%s; they score missing, and so do "
                             "those of further failed requests this step (judge/<name>/failed_requests)",
-                            self.cfg.judge, len(texts), type(exc).__name__, str(exc)[:300], hint)
+                            self.cfg.judge, len(texts), type(exc).__name__, str(exc).splitlines()[0][:300],
+                            _server_says(exc))
             return [None] * len(texts)
         self.stats.add(requests=1, latency_s=time.perf_counter() - started)
         return answers

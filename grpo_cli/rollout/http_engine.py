@@ -1,11 +1,14 @@
 """`HttpServerEngine`: what the three clients of rollout servers over HTTP share (`remote` for `grpo serve-rollout`,
 `sglang`, `vllm_serve`): one `HttpClient` with the `rollout.server` policy over the server URLs, a thread pool for
 the requests in flight, the weight transport `rollout.transport` names (built through the transport registry under
-the client's name), the fields every `from_config` reads from `rollout.server`, and closing all three."""
+the client's name), the fields every `from_config` reads from `rollout.server`, closing all three, and
+`model_identity` (what a server's model must match)."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from grpo_cli.rollout.base import RolloutEngine
@@ -15,6 +18,16 @@ from grpo_cli.rollout.transport.http_client import HttpClient, Policy
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
     from grpo_cli.rollout.base import EngineContext
+
+
+def model_identity(model_path: str) -> dict:
+    """vocab_size and architectures from a checkpoint's config.json (what `/info` must match)."""
+    cfg_file = Path(model_path) / "config.json"
+    if not cfg_file.is_file():
+        return {}
+    cfg = json.loads(cfg_file.read_text())
+    text = cfg.get("text_config") or {}
+    return {"vocab_size": cfg.get("vocab_size", text.get("vocab_size")), "architectures": cfg.get("architectures")}
 
 
 class HttpServerEngine(RolloutEngine):

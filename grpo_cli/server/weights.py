@@ -217,88 +217,106 @@ async def _whole_update(st: State, version: int, what: str, tensors, body: Strea
 
 
 def weight_routes(app: FastAPI, st: State, *, max_frame_bytes: int) -> None:
-    @app.post("/update_weights")
-    async def update_weights(request: Request, version: int):
-        if version < 0:
-            raise RequestError("version must be >= 0")
-        reader = FrameReader(max_frame_bytes=max_frame_bytes, buffer=st.receive_buffer)
-        raw = raw_body.take(request.scope, request.receive, timeout_s=RAW_READ_TIMEOUT_S)
-        if raw is None:
-            body = StreamedBody(request.stream())
-            return await _whole_update(st, version, "an HTTP update",
-                                       lambda apply: _frames(body, reader, apply, version), body=body)
+    """Register the weight endpoints; each handler finds `st` and the frame limit on `app.state` (`_served`)."""
+    app.state.rollout, app.state.max_frame_bytes = st, max_frame_bytes
+    for path, handler in (("/update_weights", update_weights), ("/update_weights_shm", update_weights_shm),
+                          ("/update_weights_from_disk", update_weights_from_disk),
+                          ("/init_communicator", init_communicator), ("/update_weights_nccl", update_weights_nccl)):
+        app.add_api_route(path, handler, methods=["POST"])
+
+
+def _served(request: Request) -> tuple[State, int]:
+    """The served engine's state and the largest frame an update may carry (set by `weight_routes`)."""
+    return request.app.state.rollout, request.app.state.max_frame_bytes
+
+
+async def update_weights(request: Request, version: int):
+    """A streamed frame upload: read from the socket (`raw_body`) where the server can, else from the ASGI stream."""
+    st, max_frame_bytes = _served(request)
+    if version < 0:
+        raise RequestError("version must be >= 0")
+    reader = FrameReader(max_frame_bytes=max_frame_bytes, buffer=st.receive_buffer)
+    raw = raw_body.take(request.scope, request.receive, timeout_s=RAW_READ_TIMEOUT_S)
+    if raw is None:
+        body = StreamedBody(request.stream())
+        return await _whole_update(st, version, "an HTTP update",
+                                   lambda apply: _frames(body, reader, apply, version), body=body)
+    try:
+        return await _whole_update(st, version, "an HTTP update",
+                                   lambda apply: _checked(reader.pull(raw.readinto), apply, version))
+    except Exception:
+        await anyio.to_thread.run_sync(raw.drain)  # the client reads the error, not a reset connection
+        raise
+    finally:
+        raw.close()
+
+
+async def update_weights_shm(request: Request, body: ShmBody):
+    """The frames of a file in /dev/shm the trainer wrote on this host, mapped copy-on-write."""
+    st, max_frame_bytes = _served(request)
+    path = Path(SHM_DIR) / body.name
+    if not path.is_file() or path.stat().st_size != body.bytes:
+        raise RequestError(f"{path}: no file of {body.bytes} bytes there; the shm weight transport needs the "
+                           "server on the trainer's host, run by the same user (else use weight_transport=http)")
+
+    def tensors(apply: _Apply):
+        with path.open("rb") as f:  # the mapping outlives the file object; unmapped when the views go
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if body.bytes else b""
+        yield from _checked(read_stream(memoryview(mapped), max_frame_bytes=max_frame_bytes), apply, body.version)
+
+    return await _whole_update(st, body.version, "a shared-memory update", tensors)
+
+
+async def update_weights_from_disk(request: Request, body: DiskBody):
+    files = _safetensors_files(body.path)
+    return await _whole_update(_served(request)[0], body.version, "an update from disk",
+                               lambda apply: (t for f in files for batch in _read_batches(f)
+                                              for t in apply.counted(batch)))
+
+
+async def init_communicator(request: Request, body: CommBody):
+    from grpo_cli.rollout.transport.nccl import NcclReceiver, nccl_available
+
+    st = _served(request)[0]
+    ok, why = nccl_available()
+    if not ok:
+        raise RequestError(f"NCCL weight sync is not available on this server: {why}; use the HTTP path "
+                           "(rollout.server.weight_transport=http)")
+    async with st.lock:
+        await _end_session(st, "the trainer joined again (/init_communicator)")
+        if st.comm is not None:
+            st.comm.close()
+            st.comm = None
+        st.comm = await anyio.to_thread.run_sync(
+            lambda: NcclReceiver.join(body.host, body.port, body.world_size, body.rank, timeout_s=body.timeout_s))
+    return {"rank": body.rank}
+
+
+async def update_weights_nccl(request: Request, body: NcclUpdateBody):
+    """One bucket: check its names and shapes, receive its broadcasts, hand them to the engine, answer. Nothing of the
+    next bucket is allocated before this one is loaded; the last bucket commits the version."""
+    st = _served(request)[0]
+    if st.comm is None:
+        raise RequestError("no NCCL communicator: call /init_communicator first")
+    if not len(body.names) == len(body.dtypes) == len(body.shapes):
+        raise RequestError("names, dtypes and shapes must have the same length")
+    async with st.lock:
         try:
-            return await _whole_update(st, version, "an HTTP update",
-                                       lambda apply: _checked(reader.pull(raw.readinto), apply, version))
-        except Exception:
-            await anyio.to_thread.run_sync(raw.drain)  # the client reads the error, not a reset connection
+            session = await _session_for(st, body)
+            session.apply.check([(n, _Shape(s)) for n, s in zip(body.names, body.shapes, strict=True)])
+            tensors = await anyio.to_thread.run_sync(st.comm.receive, body.names, body.dtypes, body.shapes)
+            session.apply.add(tensors)
+            await anyio.to_thread.run_sync(session.feed, tensors, body.last)
+            del tensors
+            if body.last:
+                await anyio.to_thread.run_sync(reset_cache, st.served.engine)
+        except Exception as e:
+            await _end_session(st, f"NCCL bucket {body.bucket} of v{body.version} failed: {e}")
             raise
-        finally:
-            raw.close()
-
-    @app.post("/update_weights_shm")
-    async def update_weights_shm(body: ShmBody):
-        path = Path(SHM_DIR) / body.name
-        if not path.is_file() or path.stat().st_size != body.bytes:
-            raise RequestError(f"{path}: no file of {body.bytes} bytes there; the shm weight transport needs the "
-                               "server on the trainer's host, run by the same user (else use weight_transport=http)")
-
-        def tensors(apply: _Apply):
-            with path.open("rb") as f:  # the mapping outlives the file object; unmapped when the views go
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if body.bytes else b""
-            yield from _checked(read_stream(memoryview(mapped), max_frame_bytes=max_frame_bytes), apply, body.version)
-
-        return await _whole_update(st, body.version, "a shared-memory update", tensors)
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(body: DiskBody):
-        files = _safetensors_files(body.path)
-        return await _whole_update(st, body.version, "an update from disk",
-                                   lambda apply: (t for f in files for batch in _read_batches(f)
-                                                  for t in apply.counted(batch)))
-
-    @app.post("/init_communicator")
-    async def init_communicator(body: CommBody):
-        from grpo_cli.rollout.transport.nccl import NcclReceiver, nccl_available
-
-        ok, why = nccl_available()
-        if not ok:
-            raise RequestError(f"NCCL weight sync is not available on this server: {why}; use the HTTP path "
-                               "(rollout.server.weight_transport=http)")
-        async with st.lock:
-            await _end_session(st, "the trainer joined again (/init_communicator)")
-            if st.comm is not None:
-                st.comm.close()
-                st.comm = None
-            st.comm = await anyio.to_thread.run_sync(
-                lambda: NcclReceiver.join(body.host, body.port, body.world_size, body.rank, timeout_s=body.timeout_s))
-        return {"rank": body.rank}
-
-    @app.post("/update_weights_nccl")
-    async def update_weights_nccl(body: NcclUpdateBody):
-        """One bucket: check its names and shapes, receive its broadcasts, hand them to the engine, answer. Nothing of
-        the next bucket is allocated before this one is loaded; the last bucket commits the version."""
-        if st.comm is None:
-            raise RequestError("no NCCL communicator: call /init_communicator first")
-        if not len(body.names) == len(body.dtypes) == len(body.shapes):
-            raise RequestError("names, dtypes and shapes must have the same length")
-        async with st.lock:
-            try:
-                session = await _session_for(st, body)
-                session.apply.check([(n, _Shape(s)) for n, s in zip(body.names, body.shapes, strict=True)])
-                tensors = await anyio.to_thread.run_sync(st.comm.receive, body.names, body.dtypes, body.shapes)
-                session.apply.add(tensors)
-                await anyio.to_thread.run_sync(session.feed, tensors, body.last)
-                del tensors
-                if body.last:
-                    await anyio.to_thread.run_sync(reset_cache, st.served.engine)
-            except Exception as e:
-                await _end_session(st, f"NCCL bucket {body.bucket} of v{body.version} failed: {e}")
-                raise
-            if not body.last:
-                return {"bucket": body.bucket, "tensors": len(body.names), "weight_version": st.weight_version}
-            st.session = None
-            return session.apply.done(anyio.current_time() - session.start)
+        if not body.last:
+            return {"bucket": body.bucket, "tensors": len(body.names), "weight_version": st.weight_version}
+        st.session = None
+        return session.apply.done(anyio.current_time() - session.start)
 
 
 async def _session_for(st: State, body: NcclUpdateBody) -> NcclSession:

@@ -70,7 +70,8 @@ def served_teacher(cfg: GRPOConfig, student_path: str, student_tokenizer) -> Tea
     """Connect to the teacher's `grpo serve-rollout` server and check its tokenizer: fully when the folder its
     /info names exists here, else by vocabulary size and EOS ids. Returns the batch scorer (its /score route)."""
     from grpo_cli.rollout.base import RolloutError
-    from grpo_cli.rollout.remote.client import ServerEngine, model_identity
+    from grpo_cli.rollout.http_engine import model_identity
+    from grpo_cli.rollout.remote.client import ServerEngine
 
     d = cfg.algorithm.distill
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from grpo_cli.config.reference import BEGIN, END, reference_markdown
+from grpo_cli.config.reference import BEGIN, END, TRANSPORTS_BEGIN, TRANSPORTS_END, reference_markdown, transport_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -14,6 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_config_reference_is_current():
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert page[page.index(BEGIN) : page.index(END) + len(END)] == reference_markdown(), (
+        "regenerate with: python -m grpo_cli.config.reference --write"
+    )
+
+
+def test_weight_transport_table_is_generated_from_the_one_list():
+    page = (ROOT / "docs" / "server-mode.md").read_text()
+    assert page[page.index(TRANSPORTS_BEGIN) : page.index(TRANSPORTS_END) + len(TRANSPORTS_END)] == transport_table(), (
         "regenerate with: python -m grpo_cli.config.reference --write"
     )
 

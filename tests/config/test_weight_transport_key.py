@@ -44,11 +44,49 @@ def test_the_old_sglang_key_is_refused_with_the_new_spelling():
         build_config(overrides=[*SERVER, "rollout.engine=sglang", "rollout.server.sglang_weight_transport=tensor"])
 
 
-def test_the_config_table_is_the_registry():
-    from grpo_cli.rollout.transport.base import TRANSPORTS, names_for
+def test_one_list_of_transport_names_the_literal_the_rows_and_the_registry_agree():
+    """`config/transports.py` is the list: the config's Literal holds its names, every server row takes its
+    client's transports from it, and the registry of implementations has exactly its (client, name) pairs."""
+    import typing
 
-    client = {"hf": "serve-rollout", "vllm": "serve-rollout", "sglang": "sglang", "vllm-serve": "vllm-serve"}
-    table = {engine: row.transports for (engine, mode), row in MODES.items() if mode == "server"}
-    assert set(table) == set(client)
-    assert {engine: names_for(client[engine]) for engine in table} == table
-    assert {(client[engine], n) for engine, names in table.items() for n in names} == set(TRANSPORTS)
+    from grpo_cli.config.rollout import ServerConfig
+    from grpo_cli.config.transports import TRANSPORTS, WeightTransportName, names_for
+    from grpo_cli.rollout.transport import base
+
+    assert set(typing.get_args(WeightTransportName)) == {t.name for t in TRANSPORTS}
+    field = ServerConfig.model_fields["weight_transport"].annotation
+    assert set(typing.get_args(typing.get_args(field)[0])) == set(typing.get_args(WeightTransportName))
+    servers = [row for row in MODES.values() if row.mode == "server"]
+    assert servers and all(row.client and row.transports == names_for(row.client) for row in servers)
+    assert {(t.client, t.name) for t in TRANSPORTS} == set(base.TRANSPORTS)
+
+
+def test_a_row_cannot_take_other_transports_than_its_clients():
+    from grpo_cli.config.engine_modes import EngineMode
+
+    with pytest.raises(ValueError, match=r"a row of the sglang client takes its transports \('disk', 'tensor'\)"):
+        EngineMode("toy", "server", "x:y", remote=True, client="sglang", transports=("http",))
+
+
+@pytest.mark.parametrize("engine, name", [("vllm-serve", None), ("hf", "shm"), ("sglang", "tensor")])
+def test_a_same_host_transport_refuses_a_server_elsewhere_at_config_time(engine, name):
+    pick = [f"rollout.server.weight_transport={name}"] if name else []
+    with pytest.raises(ConfigError, match=r"needs every rollout server on the trainer's host, addressed by a loopback "
+                                          r"URL .* has http://10\.1\.2\.3:8000: point the URLs at 127\.0\.0\.1"):
+        build_config(overrides=["rollout.mode=server", 'rollout.server.urls=["http://10.1.2.3:8000/"]',
+                                f"rollout.engine={engine}", *pick])
+    fine = build_config(overrides=["rollout.mode=server", 'rollout.server.urls=["http://localhost:8000"]',
+                                   f"rollout.engine={engine}", *pick])
+    assert fine.rollout.transport == (name or "shm")
+
+
+def test_dry_run_refuses_shm_to_a_server_on_another_host():
+    from typer.testing import CliRunner
+
+    from grpo_cli.cli.main import app
+
+    result = CliRunner().invoke(app, ["train", "--preset", "tiny-cpu-vllm-serve", "--set",
+                                      'rollout.server.urls=["http://10.1.2.3:8000"]', "--dry-run"])
+    assert result.exit_code == 2 and "weight_transport=shm (same host, same user) needs every rollout server" in \
+        " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.vllm
 
 def test_seeded_prompts_over_the_step_budget_and_multi_turn_blocks(tiny_checkpoint):
     pytest.importorskip("vllm")
-    from grpo_cli.rollout.vllm.engine import CPU_MULTI_TURN_BLOCK_SIZE, VLLMEngine
+    from grpo_cli.rollout.vllm.engine import VLLMEngine
+    from grpo_cli.rollout.vllm.support import CPU_MULTI_TURN_BLOCK_SIZE
 
     engine = VLLMEngine(tiny_checkpoint, dtype="float32", max_model_len=200, max_num_seqs=128,
                         kv_cache_space_gib=1.0, multi_turn=True)

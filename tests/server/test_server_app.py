@@ -247,9 +247,7 @@ def test_shm_transport_loads_the_weights_checks_every_frame_and_removes_the_file
     once = ServerEngine([url], policy=FAST, token=TOKEN, transport="shm", chunk_mb=1, shm_keep_file=False)
     once.update_weights(params, 6)
     assert set(os.listdir(codec.SHM_DIR)) == before and once.weight_version == 6
-    once.close()
-    with pytest.raises(RolloutError, match="loopback"):
-        ServerEngine(["http://10.1.2.3:8000"], policy=FAST, transport="shm", connect=False)
+    once.close()  # a server on another host is refused by the config (tests/config/test_weight_transport_key.py)
 
 
 def test_shm_files_of_dead_trainers_are_swept(tmp_path):

@@ -8,7 +8,8 @@ import torch
 
 from grpo_cli.rollout.base import SamplingParams
 from grpo_cli.models.logprobs import completion_logprobs, score_sequences
-from grpo_cli.rollout.remote.client import ServerEngine, model_identity
+from grpo_cli.rollout.http_engine import model_identity
+from grpo_cli.rollout.remote.client import ServerEngine
 from grpo_cli.rollout.transport.http_client import Policy
 
 pytestmark = pytest.mark.vllm

@@ -87,7 +87,8 @@ def test_colocate_sync_matches_the_trainer(arch_engine):
 def test_server_sync_matches_the_trainer(arch_engine):
     from served_app import app_in_thread
 
-    from grpo_cli.rollout.remote.client import ServerEngine, model_identity
+    from grpo_cli.rollout.http_engine import model_identity
+    from grpo_cli.rollout.remote.client import ServerEngine
     from grpo_cli.server.app import create_app
     from grpo_cli.server.engines import ServeOptions, build
     from grpo_cli.rollout.transport.http_client import Policy

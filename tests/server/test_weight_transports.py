@@ -98,7 +98,7 @@ def test_one_name_may_serve_several_clients_each_its_own_wire():
     with pytest.raises(base.RolloutError, match=r"'ray' is not registered; use one of: disk, tensor"):
         base.entry("ray", "sglang")
     with pytest.raises(ValueError, match="'shm' of the vllm-serve client is registered twice"):
-        base.register("shm", "m:C", client="vllm-serve", topology="", when="")
+        base.register("shm", "m:C", client="vllm-serve")
 
 
 def test_nothing_in_rollout_imports_server():

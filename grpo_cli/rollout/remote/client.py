@@ -4,16 +4,14 @@ weight transport `rollout.server.weight_transport` names (`rollout.transport`: h
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
-from grpo_cli.rollout.http_engine import HttpServerEngine
+from grpo_cli.rollout.http_engine import HttpServerEngine, model_identity
 from grpo_cli.rollout.seeds import request_seed
 from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, split_groups
 
@@ -23,17 +21,7 @@ if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
     from grpo_cli.rollout.base import EngineContext
 
-__all__ = ["RolloutServerDown", "ServerEngine", "model_identity"]
-
-
-def model_identity(model_path: str) -> dict:
-    """vocab_size and architectures from a checkpoint's config.json (what `/info` must match)."""
-    cfg_file = Path(model_path) / "config.json"
-    if not cfg_file.is_file():
-        return {}
-    cfg = json.loads(cfg_file.read_text())
-    text = cfg.get("text_config") or {}
-    return {"vocab_size": cfg.get("vocab_size", text.get("vocab_size")), "architectures": cfg.get("architectures")}
+__all__ = ["RolloutServerDown", "ServerEngine"]
 
 
 class ServerEngine(HttpServerEngine):

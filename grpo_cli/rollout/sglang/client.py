@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 
 from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
-from grpo_cli.rollout.http_engine import HttpServerEngine
-from grpo_cli.rollout.remote.client import model_identity
+from grpo_cli.rollout.http_engine import HttpServerEngine, model_identity
 from grpo_cli.rollout.seeds import child_seed
 from grpo_cli.rollout.sglang.vision import Placeholders
 from grpo_cli.rollout.transport.http_client import Policy, split_groups

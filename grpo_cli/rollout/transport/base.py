@@ -9,10 +9,10 @@ server refusing to generate until the next complete one, and the client pushes a
 One registry (`TRANSPORTS`), keyed by (client, name): the name is what `rollout.server.weight_transport` takes,
 and two clients may each have a transport of the same name (`shm` of `grpo serve-rollout` and `shm` of `vllm serve`
 are different wires). Each entry names the implementation as `module:Class` (imported when a client builds it, so
-listing names imports no torch and the registry imports no client), its topology and when to use it (what
-docs/server-mode.md's table says). Which names each engine takes is its row of the (engine, mode) table
-(`config.engine_modes`, `transports`, read by the config rule); a test keeps the two equal. A new transport is one
-`WeightTransport` subclass plus one `register` call here.
+listing names imports no torch and the registry imports no client). The names and their facts (topology, when to
+use it, same host) are `config/transports.py`'s list, which the (engine, mode) rows and the config rules read and
+docs/server-mode.md's table is generated from; a test keeps this registry's keys equal to it. A new transport is one
+`WeightTransport` subclass, one entry there and one `register` call here.
 """
 
 from __future__ import annotations
@@ -91,26 +91,23 @@ class WeightTransport(ABC):
 
 @dataclass(frozen=True)
 class Entry:
-    """One registered transport: its implementation and the facts docs/server-mode.md tabulates."""
+    """One registered transport: its implementation (its facts are `config.transports`')."""
 
     name: str
     target: str
     """`module:Class` of the `WeightTransport` subclass."""
     client: str
-    """The rollout client it works with: `serve-rollout` (`grpo serve-rollout`, engines hf/vllm), `sglang`, or
-    `vllm-serve` (stock `vllm serve`, through vLLM's RL API)."""
-    topology: str
-    when: str
+    """The rollout client it works with (`config.transports.TransportFacts.client`)."""
 
 
 TRANSPORTS: dict[tuple[str, str], Entry] = {}
 """(client, name) → entry, in registration order."""
 
 
-def register(name: str, target: str, *, client: str, topology: str, when: str) -> None:
+def register(name: str, target: str, *, client: str) -> None:
     if (client, name) in TRANSPORTS:
         raise ValueError(f"weight transport {name!r} of the {client} client is registered twice")
-    TRANSPORTS[(client, name)] = Entry(name, target, client, topology, when)
+    TRANSPORTS[(client, name)] = Entry(name, target, client)
 
 
 def names_for(client: str) -> tuple[str, ...]:
@@ -140,19 +137,11 @@ def create(name: str, link: Link, *, client: str, offered: dict) -> WeightTransp
 
 
 _PKG = "grpo_cli.rollout.transport"
-register("http", f"{_PKG}.http:HttpTransport", client="serve-rollout", topology="any host (HTTP)",
-         when="the default: a server on another machine, or no shared memory; checksummed frames")
-register("shm", f"{_PKG}.shm:ShmTransport", client="serve-rollout", topology="same host, same user",
-         when="server on the trainer's host: one copy into /dev/shm, the server maps it")
-register("nccl", f"{_PKG}.nccl:NcclTransport", client="serve-rollout", topology="GPUs on both sides (NCCL group)",
-         when="CUDA trainer and server: GPU-to-GPU broadcast, no host copy")
-register("disk", f"{_PKG}.sglang:DiskTransport", client="sglang", topology="a folder both sides read",
-         when="SGLang's default: a safetensors checkpoint the server loads")
-register("tensor", f"{_PKG}.sglang:TensorTransport", client="sglang",
-         topology="same machine, CUDA (IPC handles)",
-         when="SGLang on the trainer's machine: CUDA IPC handles per bucket, no copy through disk")
+register("http", f"{_PKG}.http:HttpTransport", client="serve-rollout")
+register("shm", f"{_PKG}.shm:ShmTransport", client="serve-rollout")
+register("nccl", f"{_PKG}.nccl:NcclTransport", client="serve-rollout")
+register("disk", f"{_PKG}.sglang:DiskTransport", client="sglang")
+register("tensor", f"{_PKG}.sglang:TensorTransport", client="sglang")
 _VLLM = "grpo_cli.rollout.vllm_serve.weights"
-register("shm", f"{_VLLM}:ShmPush", client="vllm-serve", topology="same host, same user",
-         when="`vllm serve` on the trainer's host: one /dev/shm file its `grpo_shm` plugin engine loads")
-register("nccl", f"{_VLLM}:NcclPush", client="vllm-serve", topology="GPUs on both sides (vLLM's NCCL engine)",
-         when="CUDA trainer and `vllm serve`: vLLM's trainer endpoint broadcasts each bucket")
+register("shm", f"{_VLLM}:ShmPush", client="vllm-serve")
+register("nccl", f"{_VLLM}:NcclPush", client="vllm-serve")

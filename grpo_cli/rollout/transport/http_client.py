@@ -5,16 +5,14 @@ that went away."""
 from __future__ import annotations
 
 import dataclasses
-
-import ipaddress
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 
+from grpo_cli.config.transports import is_loopback
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.transport import wire
 
@@ -63,16 +61,6 @@ class Policy:
         if self.on_failure == "wait":
             total += self.wait_for_recovery_s + HEALTH_PROBE_S + attempt
         return total
-
-
-def is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def proxy_hint(url: str) -> str:

@@ -14,11 +14,9 @@ import weakref
 from pathlib import Path
 from typing import BinaryIO
 
-from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.transport import codec
 from grpo_cli.rollout.transport.base import Link, NamedTensors, WeightTransport
 from grpo_cli.rollout.transport.codec import SHM_DIR
-from grpo_cli.rollout.transport.http_client import is_loopback
 
 PREFIX = "grpo-weights-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+$")
@@ -85,10 +83,7 @@ class ShmTransport(WeightTransport):
     takes = ("keep_file",)
 
     def __init__(self, link: Link, *, keep_file: bool = True) -> None:
-        super().__init__(link)
-        if not all(is_loopback(u) for u in link.urls):
-            raise RolloutError("rollout.server.weight_transport=shm hands the server a file in /dev/shm, so every "
-                               f"server must be on this host (a loopback URL), not {list(link.urls)}: use http")
+        super().__init__(link)  # the server is on this host: a config rule (`config.rules._check_same_host`)
         self.keep_file = keep_file
         self._file: ShmFile | None = None
 

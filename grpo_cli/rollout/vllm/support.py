@@ -1,5 +1,5 @@
-"""Helpers of the vLLM engine that do not need its state: the supported vLLM versions, start-up
-error messages, RNG and logger guards, and the launcher-safe shutdown."""
+"""Helpers of the vLLM engine that do not need its state: the supported vLLM versions, `vllm.LLM`'s arguments,
+start-up error messages, RNG and logger guards, and the launcher-safe shutdown."""
 
 from __future__ import annotations
 
@@ -144,6 +144,40 @@ def sleep_notice(level: int) -> str | None:
               f"rollout.vllm.sleep_level={level} ignored (the engine keeps its memory, as level 0).")
     print(notice, file=sys.stderr)
     return notice
+
+
+CPU_MULTI_TURN_BLOCK_SIZE = 32
+"""`block_size` of multi-turn (agent) runs on CPU when `rollout.vllm.block_size` is unset: the CPU attention's
+smallest (it takes multiples of 32), instead of its default 128 that leaves a short conversation's re-read
+uncached. CUDA's default, 16, is kept."""
+
+
+def llm_kwargs(model_path: str, *, dtype: str, tensor_parallel_size: int, gpu_memory_utilization: float,
+               max_model_len: int, max_num_seqs: int | None, enforce_eager: bool, seed: int, sleep: bool,
+               kv_cache_space_gib: float, distributed: bool, block_size: int | None, multi_turn: bool,
+               cpu: bool) -> dict:
+    """The arguments of the colocated engine's `vllm.LLM` (pure: `cpu` is vLLM's `current_platform.is_cpu()`)."""
+    kwargs: dict = dict(
+        model=model_path, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, enforce_eager=enforce_eager,
+        seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=sleep,
+        max_num_batched_tokens=max(4096, max_model_len),
+    )
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
+    if block_size is not None:
+        kwargs["block_size"] = block_size
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
+        # A prefill split over two scheduler steps discards the first part's sampled token and rewinds a seeded
+        # request's generator, which a CPU generator cannot ("CPU Generator does not use offset", vLLM's
+        # gpu_model_runner `_bookkeeping_sync`); whole prefills only (each prompt fits: batched ≥ model len).
+        kwargs["enable_chunked_prefill"] = False
+        if block_size is None and multi_turn:
+            kwargs["block_size"] = CPU_MULTI_TURN_BLOCK_SIZE
+    if distributed:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    return kwargs
 
 
 def startup_error(exc: BaseException, *, model_path: str, max_model_len: int) -> RolloutError:

@@ -25,7 +25,7 @@ from grpo_cli.rollout.http_engine import HttpServerEngine
 from grpo_cli.rollout.seeds import request_seed
 from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
 from grpo_cli.rollout.transport import base as transports
-from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, is_loopback, split_groups
+from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, split_groups
 
 if TYPE_CHECKING:
     import torch
@@ -76,10 +76,6 @@ class VLLMServeEngine(HttpServerEngine):
                  stop_token_ids: list[int] | None = None, chunk_mb: int = 128, transport: str = "shm",
                  verify: bool = True, connect: bool = True) -> None:
         transports.entry(transport, CLIENT)  # an unknown name is refused before any server is reached
-        if transport == "shm" and not all(is_loopback(u) for u in urls):
-            raise RolloutError("rollout.server.weight_transport=shm hands `vllm serve` a file in /dev/shm, so every "
-                               f"server must be on this host (a loopback URL), not {[u.rstrip('/') for u in urls]}: "
-                               "use nccl (CUDA)")
         self._open(urls, token=token, policy=policy, transport=transport, workers=MAX_REQUESTS_IN_FLIGHT,
                    offered={"tp_size": lambda url: self.facts[url].tensor_parallel_size})
         self.model, self.transport, self.verify = model, transport, verify
