@@ -11,6 +11,7 @@ and, with p = softmax(z), the gradients the recomputed chunk back-propagates:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -41,6 +42,46 @@ def _linear_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor
     return z / temperature if temperature != 1.0 else z
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice of a vocabulary split across ranks (Megatron's tensor parallelism): W's rows are vocabulary
+    ids start..start+V_local, ids at or past `vocab` are padding (logit −inf), and `all_reduce(x, op)` reduces x in
+    place over the ranks holding the other slices, op "max" or "sum"."""
+
+    start: int
+    vocab: int
+    all_reduce: Callable[[Tensor, str], None]
+
+
+def _shard_logits(hidden: Tensor, weight: Tensor, temperature: float, shard: VocabShard | None) -> Tensor:
+    """`_linear_logits` with a shard's padding columns at −inf."""
+    z = _linear_logits(hidden, weight, temperature)
+    if shard is not None and shard.start + z.shape[-1] > shard.vocab:
+        z[:, max(shard.vocab - shard.start, 0):] = float("-inf")
+    return z
+
+
+def _owned(ids: Tensor, width: int, shard: VocabShard | None) -> tuple[Tensor, Tensor | None]:
+    """(column of each id in this slice (clamped into it), which ids this slice holds: None for a whole vocabulary)."""
+    if shard is None:
+        return ids, None
+    mine = (ids >= shard.start) & (ids < shard.start + width)
+    return (ids - shard.start).clamp(0, width - 1), mine
+
+
+def _lse_and_picked(z: Tensor, ids: Tensor, shard: VocabShard | None) -> tuple[Tensor, Tensor]:
+    """(logsumexp(z), z[id]) per row over the whole vocabulary (reduced across the shards)."""
+    local, mine = _owned(ids, z.shape[-1], shard)
+    picked = z.gather(-1, local[:, None]).squeeze(-1)
+    if shard is None:
+        return torch.logsumexp(z, dim=-1), picked
+    top = z.max(-1).values
+    shard.all_reduce(top, "max")
+    sums = torch.stack([(z - top[:, None]).exp().sum(-1), picked.masked_fill(~mine, 0.0)])
+    shard.all_reduce(sums, "sum")
+    return top + sums[0].log(), sums[1]
+
+
 def _entropy_of(z: Tensor, lse: Tensor) -> Tensor:
     """−Σ p log p of one chunk's logits z (n, V), overwriting z: 0·log 0 = 0, so banned logits add no NaN."""
     logp = z.sub_(lse[:, None])
@@ -59,21 +100,24 @@ class _LinearHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, with_entropy: bool,
-                entropy_grad: bool, chunk: int) -> tuple[Tensor, Tensor]:
+                entropy_grad: bool, chunk: int, shard: VocabShard | None) -> tuple[Tensor, Tensor]:
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         logprob = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         lse, entropy = torch.empty_like(logprob), torch.zeros_like(logprob)
         for start in range(0, hidden.shape[0], chunk):
             at = slice(start, start + chunk)
-            z = _linear_logits(hidden[at], weight, temperature)
-            lse[at] = torch.logsumexp(z, dim=-1)
-            logprob[at] = z.gather(-1, ids[at, None]).squeeze(-1) - lse[at]
-            if with_entropy:
+            z = _shard_logits(hidden[at], weight, temperature, shard)
+            lse[at], picked = _lse_and_picked(z, ids[at], shard)
+            logprob[at] = picked - lse[at]
+            if with_entropy:  # a shard's share of −Σ p log p (its p under the whole vocabulary's lse), then the sum
                 entropy[at] = _entropy_of(z, lse[at])
+                if shard is not None:
+                    shard.all_reduce(entropy[at], "sum")
             del z
         ctx.save_for_backward(hidden, weight, ids, lse, entropy)
         ctx.temperature, ctx.entropy_grad, ctx.chunk = temperature, with_entropy and entropy_grad, chunk
+        ctx.shard = shard
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprob, entropy
@@ -88,9 +132,11 @@ class _LinearHead(torch.autograd.Function):
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for start in range(0, hidden.shape[0], ctx.chunk):
                 at = slice(start, start + ctx.chunk)
-                h = hidden[at]
-                grad = _logit_grad(_linear_logits(h, weight, ctx.temperature), lse[at], entropy[at], ids[at],
-                                   g_logprob[at], g_entropy[at] if ctx.entropy_grad else None, ctx.temperature)
+                h, z = hidden[at], _shard_logits(hidden[at], weight, ctx.temperature, ctx.shard)
+                local, mine = _owned(ids[at], z.shape[-1], ctx.shard)
+                grad = _logit_grad(z, lse[at], entropy[at], local, mine, g_logprob[at],
+                                   g_entropy[at] if ctx.entropy_grad else None, ctx.temperature)
+                del z
                 if not enabled:  # a chunk-sized cast, never a (V, H) one
                     grad, h = grad.to(weight.dtype), h.to(weight.dtype)
                 # the matmuls in the autocast dtype (as the layer's own backward runs them), else in W's dtype
@@ -101,15 +147,18 @@ class _LinearHead(torch.autograd.Function):
                 elif want_weight:  # this chunk's ∂/∂W, rounded once to the compute dtype, summed in float32
                     grad_weight.add_(torch.matmul(grad.t(), h))
                 del grad
+        if want_hidden and ctx.shard is not None:  # h met every shard's columns: ∂/∂h sums their parts
+            ctx.shard.all_reduce(grad_hidden, "sum")
         if want_weight and grad_weight.dtype != weight.dtype:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def _logit_grad(logp: Tensor, lse: Tensor, entropy: Tensor, ids: Tensor, g_lp: Tensor, g_entropy: Tensor | None,
-                temperature: float) -> Tensor:
+def _logit_grad(logp: Tensor, lse: Tensor, entropy: Tensor, ids: Tensor, mine: Tensor | None, g_lp: Tensor,
+                g_entropy: Tensor | None, temperature: float) -> Tensor:
     """∂loss/∂(h Wᵀ) of one chunk (n, V) float32, written over its logits `logp` (n, V): g_lp·(onehot(id) − p)
-    − g_H·p·(log p + H), 0 where p is 0 (`g_entropy` None: no entropy term), divided by τ."""
+    − g_H·p·(log p + H), 0 where p is 0 (`g_entropy` None: no entropy term), divided by τ; the onehot only on
+    rows whose id this slice holds (`mine`, None: all)."""
     logp = logp.sub_(lse[:, None])
     p = logp.exp()
     g_lp = g_lp[:, None]
@@ -119,13 +168,14 @@ def _logit_grad(logp: Tensor, lse: Tensor, entropy: Tensor, ids: Tensor, g_lp: T
     else:
         grad = p.mul_(-g_lp)
     del logp, p
-    grad.scatter_add_(-1, ids[:, None], g_lp.to(grad.dtype))  # + g_lp · onehot(id)
+    hit = g_lp if mine is None else g_lp * mine[:, None]
+    grad.scatter_add_(-1, ids[:, None], hit.to(grad.dtype))  # + g_lp · onehot(id)
     return grad.div_(temperature) if temperature != 1.0 else grad
 
 
-def chunked_logprobs(hidden: Tensor, ids: Tensor, *, project: Callable[[Tensor], Tensor], weight: Tensor | None,
-                     temperature: float, chunk: int, with_entropy: bool,
-                     entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+def chunked_logprobs(hidden: Tensor, ids: Tensor, *, project: Callable[[Tensor], Tensor] | None,
+                     weight: Tensor | None, temperature: float, chunk: int, with_entropy: bool, entropy_grad: bool,
+                     shard: VocabShard | None) -> tuple[Tensor, Tensor | None]:
     """Logprobs (N,) of `ids` (N,) and the entropy (N,) (None unless `with_entropy`) of softmax(project(h) / τ) at
     every row of `hidden` (N, H), float32, `chunk` rows at a time (`chunk_size.chunk_rows` of the vocabulary on the
     hidden states' device).
@@ -138,7 +188,8 @@ def chunked_logprobs(hidden: Tensor, ids: Tensor, *, project: Callable[[Tensor],
     gradient only with `entropy_grad`.
     """
     if weight is not None:
-        logprob, entropy = _LinearHead.apply(hidden, weight, ids, temperature, with_entropy, entropy_grad, chunk)
+        logprob, entropy = _LinearHead.apply(hidden, weight, ids, temperature, with_entropy, entropy_grad, chunk,
+                                             shard)
         return logprob, entropy if with_entropy else None
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], chunk):

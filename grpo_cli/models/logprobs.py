@@ -137,7 +137,7 @@ class _HeadStats(ForwardStandIn):
             h.reshape(rows * cols, width), self.targets.to(h.device).reshape(-1), project=self.project,
             weight=self._plain_weight(), temperature=self.temperature,
             chunk=chunk_rows(self.vocab, device=h.device.type), with_entropy=self.with_entropy,
-            entropy_grad=self.entropy_grad)
+            entropy_grad=self.entropy_grad, shard=None)
         parts = [logprobs] if entropy is None else [logprobs, entropy]
         # a fresh tensor, not a view: FSDP2 hooks its pre-backward onto the root's outputs
         self.result = torch.stack([part.reshape(rows, cols) for part in parts], dim=-1)

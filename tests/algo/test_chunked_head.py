@@ -41,7 +41,7 @@ def problem(n: int, vocab: int, hidden: int, *, dtype=torch.bfloat16, seed: int 
 def head_grads(h, w, ids, loss_w, *, chunk: int, weight_grad: bool = True, hidden_grad: bool = True):
     h, w = h.clone().requires_grad_(hidden_grad), w.clone().requires_grad_(weight_grad)
     lp, _ = chunked_logprobs(h, ids, project=None, weight=w, temperature=1.0, chunk=chunk, with_entropy=False,
-                             entropy_grad=False)
+                             entropy_grad=False, shard=None)
     (lp * loss_w).sum().backward()
     return h.grad, w.grad
 
@@ -77,7 +77,7 @@ def gemms_and_big_allocations(h, w, ids, loss_w, *, chunk: int, weight_grad: boo
     n, vocab, hidden = chunk, w.shape[0], w.shape[1]
     h, w = h.clone().requires_grad_(hidden_grad), w.clone().requires_grad_(weight_grad)
     lp, _ = chunked_logprobs(h, ids, project=None, weight=w, temperature=0.7, chunk=chunk, with_entropy=False,
-                             entropy_grad=False)
+                             entropy_grad=False, shard=None)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
         (lp * loss_w).sum().backward()
     events = [e for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::addmm_")]

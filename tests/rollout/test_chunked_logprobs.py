@@ -199,7 +199,8 @@ def test_a_logit_transform_keeps_the_full_logits_path(tiny_checkpoint, monkeypat
 
 def test_empty_rows_give_empty_results():
     lp, h = chunked.chunked_logprobs(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), project=lambda x: x,
-                                     weight=None, temperature=1.0, chunk=4, with_entropy=True, entropy_grad=False)
+                                     weight=None, temperature=1.0, chunk=4, with_entropy=True, entropy_grad=False,
+                                     shard=None)
     assert lp.shape == h.shape == (0,)
 
 

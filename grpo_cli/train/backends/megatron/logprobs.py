@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from grpo_cli.algo.chunk_size import chunk_rows
+from grpo_cli.algo.chunked_logprobs import VocabShard, chunked_logprobs
 from grpo_cli.models.packing import completion_widths
 from grpo_cli.models.logprobs import ForwardStandIn
 
@@ -84,14 +84,25 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
     return logprobs, entropy
 
 
+def _tensor_parallel_all_reduce(tensor: torch.Tensor, op: str) -> None:
+    """All-reduce `tensor` in place ("max" or "sum") over this rank's tensor-parallel group (nothing at tp 1)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        reduce = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+        torch.distributed.all_reduce(tensor, op=reduce, group=mpu.get_tensor_model_parallel_group())
+
+
 class VocabParallelHead(ForwardStandIn):
     """Stands in for `GPTModel.output_layer`'s forward during one micro-batch's forward: the hidden states at the
-    columns predicting completion tokens go through the layer a chunk of positions at a time (`algo.chunk_size`'s
-    chunk for the hidden states' device, over this rank's V/tp columns), each chunk reduced by `vocab_parallel_logprobs` and its logits freed;
-    under grad, non-reentrant checkpointing recomputes a chunk's logits in backward (every tensor-parallel rank
-    recomputes the same chunks, so the recomputed all-reduces pair up). The model then returns (B, T, 2) = (logprob,
-    entropy) instead of (B, S, V/tp) logits. Sequence parallelism (the layer gathers the sequence itself) and
-    multi-token prediction keep the full-logits path."""
+    columns predicting completion tokens go through the layer's weight (its own, or the tied embedding passed in) a
+    chunk of positions at a time (`algo.chunk_size`'s chunk for the hidden states' device, over this rank's V/tp
+    columns) in `algo.chunked_logprobs` with this rank's `VocabShard`: the log-sum-exp, picked logit and entropy
+    all-reduced over the tensor-parallel group per chunk, the backward recomputing each chunk's logits (every rank
+    the same chunks, so the all-reduces pair up), all-reducing ∂/∂h once (the layer's own input-gradient all-reduce)
+    and summing the chunks' ∂/∂W in float32, cast to the bf16/fp16 parameter's dtype once. The model then returns
+    (B, T, 2) = (logprob, entropy) instead of (B, S, V/tp) logits. Sequence parallelism (the layer gathers the
+    sequence itself), multi-token prediction and a layer with a bias keep the full-logits path."""
 
     def __init__(self, layer: torch.nn.Module, aligned: Aligned, *, vocab_size: int, temperature: float,
                  with_entropy: bool, entropy_grad: bool) -> None:
@@ -107,33 +118,29 @@ class VocabParallelHead(ForwardStandIn):
             layer = getattr(module, "output_layer", None)
             if layer is None or not getattr(module, "post_process", False):
                 continue
-            if getattr(layer, "sequence_parallel", False) or getattr(module, "mtp_process", False):
+            if (getattr(layer, "sequence_parallel", False) or getattr(module, "mtp_process", False)
+                    or getattr(layer, "bias", None) is not None):
                 return None
             return cls(layer, aligned, **options)
         return None
 
-    def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None):
-        logits, _ = self.project(hidden[:, None, :], weight=weight)  # (n, 1, V/tp): the layer's (s, b, h) layout
-        logprobs, entropy = vocab_parallel_logprobs(
-            logits[:, 0], targets, vocab_size=self.vocab_size, temperature=self.temperature,
-            with_entropy=self.with_entropy, entropy_grad=self.entropy_grad)
-        return logprobs, entropy if entropy is not None else torch.zeros_like(logprobs)
-
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
         """hidden (S, B, H) → ((T, B, k), None), which `GPTModel` transposes to (B, T, k)."""
+        from megatron.core import parallel_state as mpu
+
         rows_first = hidden.transpose(0, 1)
         at = self.aligned.predict_at.unsqueeze(-1).expand(-1, -1, rows_first.shape[-1])
         picked = rows_first.gather(1, at)  # (B, T, H)
         batch, width, size = picked.shape
         flat, targets = picked.reshape(batch * width, size), self.aligned.targets.reshape(-1)
-        step = chunk_rows(self.layer.output_size_per_partition, device=flat.device.type)
-        parts = []
-        for start in range(0, flat.shape[0], step):
-            args = (flat[start : start + step], targets[start : start + step], weight)
-            parts.append(checkpoint(self._chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
-                         else self._chunk(*args))
-        keep = 2 if self.with_entropy else 1
-        stats = torch.stack([torch.cat([p[i] for p in parts]).reshape(batch, width) for i in range(keep)], dim=-1)
+        local = self.layer.output_size_per_partition
+        shard = VocabShard(start=mpu.get_tensor_model_parallel_rank() * local, vocab=self.vocab_size,
+                           all_reduce=_tensor_parallel_all_reduce)
+        parts = chunked_logprobs(
+            flat, targets, project=None, weight=self.layer.weight if weight is None else weight,
+            temperature=self.temperature, chunk=chunk_rows(local, device=flat.device.type),
+            with_entropy=self.with_entropy, entropy_grad=self.entropy_grad, shard=shard)
+        stats = torch.stack([p.reshape(batch, width) for p in parts if p is not None], dim=-1)
         return stats.transpose(0, 1), None
 
     def split(self, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
