@@ -185,7 +185,13 @@ def chunked_logprobs(hidden: Tensor, ids: Tensor, *, project: Callable[[Tensor],
     as a module (so sharded or wrapped weights are gathered the way that module gathers them), each chunk under
     non-reentrant activation checkpointing: the forward keeps only the chunk's hidden rows and the backward
     recomputes the chunk's logits. Either way at most one chunk's (n, V) tensors are alive. The entropy carries a
-    gradient only with `entropy_grad`.
+    gradient only with `entropy_grad`. On this path the chunks' weight gradients are summed by autograd in the
+    weight's dtype (bf16 under bf16 weights, as `_LinearHead` avoids): each chunk's ∂/∂W is formed inside the
+    layer's own backward (PEFT's active copy, LoRA's adapters) and added into the input buffer of the parameter's
+    gradient accumulator before any hook sees it, so no hook sees one chunk's part; a float32 sum there would have to
+    re-implement the wrapper's dispatch (PEFT: disabled or several active adapters, per-row `adapter_names`). LoRA's
+    trained matrices are float32 under PEFT's default adapter dtype; a bf16 `modules_to_save` head is the case left.
+    `shard`: this rank's `VocabShard` of a vocabulary-parallel weight (`weight` path only), else None.
     """
     if weight is not None:
         logprob, entropy = _LinearHead.apply(hidden, weight, ids, temperature, with_entropy, entropy_grad, chunk,

@@ -117,16 +117,18 @@ class _HeadStats(ForwardStandIn):
 
     def _plain_weight(self) -> torch.Tensor | None:
         """The layer's (V, H) weight when the layer is y = h Wᵀ on a tensor that is whole now and in backward (ddp,
-        ZeRO-1/2, FSDP2 inside the root's forward; tied or not): `chunked_logprobs`' hand-written backward. None for
-        anything else (a bias, a PEFT wrapper, a ZeRO-3 partition gathered only around the call, another wrapper's
-        forward; cpu_linear's is the same y = h Wᵀ), which the layer's own forward projects."""
+        ZeRO-1/2, FSDP2 inside the root's forward, a ZeRO-3 partition: its module hooks gather it around this call
+        and again before the backward of the call's output; tied or not): `chunked_logprobs`' hand-written backward,
+        which sums a bf16 weight's gradient over the chunks in float32. None for anything else (a bias, a PEFT
+        wrapper, another wrapper's forward; cpu_linear's is the same y = h Wᵀ), which the layer's own forward
+        projects."""
         layer = self.layer
         if type(layer) is not torch.nn.Linear or layer.bias is not None:
             return None
         if self._saved is not None and getattr(layer, LINEAR_FN_ATTR, None) is None:
             return None
         weight = layer.weight
-        return None if hasattr(weight, "ds_id") or hasattr(weight, "placements") else weight
+        return None if hasattr(weight, "placements") else weight
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.select(hidden)
