@@ -4,20 +4,23 @@ the backend (fsdp2: sharded output projection in the root group; deepspeed ZeRO-
 hooks), then the completion logprobs, entropy and full gradients of one micro-batch through the chunked output layer
 and through the full-logits path.
 
-Run: `chunked_backends_worker.py CKPT BACKEND OUT.json`.
+Run: `chunked_backends_worker.py CKPT BACKEND OUT` (writes `OUT/rank{r}.json`), alone or as 2 ranks (`WORLD_SIZE`
+etc. set: ZeRO-3 then partitions every weight across both; each rank runs the same rows).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import torch
 
 from grpo_cli.config.load import build_config
 from grpo_cli.models import logprobs as scoring
 from grpo_cli.models.logprobs import completion_logprobs_entropy
-from grpo_cli.runtime.dist import DistInfo
+from grpo_cli.runtime.dist import init_from_env
 from grpo_cli.train.policy import load_policy
 
 BACKENDS = {
@@ -53,9 +56,11 @@ def one_pass(backend, ids, mask) -> dict:
 
 
 def main(ckpt: str, name: str, out: str) -> None:
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))  # DeepSpeed asks for it (one machine: the rank)
+    info = init_from_env(torch.device("cpu"), timeout_minutes=1)
     cfg = build_config(overrides=[f"model.name_or_path={ckpt}", "rollout.engine=vllm", "algorithm.kl.beta=0.0",
-                                  *BACKENDS[name]])
-    policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=DistInfo())
+                                  f"distributed.num_processes={info.world_size}", *BACKENDS[name]])
+    policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
     backend = policy.backend
     vocab = backend.module.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -82,8 +87,7 @@ def main(ckpt: str, name: str, out: str) -> None:
         "grad_nonzero": {n: bool(g.abs().max() > 0) for n, g in ref["grads"].items()},
         "tied": backend.module.config.tie_word_embeddings,
     }
-    with open(out, "w") as f:
-        json.dump(report, f)
+    Path(out, f"rank{info.rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
