@@ -189,8 +189,7 @@ def chunked_logprobs(hidden: Tensor, ids: Tensor, *, project: Callable[[Tensor],
     weight's dtype (bf16 under bf16 weights, as `_LinearHead` avoids): each chunk's ∂/∂W is formed inside the
     layer's own backward (PEFT's active copy, LoRA's adapters) and added into the input buffer of the parameter's
     gradient accumulator before any hook sees it, so no hook sees one chunk's part; a float32 sum there would have to
-    re-implement the wrapper's dispatch (PEFT: disabled or several active adapters, per-row `adapter_names`). LoRA's
-    trained matrices are float32 under PEFT's default adapter dtype; a bf16 `modules_to_save` head is the case left.
+    re-implement the wrapper's dispatch (PEFT: disabled or several active adapters, per-row `adapter_names`).
     `shard`: this rank's `VocabShard` of a vocabulary-parallel weight (`weight` path only), else None.
     """
     if weight is not None:
