@@ -151,7 +151,7 @@ register("disk", f"{_PKG}.sglang:DiskTransport", client="sglang", topology="a fo
 register("tensor", f"{_PKG}.sglang:TensorTransport", client="sglang",
          topology="same machine, CUDA (IPC handles)",
          when="SGLang on the trainer's machine: CUDA IPC handles per bucket, no copy through disk")
-_VLLM = "grpo_cli.rollout.vllm_serve.weights"
+_VLLM = "grpo_cli.rollout.transport.vllm_rl"
 register("shm", f"{_VLLM}:ShmPush", client="vllm-serve", topology="same host, same user",
          when="`vllm serve` on the trainer's host: one /dev/shm file its `grpo_shm` plugin engine loads")
 register("nccl", f"{_VLLM}:NcclPush", client="vllm-serve", topology="GPUs on both sides (vLLM's NCCL engine)",
