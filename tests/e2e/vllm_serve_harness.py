@@ -84,6 +84,19 @@ class VLLMServe:
         raise RuntimeError(f"vllm serve did not start within {timeout_s:g} s (exit code {self.proc.poll()}):\n"
                            f"{self.log.read_text()[-4000:]}")
 
+    def shm_files(self) -> set[str]:
+        """The /dev/shm files the server's processes map now (vLLM's shared-memory buffers)."""
+        found = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getpgid(int(pid)) != self.proc.pid:
+                    continue
+                with open(f"/proc/{pid}/maps") as maps:
+                    found |= {line.split()[-1] for line in maps if " /dev/shm/" in line}
+            except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
+                continue
+        return found
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to the server's group and wait for it (vLLM shuts its engine down and frees its shared memory);
         SIGKILL only if it is still there after `timeout_s`."""
