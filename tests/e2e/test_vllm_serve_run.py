@@ -142,9 +142,9 @@ def test_client_recovers_from_a_failed_push_and_raises_on_an_abort(setup):
 
         box: dict = {}
         long = SamplingParams(n=16, max_tokens=240, temperature=1.0, seed=0)
-        worker = threading.Thread(target=lambda: box.update(out=_outcome(eng.generate, [[3, 4, 5]] * 4, long)))
+        worker = threading.Thread(target=lambda: box.update(out=_outcome(eng.generate, [[3, 4, 5]] * 8, long)))
         worker.start()
-        _wait_running(url)
+        _wait_running(url, worker, box)
         assert httpx.post(f"{url}/pause").status_code == 200  # mode abort, vLLM's default
         worker.join(120)
         assert httpx.post(f"{url}/resume").status_code == 200
@@ -161,15 +161,15 @@ def _outcome(fn, *args):
         return exc
 
 
-def _wait_running(url: str, timeout_s: float = 60.0) -> None:
+def _wait_running(url: str, worker, box: dict, timeout_s: float = 60.0) -> None:
     """Until vLLM's metrics show a request running (so a `/pause` cuts it)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and worker.is_alive():
         for line in httpx.get(f"{url}/metrics").text.splitlines():
             if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) > 0:
                 return
-        time.sleep(0.05)
-    raise AssertionError("no request ever ran")
+        time.sleep(0.02)
+    raise AssertionError(f"no request seen running; the generate returned {box.get('out')!r:.300}")
 
 
 def test_client_parity_and_checksum_refusal(setup):
