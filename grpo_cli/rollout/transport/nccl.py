@@ -141,7 +141,7 @@ class NcclReceiver:
         _abort(self.pg)
 
 
-def _advertised_host(server_url: str) -> str:
+def advertised_host(server_url: str) -> str:
     """The trainer address servers can reach: loopback for a local server, else the interface routing to it
     (never 0.0.0.0, a classic cause of init_communicator timeouts)."""
     host = urlsplit(server_url).hostname or "127.0.0.1"
@@ -152,7 +152,7 @@ def _advertised_host(server_url: str) -> str:
         return s.getsockname()[0]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -174,7 +174,7 @@ class NcclSender:
         if not ok:
             raise RolloutError(f"rollout.server.weight_transport=nccl needs CUDA and NCCL on the trainer: {why}; "
                                "use weight_transport=http")
-        host, port, world = _advertised_host(urls[0]), _free_port(), len(urls) + 1
+        host, port, world = advertised_host(urls[0]), free_port(), len(urls) + 1
         device, group_timeout = transport_device(), group_timeout_s(http.policy)
         with ThreadPoolExecutor(max_workers=len(urls)) as pool:
             futures = [pool.submit(http.call, url, "POST", "/init_communicator", idempotent=False,

@@ -6,11 +6,17 @@
   processed logprobs (`--logprobs-mode processed_logprobs`, checked at connect) and the weight version of every
   sampled token (vLLM's `weight_versions` spans);
 - the weight-sync probe: the same route with `prompt_logprobs: 0` at temperature 1 (`score`);
-- weight sync: vLLM's RL API with the `grpo_shm` plugin engine (same host) or vLLM's `nccl` engine (`weights`,
-  built through the transport registry as the `vllm-serve` client's `shm` and `nccl`);
+- weight sync: vLLM's RL API with the `grpo_shm` plugin engine (same host) or vLLM's `nccl` engine
+  (`transport/vllm_rl.py`, built through the transport registry as the `vllm-serve` client's `shm` and `nccl`);
   the version rides `/finish_weight_update` and is read back from `/weight_info`; with `verify`, `/weight_checker`
-  checksums of every 1-D tensor the server holds under the trainer's name (norms; replicated under TP) are
-  compared with SHA-256 of what was sent. The probe then runs in `train.weights.weight_sync.verify_sync`.
+  checksums of every 1-D tensor the server holds under the trainer's name (norms; a tensor sharded under TP is
+  compared piece by piece) are compared with SHA-256 of what was sent. The probe then runs in
+  `train.weights.weight_sync.verify_sync`.
+- nothing is sampled before this client's first full weight round has finished (nor after a failed one): the
+  server may hold another run's weights, or a round a dead trainer left open (its layers on the meta device, where a
+  generate kills vLLM's engine). `generate` then raises RolloutServerDown(recovered=True), on which the trainer
+  pushes its weights and retries the step (`train.weights.sync_ranks.generate_with_resync`); the transport closes an
+  open round first. The same holds for a generation vLLM aborted (`finish_reason: "abort"`, e.g. a `/pause`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
@@ -25,6 +32,7 @@ from grpo_cli.rollout.http_engine import HttpServerEngine
 from grpo_cli.rollout.seeds import request_seed
 from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
 from grpo_cli.rollout.transport import base as transports
+from grpo_cli.rollout.transport.vllm_rl import reset_prefix_caches
 from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, split_groups
 
 if TYPE_CHECKING:
@@ -49,12 +57,27 @@ def parse_version(text) -> int | None:
     return int(text) if isinstance(text, str) and text.isdigit() else None
 
 
-def checksum_names(checksums: dict[str, str]) -> dict[str, set[str]]:
-    """`/weight_checker` checksums by parameter name (one digest per worker that holds it)."""
-    out: dict[str, set[str]] = {}
+def checksum_names(checksums: dict[str, str]) -> dict[str, dict[int, set[str]]]:
+    """`/weight_checker` checksums by parameter name, then by TP rank (one digest per worker that holds it)."""
+    out: dict[str, dict[int, set[str]]] = {}
     for key, digest in checksums.items():
-        out.setdefault(key.split(":", CHECKSUM_PREFIX_PARTS)[-1], set()).add(digest)
+        *prefix, name = key.split(":", CHECKSUM_PREFIX_PARTS)
+        tp = int(prefix[-1].removeprefix("tp")) if prefix and prefix[-1].startswith("tp") else 0
+        out.setdefault(name, {}).setdefault(tp, set()).add(digest)
     return out
+
+
+def finish_reason(url: str, choice: dict) -> str:
+    """A choice's finish reason as the batch records it ("stop" or "length"); an aborted one (a `/pause` or
+    `/abort_requests` while it ran: its tokens are cut, maybe none) is never trained on: RolloutServerDown with
+    `recovered`, so the trainer pushes its weights again (whoever paused the server may have changed them) and
+    retries the step."""
+    reason = choice.get("finish_reason")
+    if reason == "abort":
+        raise RolloutServerDown(f"vllm serve at {url} aborted a generation (finish_reason \"abort\": was it paused or "
+                                "were its requests aborted?); retrying the step after a weight push", url=url,
+                                recovered=True)
+    return "stop" if reason in ("stop", "repetition") else "length"
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -62,6 +85,26 @@ def tensor_digest(t: torch.Tensor) -> str:
     import torch
 
     return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorDigests:
+    """What a server may hold of one sent 1-D tensor: all of it (replicated, e.g. a norm), or under TP size T its
+    T equal pieces, TP rank k the k-th (a column-parallel bias: vLLM's `narrow(0, k·n/T, n/T)`)."""
+
+    full: str
+    pieces: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, t: torch.Tensor, tp_size: int) -> TensorDigests:
+        split = tp_size > 1 and t.numel() % tp_size == 0
+        return cls(tensor_digest(t), tuple(tensor_digest(p) for p in t.chunk(tp_size)) if split else ())
+
+    def matches(self, held: dict[int, set[str]]) -> bool:
+        """`held`: TP rank → the digests the server's workers of that rank report (`checksum_names`)."""
+        if all(d == {self.full} for d in held.values()):
+            return True
+        return bool(self.pieces) and all(k < len(self.pieces) and d == {self.pieces[k]} for k, d in held.items())
 
 
 class VLLMServeEngine(HttpServerEngine):
@@ -77,14 +120,16 @@ class VLLMServeEngine(HttpServerEngine):
                  verify: bool = True, connect: bool = True) -> None:
         transports.entry(transport, CLIENT)  # an unknown name is refused before any server is reached
         self._open(urls, token=token, policy=policy, transport=transport, workers=MAX_REQUESTS_IN_FLIGHT,
-                   offered={"tp_size": lambda url: self.facts[url].tensor_parallel_size})
+                   offered={"world_size": self._world_size})
         self.model, self.transport, self.verify = model, transport, verify
         self.stop_token_ids = list(stop_token_ids or [])
         self.chunk_bytes = chunk_mb << 20
         self.facts: dict[str, ServerFacts] = {}
         self.dtype: str | None = None
         self.last_sync: dict[str, float] = {}
-        self._held_names: set[str] | None = None
+        self.synced = False
+        """Whether a full weight round of this run has finished on every server since connecting (and none failed
+        since): until then nothing is sampled."""
         if connect:
             self.connect()
 
@@ -105,21 +150,34 @@ class VLLMServeEngine(HttpServerEngine):
             self.facts[url] = ServerFacts.parse(resp.json())
             self.facts[url].check(url, self.transport, hint)
         self.dtype = next(iter(self.facts.values())).dtype
-        versions = [self._server_version(url) for url in self.urls]
-        self.weight_version = max((v for v in versions if v is not None), default=0)
+        self.weight_version = 0  # what a server holds is not adopted: the run pushes its own first (`synced`)
 
     def _require_dev_mode(self, url: str, hint: str) -> None:
         if self.http.clients[url].get("/weight_info").status_code == 404:  # noqa: PLR2004
             raise RolloutError(f"vllm serve at {url} has no RL routes (/weight_info answers 404): it runs without "
                                f"VLLM_SERVER_DEV_MODE=1. Restart it so: `{hint}`")
 
+    def _world_size(self, url: str) -> int:
+        """The server's workers, TP·PP·DP (vLLM's `GET /get_world_size`; NCCL's group holds every one)."""
+        return int(self.http.request(url, "GET", "/get_world_size", params={"include_dp": "true"}).json()[
+            "world_size"])
+
     def _server_version(self, url: str, timeout: float | None = None) -> int | None:
         return parse_version(self.http.request(url, "GET", "/weight_info", timeout=timeout).json().get(
             "weight_version"))
 
     # -- generation --------------------------------------------------------------------------------------
+    def _require_synced(self) -> None:
+        if not self.synced:
+            raise RolloutServerDown(
+                f"vllm serve at {self.urls[0]} does not hold this run's weights yet (a fresh connection, or the last "
+                "weight round failed): push them, then retry the step", url=self.urls[0], recovered=True)
+
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         start = time.perf_counter()
+        self._require_synced()
+        for facts in self.facts.values():
+            facts.check_length(max(map(len, prompt_ids), default=0), sampling.max_tokens)
         params = {"n": sampling.n, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
                   "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": 0, "detokenize": False,
                   "stop_token_ids": self.stop_token_ids}
@@ -138,8 +196,7 @@ class VLLMServeEngine(HttpServerEngine):
                 if len(content) != len(ids):
                     raise RolloutError(f"vllm serve at {url} returned {len(content)} logprobs for {len(ids)} tokens")
                 completions.append(ids)
-                reasons.append("stop" if choice.get("finish_reason") == "stop" else
-                               (choice.get("finish_reason") or "length"))
+                reasons.append(finish_reason(url, choice))
                 logps.append([float(c["logprob"]) for c in content])
         batch = RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
                              finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
@@ -151,6 +208,7 @@ class VLLMServeEngine(HttpServerEngine):
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Temperature-1 prompt logprobs of each sequence (vLLM computes them from the raw logits)."""
+        self._require_synced()
         params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False, "seed": 0}
         futures = [self._pool.submit(self._post, url, {"token_ids": list(sequences[i]), "sampling_params": params})
                    for url, i in self._placement(len(sequences))]
@@ -191,31 +249,36 @@ class VLLMServeEngine(HttpServerEngine):
     # -- weight sync --------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """One update round on every server, then (with `verify`) the version each reports and the checksums of
-        the 1-D tensors sent under names the server holds. Not retried: a caller pushes again after
-        RolloutServerDown(recovered=True)."""
+        the 1-D tensors sent under names the server holds (asked after the round: before it, the model may be on
+        the meta device). Not retried: a caller pushes again after RolloutServerDown(recovered=True); until a round
+        succeeds nothing is sampled (`synced`)."""
         start = time.perf_counter()
-        if self.verify and self._held_names is None:  # parameter names do not change: asked once
-            self._held_names = set(self._checksums(self.urls[0]))
-        held = self._held_names if self.verify else set()
-        digests: dict[str, str] = {}
+        digests: dict[str, TensorDigests] = {}
 
         def tapped() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in named_tensors:
-                if name in held and t.dim() == 1:
-                    digests[name] = tensor_digest(t)
+                if self.verify and t.dim() == 1:
+                    digests[name] = TensorDigests.of(t, max(f.tensor_parallel_size for f in self.facts.values()))
                 yield name, t
 
+        self.synced = False
         sent = self._weights.send(tapped(), version, chunk_bytes=self.chunk_bytes)
         self.weight_version = version
+        self.synced = True
         if self.verify:
             self._verify(version, digests)
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent.bytes}
 
-    def _checksums(self, url: str) -> dict[str, set[str]]:
+    def follow_update(self, version: int) -> None:
+        """A rank that did not push: rank 0's round on every server succeeded (`sync_ranks`), so this rank samples."""
+        self.weight_version = version
+        self.synced = True
+
+    def _checksums(self, url: str) -> dict[str, dict[int, set[str]]]:
         res = self.http.call(url, "POST", "/weight_checker", json={"action": "checksum"}).json()
         return checksum_names(res.get("checksums") or {})
 
-    def _verify(self, version: int, digests: dict[str, str]) -> None:
+    def _verify(self, version: int, digests: dict[str, TensorDigests]) -> None:
         for url in self.urls:
             got = self._server_version(url)
             if got != version:
@@ -223,7 +286,8 @@ class VLLMServeEngine(HttpServerEngine):
             if not digests:
                 continue
             held = self._checksums(url)
-            wrong = sorted(n for n, d in digests.items() if held.get(n) != {d})
+            digests = {n: d for n, d in digests.items() if n in held}
+            wrong = sorted(n for n, d in digests.items() if not d.matches(held[n]))
             if wrong:
                 raise RolloutError(
                     f"weight sync to v{version} did not take on vllm serve at {url}: /weight_checker's checksums of "
@@ -239,4 +303,4 @@ class VLLMServeEngine(HttpServerEngine):
         """Nothing sleeps (see `sleep`)."""
 
     def reset_prefix_cache(self) -> None:
-        self.http.post_each(self.urls, "/reset_prefix_cache")
+        reset_prefix_caches(self.http, self.urls)
