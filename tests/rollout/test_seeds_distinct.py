@@ -125,6 +125,7 @@ def test_vllm_serve_client_sends_the_functions_seeds_per_rank_and_step():
             eng = VLLMServeEngine([f"http://127.0.0.1:{server.server_address[1]}"], model="m", connect=False,
                                   policy=Policy(connect_timeout_s=5, request_timeout_s=10, retries=0))
             eng.rank = rank
+            eng.synced = True  # as after the run's first weight round (the stub takes no weights)
             for step in (0, 1):
                 _Stub.bodies.clear()
                 seed = step_seed(_cfg(0), step)
