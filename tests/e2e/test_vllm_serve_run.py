@@ -80,7 +80,7 @@ def test_three_real_steps_against_a_server_left_mid_round(setup, tmp_path):
     assert 55 <= min(lengths) and max(lengths) <= 65, lengths
     assert httpx.post(f"{url}/start_weight_update").status_code == 200  # the dead trainer's open round
     trainer = _train(tmp_path, run, url, "--set", "train.steps=3", "--set", f"data.source={data}",
-                     prompts=32, generations=8)
+                     "--set", "logging.log_completions=256", prompts=32, generations=8)
     out, _ = trainer.communicate(timeout=900)
     assert trainer.returncode == 0 and "Traceback" not in out, out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -93,6 +93,15 @@ def test_three_real_steps_against_a_server_left_mid_round(setup, tmp_path):
     final = load_file(str(run / "final-model" / "model.safetensors"))
     sums = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}).json()["checksums"]
     assert sums["dp0:pp0:pcp0:tp0:model.norm.weight"] == tensor_digest(final["model.norm.weight"])
+    # 9 prompt texts among 64 rows: each step samples several of them more than once (issue 47, item 3)
+    by_prompt: dict[tuple, list[str]] = {}
+    for line in (run / "completions.jsonl").read_text().splitlines():
+        sample = json.loads(line)
+        by_prompt.setdefault((sample["step"], sample["prompt"]), []).append(sample["completion"])
+    repeated = [c for c in by_prompt.values() if len(c) > 8]
+    assert repeated, sorted(len(c) for c in by_prompt.values())
+    for completions in repeated:
+        assert len(set(completions)) == len(completions), completions
     assert httpx.get(f"{url}/health").status_code == 200
     reply = _generate(url, seed=1)
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("stop", "length")

@@ -33,6 +33,7 @@ def test_a_repeated_prompt_gets_distinct_completions(tmp_path):
             eng = VLLMServeEngine([server.url], model=model, stop_token_ids=None,
                                   policy=Policy(connect_timeout_s=30, request_timeout_s=120, retries=0))
             eng.rank = rank  # as `from_config` sets it from the rank's EngineContext
+            eng.synced = True  # the server's own weights are the checkpoint's: no round needed to sample
             try:
                 for step in (0, 1):
                     batch = eng.generate([[3, 4, 5]] * 3, SamplingParams(n=4, max_tokens=16, seed=step_seed(0, step)))
@@ -40,6 +41,6 @@ def test_a_repeated_prompt_gets_distinct_completions(tmp_path):
             finally:
                 eng.close()
     finally:
-        server.kill()
+        server.stop()
     assert len(every) == 2 * 2 * 3 * 4
     assert len(set(every)) == len(every), f"{len(every) - len(set(every))} completions repeat"

@@ -4,6 +4,7 @@ full forward), samples what a bf16 model samples, and refreshes the copy after a
 
 from __future__ import annotations
 
+import dataclasses
 import copy
 
 import pytest
@@ -13,6 +14,7 @@ from grpo_cli.rollout.hf import decode as decode_mod
 from grpo_cli.rollout.base import SamplingParams
 from grpo_cli.rollout.hf.decode import decode
 from grpo_cli.rollout.hf.engine import GenerationCopy, HFEngine
+from grpo_cli.rollout.seeds import request_seed
 
 PROMPTS = [[3, 5, 7, 9, 11], [4, 6], [8, 9, 10, 11, 12, 13, 14], [20]]
 SAMPLING = SamplingParams(n=2, max_tokens=8, temperature=0.9, seed=3)
@@ -41,7 +43,8 @@ def test_autocast_generation_runs_the_lean_step_on_a_bf16_copy(model, monkeypatc
     assert next(model.parameters()).dtype == torch.float32  # the masters are untouched
     reference = copy.deepcopy(model).to(torch.bfloat16).eval()
     reference.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq  # the copy keeps float32 buffers
-    out = decode(reference, PROMPTS, SAMPLING, eos_token_ids=[1], pad_token_id=0)
+    seeded = dataclasses.replace(SAMPLING, seed=request_seed(SAMPLING.seed, rank=0, prompt=0))  # as HFEngine seeds
+    out = decode(reference, PROMPTS, seeded, eos_token_ids=[1], pad_token_id=0)
     lengths = out.lengths.tolist()
     assert batch.completion_ids == [row[:n] for row, n in zip(out.tokens.tolist(), lengths, strict=True)]
 

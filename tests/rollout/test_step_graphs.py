@@ -5,6 +5,7 @@ static step takes the cache's own tensors when no row is padded."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -17,6 +18,7 @@ from grpo_cli.rollout.hf import decode as decode_mod
 from grpo_cli.rollout.hf.decode import decode
 from grpo_cli.rollout.hf.engine import HFEngine
 from grpo_cli.rollout.hf.static_step import StaticStep
+from grpo_cli.rollout.seeds import request_seed
 
 PROMPTS = [[3, 5, 7, 9, 11], [4, 6], [8, 9, 10, 11, 12, 13, 14], [20]]
 EOS = [24, 28, 58]
@@ -39,6 +41,7 @@ def model(tmp_path):
 
 def full_forward(model, monkeypatch, params: SamplingParams) -> tuple[list[list[int]], torch.Tensor]:
     """The completions of the full forward (no lean step, no graph), cut at their lengths, and their logprobs."""
+    params = dataclasses.replace(params, seed=request_seed(params.seed, rank=0, prompt=0))  # as HFEngine seeds rank 0
     with monkeypatch.context() as m:
         m.setattr(decode_mod, "decoder_parts", lambda model: None)
         out = decode(model, PROMPTS, params, eos_token_ids=EOS, pad_token_id=0)
@@ -66,10 +69,12 @@ def test_generates_of_one_shape_capture_each_bucket_once(model, monkeypatch):
     with torch.no_grad():  # an optimizer step: the weights change in place, the graphs read them (and the fused copies)
         for p in model.parameters():
             p.mul_(1.05)
-    third = engine.generate(PROMPTS, sampling(9))
+    # seeds whose rows finish into the buckets the first generate captured (a row count not seen yet is a new bucket
+    # and captures, rightly): 8 and 10 under `rollout/seeds.py`'s hash
+    third = engine.generate(PROMPTS, sampling(10))
     assert len(FakeGraph.made) == captured  # the second and third generate captured nothing
     assert sum(g.replays for g in FakeGraph.made) > replays
-    assert same(third, full_forward(model, monkeypatch, sampling(9)))
+    assert same(third, full_forward(model, monkeypatch, sampling(10)))
     engine.generate(PROMPTS, sampling(9, max_tokens=10))  # another cache length: captured again
     assert len(FakeGraph.made) > captured
     captured = len(FakeGraph.made)

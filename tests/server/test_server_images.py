@@ -6,6 +6,7 @@ frozen vision tower once, probes with an image and logs the rollout_correction/ 
 
 from __future__ import annotations
 
+import dataclasses
 import base64
 import json
 import subprocess
@@ -19,6 +20,7 @@ from served_app import app_in_thread, image_of
 from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import SamplingParams
 from grpo_cli.rollout.remote.client import ServerEngine
+from grpo_cli.rollout.seeds import request_seed
 from grpo_cli.rollout.transport.http_client import Policy
 from grpo_cli.server.app import create_app
 
@@ -41,7 +43,9 @@ def test_data_urls_carry_exact_pixels_and_bad_ones_are_named():
 def test_server_generates_and_scores_with_images_sent_once_per_prompt(served_vlm):
     served, ids, images = served_vlm
     sampling = SamplingParams(n=3, max_tokens=4, seed=11)
-    local = served.engine.generate(ids, sampling, images=images)
+    # the client seeds rank 0's request (`rollout/seeds.py`); the served engine then samples with that seed
+    sent = dataclasses.replace(sampling, seed=request_seed(sampling.seed, rank=0, prompt=0))
+    local = served.engine.generate(ids, sent, images=images)
     local_scores = served.engine.score([i + c for i, c in zip(ids, local.completion_ids[::3])], images=images)
     with app_in_thread(create_app(served)) as url:
         eng = ServerEngine([url], policy=FAST)
