@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_serve_harness import VLLMServe, write_plugin_shim
+from vllm_serve_harness import tiny_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 KEY = "judge-test-key"
@@ -15,14 +15,7 @@ KEY = "judge-test-key"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    pytest.importorskip("vllm")
-    from grpo_cli.models.tiny import resolve_model_path
-
-    root = tmp_path_factory.mktemp("judge-vllm-serve")
-    model = resolve_model_path("builtin:tiny")
-    server = VLLMServe(model, write_plugin_shim(root / "shim"), root / "server.log", api_key=KEY)
-    yield {"server": server, "model": model, "root": root}
-    server.kill()
+    yield from tiny_server(tmp_path_factory, "judge-vllm-serve", api_key=KEY)
 
 
 def _judge(server, monkeypatch, key: str, **settings):

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from vllm_serve_harness import VLLMServe, write_plugin_shim
+from vllm_serve_harness import VLLMServe, tiny_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 KEY = "vllm-serve-test-key"
@@ -25,15 +25,7 @@ KEY = "vllm-serve-test-key"
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    pytest.importorskip("vllm")
-    from grpo_cli.models.tiny import resolve_model_path
-
-    root = tmp_path_factory.mktemp("vllm-serve")
-    model = resolve_model_path("builtin:tiny")  # the trainer resolves builtin:tiny to this same folder
-    shim = write_plugin_shim(root / "shim")
-    server = VLLMServe(model, shim, root / "server-1.log", api_key=KEY)
-    yield {"root": root, "model": model, "shim": shim, "server": server}
-    server.stop()
+    yield from tiny_server(tmp_path_factory, "vllm-serve", api_key=KEY)
 
 
 def _train(cwd, run, url: str, *extra: str, prompts: int = 4, generations: int = 8, **kw) -> subprocess.Popen:

@@ -116,3 +116,21 @@ class VLLMServe:
             pass
         self.proc.wait(timeout=30)
         self._out.close()
+
+
+def tiny_server(tmp_path_factory, name: str, *, api_key: str):
+    """A module fixture's body: `vllm serve` of `builtin:tiny` with the `grpo_shm` plugin and `api_key`; yields
+    {root, model, shim, server}, then stops the server cleanly (its /dev/shm freed)."""
+    import pytest
+
+    pytest.importorskip("vllm")
+    from grpo_cli.models.tiny import resolve_model_path
+
+    root = tmp_path_factory.mktemp(name)
+    model = resolve_model_path("builtin:tiny")  # the trainer resolves builtin:tiny to this same folder
+    shim = write_plugin_shim(root / "shim")
+    server = VLLMServe(model, shim, root / "server-1.log", api_key=api_key)
+    try:
+        yield {"root": root, "model": model, "shim": shim, "server": server}
+    finally:
+        server.stop()
