@@ -11,7 +11,7 @@ and, with p = softmax(z), the gradients the recomputed chunk back-propagates:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -42,8 +42,7 @@ def _linear_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor
     return z / temperature if temperature != 1.0 else z
 
 
-@dataclass(frozen=True)
-class VocabShard:
+class VocabShard(NamedTuple):
     """This rank's slice of a vocabulary split across ranks (Megatron's tensor parallelism): W's rows are vocabulary
     ids start..start+V_local, ids at or past `vocab` are padding (logit −inf), and `all_reduce(x, op)` reduces x in
     place over the ranks holding the other slices, op "max" or "sum"."""

@@ -92,8 +92,9 @@ def test_three_real_steps_against_a_server_left_mid_round(setup, tmp_path):
         by_prompt.setdefault((sample["step"], sample["prompt"]), []).append(sample["completion"])
     repeated = [c for c in by_prompt.values() if len(c) > 8]
     assert repeated, sorted(len(c) for c in by_prompt.values())
-    for completions in repeated:
-        assert len(set(completions)) == len(completions), completions
+    for completions in repeated:  # (two that end at once are both empty: the same completion, rightly)
+        sampled = [c for c in completions if c]
+        assert len(set(sampled)) == len(sampled), completions
     assert httpx.get(f"{url}/health").status_code == 200
     reply = _generate(url, seed=1)
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
