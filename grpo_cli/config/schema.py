@@ -177,6 +177,17 @@ class FSDP2Config(Section):
     once, so a rank keeps only its shard."""
 
 
+class SequenceParallelConfig(Section):
+    """Long context (docs/distributed.md): the world is data parallel × `size`; each packed micro-batch's positions
+    are cut into `size` contiguous shards, one per rank of a sequence-parallel group."""
+
+    size: int = Field(1, ge=1)
+    """Ranks that share one sequence (1: off). Must divide the processes of the job."""
+    style: Literal["ulysses", "ring"] = "ulysses"
+    """`ulysses`: an all-to-all around each attention swaps sequence shards for head shards (needs `size` to divide
+    the attention heads); `ring`: key/value blocks pass around the group with online-softmax accumulation."""
+
+
 class OffloadConfig(Section):
     optimizer: bool = False
     """Move optimizer state to host memory while the engine generates (colocate mode)."""
@@ -222,6 +233,8 @@ class DistributedConfig(Section):
     large checkpoint, a slow gather) fails instead of hanging, and one that finishes within it is not killed."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     """Training-state offload while generating."""
+    sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
+    """Sequence parallelism for long completions (ddp, fsdp2)."""
     weight_sync_bucket_mb: int = Field(512, ge=1)
     """Size cap of one bucket of gathered parameters during weight sync: fsdp2 and ZeRO-3 gather a bucket at once
     (fsdp2: one all-gather per bucket), so it bounds what a rank holds and sets the number of collectives."""

