@@ -60,8 +60,11 @@ def check_stream(cfg: GRPOConfig) -> None:
 
 def check_unused(cfg: GRPOConfig) -> None:
     """`rollout.stream.*` set outside stream mode changes nothing: refused."""
-    given = sorted(cfg.rollout.stream.model_fields_set)
+    from grpo_cli.config.stream import StreamConfig
+
+    default, s = StreamConfig(), cfg.rollout.stream
+    given = [name for name in type(s).model_fields if getattr(s, name) != getattr(default, name)]
     if cfg.rollout.mode != "stream" and given:
         raise ValueError(
-            f"rollout.stream.{given[0]} is set but rollout.mode is '{cfg.rollout.mode}': rollout.stream applies to "
+            f"rollout.stream.{given[0]} is set (to {getattr(s, given[0])!r}) but rollout.mode is '{cfg.rollout.mode}': rollout.stream applies to "
             "rollout.mode stream only; remove it or set rollout.mode=stream.")

@@ -118,6 +118,8 @@ class StreamPipeline:
             self.dropped += 1
             if self.on_stale == "regenerate":
                 self.retake.append(Flight(group.index, prompt, group.cursor_before))
+        if len(kept) < len(self.buffer):
+            self._cond.notify_all()  # room in the buffer (and groups to sample again): wake the pool
         self.buffer = kept
 
     def _room(self) -> bool:
