@@ -250,7 +250,8 @@ class VLLMServeEngine(HttpServerEngine):
         """Stream mode: one prompt group (`sampling.n` samples, `sampling.seed`) on `url`, blocking; each token's
         weight version from the server's spans. Called from the pool's threads (`train/stream_pool.py`)."""
         start, submitted = time.perf_counter(), self.weight_version
-        self._require_synced()
+        if self.first_pushed is None:  # later, a group may start during a round: it queues on the paused server
+            self._require_synced()
         self.facts[url].check_length(len(prompt_ids), sampling.max_tokens)
         body = {"token_ids": list(prompt_ids), "sampling_params": self.sampling_body(sampling),
                 "request_id": request_id}
