@@ -22,6 +22,8 @@ from grpo_cli.train.stream_metrics import IdleClock, batch_metrics
 
 WAIT_S = 1.0
 """How often a waiting step re-checks the pool (an error in a request thread wakes it at once)."""
+ADMIT_POLL_S = 0.05
+"""How often the pool re-checks whether a weight push let it start a group (the push does not notify it)."""
 
 
 @dataclass
@@ -57,6 +59,10 @@ class StreamPipeline:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._first_step = 0
+        self.last_take: int | None = None
+        """The weight version of the last step that took its groups (the next one trains at that + 1)."""
+        self.taking: int | None = None
+        """The weight version of a step waiting for its groups now (it trains at that version)."""
 
     # ---- the interface the loop drives ---------------------------------------------------------------
 
@@ -78,9 +84,11 @@ class StreamPipeline:
             while True:
                 if self.error is not None:
                     raise self.error
+                self.taking = version
                 self._drop_stale(version)
                 if len(self.buffer) >= self.per_step:
                     taken = [self.buffer.popleft() for _ in range(self.per_step)]
+                    self.taking, self.last_take = None, version
                     break
                 self._cond.wait(WAIT_S)
             self._cond.notify_all()  # room in the buffer: the pool may start more groups
@@ -123,13 +131,25 @@ class StreamPipeline:
         self.buffer = kept
 
     def _room(self) -> bool:
-        return len(self.flight) < self.max_in_flight and len(self.buffer) < self.max_buffered
+        """Whether to start a group now: below `max_in_flight` and `max_buffered`, and only if it can train within
+        the lag bound. Groups train in order, `per_step` a step: a group started now behind `ahead` pending ones
+        trains at the next take's version + ahead // per_step, and its tokens are at least the version pushed now;
+        a group past the bound would be sampled only to be dropped (what the peers call staleness-aware admission).
+        So the pool keeps generating while the trainer trains, never more than the bound lets it use."""
+        if len(self.flight) >= self.max_in_flight or len(self.buffer) >= self.max_buffered:
+            return False
+        pushed = self.engine.weight_version
+        following = self.taking if self.taking is not None else (
+            pushed if self.last_take is None else self.last_take + 1)
+        next_take = max(pushed, following)
+        ahead = len(self.buffer) + len(self.flight)
+        return next_take + ahead // self.per_step - pushed <= self.lag
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._closed and self.error is None and not self._room():
-                    self._cond.wait()
+                    self._cond.wait(ADMIT_POLL_S)  # a weight push (no notify) may make room
                 if self._closed or self.error is not None:
                     return
                 flight = self._next_flight()

@@ -32,6 +32,7 @@ class Recorder:
         self.live, self.peak, self.calls = 0, 0, []
         self.lock = threading.Lock()
         self.in_flight = type("Paused", (), {"paused_seconds": 0.0})()
+        self.weight_version = 0
         self.aborted: list[str] = []
 
     def generate_group(self, url, prompt_ids, sampling, *, index, request_id):
@@ -104,11 +105,32 @@ def test_a_group_past_the_lag_bound_is_dropped_and_counted():
     pool.close()
 
 
+def test_the_pool_starts_only_groups_that_can_train_within_the_lag_bound():
+    """Two groups a step, lag 1, weights v0 pushed: four groups can train at v0 or v1, a fifth only at v2 (2 behind),
+    so the pool stops at four though max_in_flight is 8. While the step trains v0 (v1 not pushed yet) the two left
+    would train at v1: nothing starts; once v1 is pushed, two more can."""
+    engine = Recorder(versions=lambda i: [[0, 0], [0, 0]])
+    pool = _pool(engine, max_in_flight=8, max_buffered=8)
+    pool.top_up(0)
+    _wait(lambda: len(pool.buffer) == 4)
+    time.sleep(0.3)
+    assert len(engine.calls) == 4
+    pool.take(0, version=0)
+    time.sleep(0.3)
+    assert len(engine.calls) == 4 and len(pool.buffer) == 2
+    engine.weight_version = 1
+    _wait(lambda: len(engine.calls) == 6)
+    time.sleep(0.3)
+    assert len(engine.calls) == 6
+    pool.close()
+
+
 def test_a_stale_group_is_regenerated_with_its_prompt_and_seed():
     engine = Recorder(versions=lambda i: [[1, 1], [1, 1]] if len(engine.calls) <= 3 else [[3, 3], [3, 3]])
     pool = _pool(engine, max_in_flight=3, max_buffered=3, on_stale="regenerate")
     pool.top_up(0)
     _wait(lambda: len(pool.buffer) >= 3)
+    engine.weight_version = 3
     prompts, _ = pool.take(0, version=3)  # all three at v1: 2 behind, sampled again first
     _wait(lambda: len(engine.calls) >= 6)
     again = engine.calls[3:6]
@@ -193,6 +215,7 @@ def test_a_checkpoint_restores_the_buffer_and_regenerates_what_was_in_flight():
     assert cursor.state_dict() == saved["cursor"]
     prompts, batch = resumed.take(0, version=2)
     assert [p.ids[0] - 100 for p in prompts] == done[:2] and batch.token_versions[0] == [1, 2]  # the oldest first
+    again.weight_version = 3  # the step trained at 2 and pushed 3
     resumed.top_up(1)
     _wait(lambda: len(again.calls) >= len(flying) + 1)
     assert [i for i, _, _ in again.calls[:len(flying)]] == flying  # regenerated first, with their own seeds
