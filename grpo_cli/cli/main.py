@@ -88,8 +88,8 @@ def plan(
     """Print the batch plan, a per-GPU memory estimate for the chosen mode and the host memory per machine."""
     with user_errors():
         cfg = load_config(preset, preset_opt, config, overrides)
-        from grpo_cli.config.plan import parse_size
-        from grpo_cli.config.plan_render import render_plan
+        from grpo_cli.planner.plan import parse_size
+        from grpo_cli.planner.plan_render import render_plan
 
         typer.echo(render_plan(cfg, gpu_mem=parse_size(gpu_mem) if gpu_mem else None,
                                host_mem=parse_size(host_mem, "--host-mem") if host_mem else None))

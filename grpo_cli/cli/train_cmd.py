@@ -10,10 +10,10 @@ import typer
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import dump_config
-from grpo_cli.config.plan import required_gpus
-from grpo_cli.config.plan_render import render_plan
+from grpo_cli.planner.plan import required_gpus
+from grpo_cli.planner.plan_render import render_plan
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.config.deepspeed import deepspeed_json
+from grpo_cli.planner.deepspeed import deepspeed_json
 from grpo_cli.launch.command import launch_command
 from grpo_cli.runtime.faults import FaultPlan
 

@@ -36,6 +36,10 @@ class ModelShape:
         return (self.params - self.root_params) / self.layers
 
 
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per parameter of each `model.dtype`."""
+
+
 QWEN_VOCAB = 151_936
 KNOWN_SHAPES = {0.5: (896, 24, 128, True), 1.5: (1536, 28, 256, True), 3: (2048, 36, 256, True),
                 7: (3584, 28, 512, False), 14: (5120, 48, 1024, False), 32: (5120, 64, 1024, False),

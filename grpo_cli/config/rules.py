@@ -11,10 +11,10 @@ from grpo_cli.config.rules_offload import check_offload
 from grpo_cli.config.transports import facts, is_loopback
 
 if TYPE_CHECKING:
-    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.config.sections import GRPOSections
 
 
-def _check_batch(cfg: GRPOConfig) -> None:
+def _check_batch(cfg: GRPOSections) -> None:
     t, world = cfg.train, cfg.distributed.num_processes * cfg.distributed.num_machines
     if t.prompts_per_step % world:
         valid = [p for p in range(world, 4 * world + 1, world)]
@@ -33,7 +33,7 @@ def _check_batch(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_token_budget(cfg: GRPOConfig) -> None:
+def _check_token_budget(cfg: GRPOSections) -> None:
     budget, longest = cfg.train.micro_batch_tokens, cfg.max_sequence_length
     if budget < longest:
         raise ValueError(
@@ -55,7 +55,7 @@ def _check_token_budget(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_layout(cfg: GRPOConfig) -> None:
+def _check_layout(cfg: GRPOSections) -> None:
     """The engine × mode is a row of `config/engine_modes.MODES`."""
     r = cfg.rollout
     if engine_mode(r.engine, r.mode) is not None:
@@ -70,7 +70,7 @@ def _check_layout(cfg: GRPOConfig) -> None:
                      f"{', '.join(modes)}; set rollout.mode to one of them.")
 
 
-def _check_rollout(cfg: GRPOConfig) -> None:
+def _check_rollout(cfg: GRPOSections) -> None:
     r = cfg.rollout
     _check_layout(cfg)
     if r.layout.remote and not r.server.urls:
@@ -120,7 +120,7 @@ def _check_rollout(cfg: GRPOConfig) -> None:
                          f"(colocate or async), but {where}; remove rollout.vllm.block_size.")
 
 
-def _check_weight_transport(cfg: GRPOConfig) -> None:
+def _check_weight_transport(cfg: GRPOSections) -> None:
     r = cfg.rollout
     name = r.server.weight_transport
     if name is None:
@@ -141,7 +141,7 @@ def _check_weight_transport(cfg: GRPOConfig) -> None:
     _check_same_host(cfg)
 
 
-def _check_same_host(cfg: GRPOConfig) -> None:
+def _check_same_host(cfg: GRPOSections) -> None:
     """A transport that needs the server on the trainer's host (`TransportFacts.same_host`: a file in /dev/shm, CUDA
     IPC handles) refuses a URL that is not loopback, default transports included."""
     r = cfg.rollout
@@ -157,7 +157,7 @@ def _check_same_host(cfg: GRPOConfig) -> None:
         f"rollout.server.weight_transport to {' or '.join(others)} (docs/server-mode.md).")
 
 
-def _check_async(cfg: GRPOConfig) -> None:
+def _check_async(cfg: GRPOSections) -> None:
     r, d = cfg.rollout, cfg.distributed
     world = d.num_processes * d.num_machines
     if r.ray.num_actors % world:
@@ -191,7 +191,7 @@ def _check_async(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_distributed(cfg: GRPOConfig) -> None:
+def _check_distributed(cfg: GRPOSections) -> None:
     d = cfg.distributed
     if d.num_machines > 1 and not d.main_process_ip:
         raise ValueError(
@@ -231,7 +231,7 @@ def _check_distributed(cfg: GRPOConfig) -> None:
         raise ValueError("distributed.deepspeed.offload_params needs zero_stage 3; set zero_stage=3 or turn it off.")
 
 
-def _check_sharding(cfg: GRPOConfig) -> None:
+def _check_sharding(cfg: GRPOSections) -> None:
     """Settings of one sharded backend refused under another (they would change nothing)."""
     d = cfg.distributed
     if d.backend != "fsdp2" and d.fsdp2.model_dump() != type(d.fsdp2)().model_dump():
@@ -262,7 +262,7 @@ def _check_sharding(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_lora_and_eval(cfg: GRPOConfig) -> None:
+def _check_lora_and_eval(cfg: GRPOSections) -> None:
     if cfg.model.lora is not None and cfg.distributed.backend == "megatron":
         raise ValueError(
             "model.lora is not available with distributed.backend 'megatron': it trains every weight of the "
@@ -287,7 +287,7 @@ def _check_lora_and_eval(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_agent(cfg: GRPOConfig) -> None:
+def _check_agent(cfg: GRPOSections) -> None:
     if cfg.rollout.custom and cfg.agent is not None:
         raise ValueError(
             "rollout.custom produces the completions itself, so it does not take agent: (multi-turn tool calls); "
@@ -305,7 +305,7 @@ def _check_agent(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_reward_models(cfg: GRPOConfig) -> None:
+def _check_reward_models(cfg: GRPOSections) -> None:
     from grpo_cli.config.reward_models import device_setting, reward_models
 
     for f in reward_models(cfg):
@@ -319,7 +319,7 @@ def _check_reward_models(cfg: GRPOConfig) -> None:
             )
 
 
-def _check_distill(cfg: GRPOConfig) -> None:
+def _check_distill(cfg: GRPOSections) -> None:
     d = cfg.algorithm.distill
     if d is None:
         return
@@ -339,7 +339,7 @@ def _check_distill(cfg: GRPOConfig) -> None:
             "and set algorithm.distill.teacher to its URL, or use distributed.backend ddp, fsdp2 or deepspeed.")
 
 
-def check_rules(cfg: GRPOConfig) -> None:
+def check_rules(cfg: GRPOSections) -> None:
     """Raise ValueError (naming the field and the fix) when fields contradict each other."""
     _check_batch(cfg)
     _check_rollout(cfg)

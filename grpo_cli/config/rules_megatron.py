@@ -6,20 +6,34 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.config.sections import GRPOSections
+
+
+def megatron_layout(cfg: GRPOSections) -> dict[str, int]:
+    """Megatron-core's process grid for `distributed.megatron` (what `initialize_model_parallel` builds): tp, pp,
+    ep; dp = world / (tp·pp) (the dense parameters' data-parallel ranks); etp = the expert tensor parallel size,
+    tensor_parallel (Megatron's default when `expert_tensor_parallel_size` is not given, as the backend does);
+    edp = world / (ep·etp·pp) (the expert parameters' data-parallel ranks). dp/edp are 0 where the grid does not
+    divide the world (the config rules refuse that)."""
+    d, m = cfg.distributed, cfg.distributed.megatron
+    world = d.num_processes * d.num_machines
+    tp, pp, ep = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel
+    etp = tp
+    return {"world": world, "tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": world // (tp * pp),
+            "edp": world // (ep * etp * pp)}
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_megatron(cfg: GRPOConfig) -> None:
+def check_megatron(cfg: GRPOSections) -> None:
     """The Megatron-core grid (tensor × pipeline × data, experts over expert × expert-tensor × pipeline) fits the
     processes and the model; the settings the backend cannot honour are refused."""
     d, m, model = cfg.distributed, cfg.distributed.megatron, cfg.model
     if d.backend != "megatron":
         return
-    from grpo_cli.config.plan import local_model_config, megatron_layout, model_shape, num_experts
+    from grpo_cli.config.model_shape import local_model_config, model_shape, num_experts
 
     lay = megatron_layout(cfg)
     world, tp, pp, ep = lay["world"], lay["tp"], lay["pp"], lay["ep"]
@@ -84,7 +98,7 @@ def check_megatron(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_megatron_model(cfg: GRPOConfig, c: dict, experts: int) -> None:
+def _check_megatron_model(cfg: GRPOSections, c: dict, experts: int) -> None:
     """Head, layer and expert counts from the model's config.json against the Megatron grid."""
     m, name = cfg.distributed.megatron, cfg.model.name_or_path
     tp, pp, ep, vp = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.virtual_pipeline or 1

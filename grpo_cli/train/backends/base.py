@@ -144,7 +144,7 @@ class TrainingBackend:
     def load_teacher(self, load: Callable[[str], torch.nn.Module]) -> None:
         """`algorithm.distill` with a local teacher: `teacher_model` = `load(folder)` (the backend's way of loading a
         frozen copy, the one its reference uses)."""
-        from grpo_cli.config.distill import local_teacher
+        from grpo_cli.train.distill import local_teacher
 
         if (path := local_teacher(self.cfg)) is not None:
             self.teacher_model = load(path)

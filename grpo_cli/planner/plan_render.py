@@ -1,15 +1,15 @@
 """`grpo plan`'s text: the batch plan, the per-GPU memory rows with what each holds, and the host rows per node,
-with the verdicts against `--gpu-mem` / `--host-mem` (the figures come from config/plan.py)."""
+with the verdicts against `--gpu-mem` / `--host-mem` (the figures come from planner/plan.py)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grpo_cli.config.plan import (GIB, GPU_HEADROOM, HOST_HEADROOM, async_plan, batch_plan, host_plan, memory_plan,
-                                  peak_bytes)
-from grpo_cli.config.plan_megatron import megatron_layout
-from grpo_cli.config.plan_tokens import token_budget_lines
 from grpo_cli.config.reward_models import parks_reward_models
+from grpo_cli.config.rules_megatron import megatron_layout
+from grpo_cli.planner.plan import (GIB, GPU_HEADROOM, HOST_HEADROOM, async_plan, batch_plan, host_plan, memory_plan,
+                                   peak_bytes)
+from grpo_cli.planner.plan_tokens import token_budget_lines
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig

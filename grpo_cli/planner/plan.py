@@ -8,13 +8,11 @@ import re
 
 from grpo_cli.algo.chunk_size import chunk_bytes
 from grpo_cli.config.errors import UserError
-from grpo_cli.config.model_shape import (  # noqa: F401  (re-exported: `grpo plan`'s callers import them here)
-    QWEN_VOCAB, ModelShape, local_model_config, model_shape, num_experts)
-from grpo_cli.config.plan_megatron import (  # noqa: F401
-    BYTES, megatron_activation_bytes, megatron_layout, megatron_state_bytes)
-from grpo_cli.config.plan_tokens import activation_bytes_per_position, micro_batch_positions
-from grpo_cli.config.distill import local_teacher_params
-from grpo_cli.config.reward_models import parks_reward_models, reward_model_bytes
+from grpo_cli.config.model_shape import BYTES, QWEN_VOCAB, ModelShape, model_shape
+from grpo_cli.config.reward_models import parks_reward_models
+from grpo_cli.planner.plan_megatron import megatron_activation_bytes, megatron_state_bytes
+from grpo_cli.planner.plan_rewards import reward_model_bytes
+from grpo_cli.planner.plan_tokens import activation_bytes_per_position, micro_batch_positions
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -102,7 +100,7 @@ def bucket_sizes(hidden: int, *, stage: int) -> dict[str, int]:
 
 
 def _reduce_bucket(cfg: GRPOConfig) -> float:
-    """Elements of DeepSpeed's gradient reduce bucket, as `config.deepspeed.deepspeed_config` sizes it."""
+    """Elements of DeepSpeed's gradient reduce bucket, as `planner.deepspeed.deepspeed_config` sizes it."""
     d = cfg.distributed
     return bucket_sizes(model_shape(cfg.model.name_or_path).hidden, stage=d.deepspeed.zero_stage)["reduce_bucket_size"]
 
@@ -184,6 +182,12 @@ def hf_generation_copy(cfg: GRPOConfig) -> bool:
             and cfg.model.dtype in ("bfloat16", "float16") and cfg.model.lora is None)
 
 
+def local_teacher_params(cfg: GRPOConfig) -> float:
+    """Parameters of a local distillation teacher (0 without one), from its config.json."""
+    d = cfg.algorithm.distill
+    return 0 if d is None or d.served else model_shape(d.teacher).params
+
+
 def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     """Bytes per GPU for each item of the training and generation phases (rough; activations are an estimate).
     With megatron, the hf engine holds a whole copy of the model in `rollout.dtype` on every rank
@@ -208,7 +212,7 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     if hf_generation_copy(cfg):
         out["hf_generation_copy"] = p * BYTES[cfg.model.dtype]
     if rm := reward_model_bytes(cfg, on_device=True):
-        out["reward_model"] = rm  # config.reward_models: parked in host memory except while scoring, or resident
+        out["reward_model"] = rm  # config/reward_models.py: parked in host memory except while scoring, or resident
     if cfg.rollout.colocated_vllm:
         tp = cfg.rollout.vllm.tensor_parallel_size
         budget = cfg.rollout.vllm.gpu_memory_utilization * (gpu_mem or 80 * GIB)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grpo_cli.config.model_shape import model_shape
-from grpo_cli.config.plan_megatron import BYTES
+from grpo_cli.config.model_shape import BYTES, model_shape
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -6,28 +6,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grpo_cli.algo.chunk_size import chunk_bytes
-from grpo_cli.config.model_shape import QWEN_VOCAB, ModelShape
+from grpo_cli.config.model_shape import BYTES, QWEN_VOCAB, ModelShape
+from grpo_cli.config.rules_megatron import megatron_layout
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
-
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per parameter of each `model.dtype`."""
-
-
-def megatron_layout(cfg: GRPOConfig) -> dict[str, int]:
-    """Megatron-core's process grid for `distributed.megatron` (what `initialize_model_parallel` builds): tp, pp,
-    ep; dp = world / (tp·pp) (the dense parameters' data-parallel ranks); etp = the expert tensor parallel size,
-    tensor_parallel (Megatron's default when `expert_tensor_parallel_size` is not given, as the backend does);
-    edp = world / (ep·etp·pp) (the expert parameters' data-parallel ranks). dp/edp are 0 where the grid does not
-    divide the world (the config rules refuse that)."""
-    d, m = cfg.distributed, cfg.distributed.megatron
-    world = d.num_processes * d.num_machines
-    tp, pp, ep = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel
-    etp = tp
-    return {"world": world, "tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": world // (tp * pp),
-            "edp": world // (ep * etp * pp)}
-
 
 def megatron_state_bytes(cfg: GRPOConfig, shape: ModelShape) -> dict[str, float]:
     """Per-GPU bytes of the megatron backend's training state. P = parameters, X = routed-expert parameters
