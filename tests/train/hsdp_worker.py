@@ -9,6 +9,7 @@ writes what it measured to `OUT/rank{r}.json`.
   run in the shard group (2 ranks).
 - resume: a checkpoint written at R=2 is loaded at R=1 and one written at R=1 is loaded at R=2 (`save_checkpoint` /
   `load_checkpoint`); the loaded weights and AdamW state against the writer's.
+- export: the HSDP policy's consolidated Hugging Face folder (`export_hf`) against its full parameters.
 
 Run as `RANK=r WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python hsdp_worker.py CKPT OUT`."""
 
@@ -131,6 +132,19 @@ def sync(policy) -> dict:
             "buckets": len(list(buckets(named, int(0.05 * 2**20))))}
 
 
+def export(policy, folder: Path, rank: int) -> dict:
+    """The final-model export (`export_hf`, float32: the masters exactly) of the HSDP policy, read back on rank 0."""
+    from safetensors.torch import load_file
+
+    policy.backend.export_hf(folder, dtype=torch.float32)
+    params = {n: full(p) for n, p in policy.module.named_parameters()}  # collective: every rank
+    if rank != 0:
+        return {}
+    saved = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    return {"tensors": len(saved), "identical": all(torch.equal(saved[n], t) for n, t in params.items() if n in saved),
+            "missing": sorted(n for n in params if n not in saved and n != "lm_head.weight")}
+
+
 def resume(ckpt: str, rank: int, info, written: tuple, root: Path) -> dict:
     """Each writer's checkpoint loaded into a fresh policy of the other R."""
     cfg_hsdp, hsdp, plain = written
@@ -151,6 +165,7 @@ def main(ckpt: str, out: str) -> None:
     res, written = parity(ckpt, info.rank, info)
     res["sync"] = sync(written[1])
     res["resume"] = resume(ckpt, info.rank, info, written, Path(out))
+    res["export"] = export(written[1], Path(out) / "export", info.rank)
     (Path(out) / f"rank{info.rank}.json").write_text(json.dumps(res))
     shutdown(info)
 

@@ -1,7 +1,7 @@
 """HSDP (`distributed.fsdp2.replicate`) on 4 real gloo processes, 2 replicas x 2 shard ranks (hsdp_worker.py, one
 launch): parity with plain fsdp2 (losses, gradient norms, updated weights and AdamW state after two steps, with an
-offload round trip between them; a LoRA adapter), weight-sync gathers inside the shard group, and checkpoints that
-resume across R in both directions."""
+offload round trip between them; a LoRA adapter), weight-sync gathers inside the shard group, checkpoints that
+resume across R in both directions, and the final-model export."""
 
 from __future__ import annotations
 
@@ -61,3 +61,8 @@ def test_checkpoints_resume_across_replicate(ranks):
         for name, mesh in (("2to1", 1), ("1to2", 2)):
             case = r["resume"][name]
             assert case["diff"] == 0.0 and case["reader_mesh"] == mesh and case["steps"] == [2], (name, case)
+
+
+def test_export_consolidates_the_replicated_shards(ranks):
+    export = ranks[0]["export"]
+    assert export["tensors"] > 0 and export["identical"] and not export["missing"], export
