@@ -153,6 +153,8 @@ class FSDP2Backend(TrainingBackend):
         """HSDP's 2-D mesh under `distributed.fsdp2.replicate` > 1 (made once: the policy, reference and teacher share
         its groups), else None (`fully_shard`'s 1-D mesh over every process)."""
         replicas, shard = mesh_shape(self.cfg)
+        if replicas == 1:
+            return None
         return hsdp_mesh(self.device, replicas=replicas, shard=shard,
                          timeout_minutes=self.cfg.distributed.timeout_minutes)
 

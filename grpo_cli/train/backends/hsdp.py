@@ -16,10 +16,8 @@ def mesh_ranks(replicas: int, shard: int) -> torch.Tensor:
 
 
 def hsdp_mesh(device: torch.device, *, replicas: int, shard: int, timeout_minutes: float):
-    """The 2-D `DeviceMesh` ("replicate", "shard") for `fully_shard(mesh=...)`, or None for plain FSDP (R = 1:
-    `fully_shard`'s own 1-D mesh over every process). Collective: every rank makes every subgroup, in one order."""
-    if replicas == 1:
-        return None
+    """The 2-D `DeviceMesh` ("replicate", "shard") for `fully_shard(mesh=...)`, of the training device's type.
+    Collective: every rank makes every subgroup, in one order."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
