@@ -44,6 +44,7 @@ def shard_dim(tensor) -> int | None:
 
 
 def row_sharded(tensor: torch.Tensor) -> bool:
+    """Whether `GatheredBucket` gathers `tensor` (a row-sharded DTensor, `shard_dim`)."""
     return shard_dim(tensor) is not None
 
 
