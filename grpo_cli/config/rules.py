@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grpo_cli.config.engine_modes import engine_mode, modes_of
+from grpo_cli.config.hsdp import check_hsdp
 from grpo_cli.config.rules_megatron import check_megatron, divisors
 from grpo_cli.config.rules_vision import check_vision
 from grpo_cli.config.rules_offload import check_offload
@@ -239,6 +240,7 @@ def _check_sharding(cfg: GRPOSections) -> None:
             f"distributed.fsdp2 settings apply only to distributed.backend=fsdp2, but the backend is '{d.backend}'; "
             "remove them or set distributed.backend=fsdp2."
         )
+    check_hsdp(cfg)
     if d.reduce_dtype != "float32" and d.backend == "megatron":
         raise ValueError(
             f"distributed.reduce_dtype '{d.reduce_dtype}' is not available with distributed.backend 'megatron': its "

@@ -176,6 +176,12 @@ class FSDP2Config(Section):
     every rank holds the whole model's unsharded float32 gradients between micro-batches (7B: ~26 GiB per GPU;
     `grpo plan` counts them). Off by default (verl's choice): each micro-batch's gradients are reduce-scattered at
     once, so a rank keeps only its shard."""
+    replicate: int = Field(1, ge=1)
+    """HSDP (hybrid sharding): R replicas of the sharded model. The processes form an R × (processes/R) mesh: the
+    parameters, gradients and optimizer state are sharded over the processes/R ranks of a shard group (one node's
+    GPUs, when processes/R is the GPUs per node) and replicated across the R groups. A forward gathers weights
+    inside the shard group only; gradients are reduce-scattered there, then all-reduced across replicas. 1: plain
+    FSDP (everything sharded over every process). Must divide the processes of the job (docs/distributed.md)."""
 
 
 class SequenceParallelConfig(Section):

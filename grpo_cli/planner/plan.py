@@ -13,6 +13,7 @@ from grpo_cli.config.reward_models import parks_reward_models
 from grpo_cli.planner.plan_megatron import megatron_activation_bytes, megatron_state_bytes
 from grpo_cli.planner.plan_rewards import reward_model_bytes
 from grpo_cli.planner.plan_tokens import activation_bytes_per_position, micro_batch_positions
+from grpo_cli.config.hsdp import shard_ranks
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -107,7 +108,8 @@ def _reduce_bucket(cfg: GRPOConfig) -> float:
 
 def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
     """Bytes one process holds on its GPU for the policy's weights, gradients (between micro-batches) and AdamW
-    state, by the backends' rules (train/backends). N = the process count, P = `params`.
+    state, by the backends' rules (train/backends). N = the processes one copy is sharded over (`hsdp.shard_ranks`:
+    every process, or world/R under fsdp2's HSDP `replicate: R`), P = `params`.
 
     - ddp: everything whole, in `model.master_weights` (float32 by default); AdamW keeps two moments.
     - fsdp2: weights, gradients and moments in the master dtype, 1/N each. Gradients are reduce-scattered every
@@ -122,7 +124,7 @@ def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
       `offload_params` moves the ZeRO-3 weight partitions to the host.
     - megatron: tensor × pipeline × expert parallel and the distributed optimizer (`megatron_state_bytes`).
     """
-    d, world = cfg.distributed, cfg.distributed.num_processes * cfg.distributed.num_machines
+    d = cfg.distributed
     if d.backend == "megatron":
         return megatron_state_bytes(cfg, _with_params(model_shape(cfg.model.name_or_path), params))
     compute, master, reduce = _widths(cfg)
@@ -131,7 +133,7 @@ def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
     else:
         per = {"weights": master, "gradients": master, "optimizer": 2 * master}
     shard = sharding(cfg)
-    out = {name: params * b / (world if shard[name] else 1) for name, b in per.items()}
+    out = {name: params * b / (shard_ranks(cfg) if shard[name] else 1) for name, b in per.items()}
     if d.backend == "fsdp2":
         unsharded = params * reduce if d.fsdp2.unsharded_grad_accumulation else 0.0
         if d.fsdp2.cpu_offload:
@@ -197,7 +199,7 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     out = training_state_bytes(cfg, p)
     out.update(gathered_bytes(cfg, shape))
     megatron = cfg.distributed.backend == "megatron"
-    split = cfg.distributed.num_processes * cfg.distributed.num_machines if sharding(cfg)["weights"] else 1
+    split = shard_ranks(cfg) if sharding(cfg)["weights"] else 1
     if cfg.algorithm.kl.beta > 0:  # the frozen copies (reference, a local distillation teacher) shard like the policy
         out["reference"] = out["weights"] if megatron else p * wbytes / split
     out.update({"teacher": teacher * wbytes / split} if (teacher := local_teacher_params(cfg)) else {})
@@ -230,7 +232,7 @@ def state_between_steps(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, flo
     d = cfg.distributed
     grads = mem.get("gradients", 0.0)
     if d.backend == "fsdp2" and d.fsdp2.unsharded_grad_accumulation:
-        world = d.num_processes * d.num_machines
+        world = shard_ranks(cfg)
         grads = 0.0 if d.fsdp2.cpu_offload else model_shape(cfg.model.name_or_path).params * _widths(cfg)[1] / world
     return {"weights": mem.get("weights", 0.0), "gradients": grads, "optimizer": mem.get("optimizer", 0.0)}
 
@@ -279,8 +281,8 @@ def async_plan(cfg: GRPOConfig) -> dict[str, object]:
 
 def host_plan(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, tuple[float, str]]:
     """Host bytes per node (the `num_processes` training processes of one machine) by item, each with where it
-    comes from. N = the process count, P = parameters; pinned (page-locked) but for the shared-memory
-    copies (Ray, /dev/shm).
+    comes from. N = the processes one copy is sharded over (`hsdp.shard_ranks`), P = parameters; pinned
+    (page-locked) but for the shared-memory copies (Ray, /dev/shm).
 
     - deepspeed `offload_optimizer`: float32 masters + AdamW moments, 12·P/N per process, and the gradients the
       host AdamW reads: float32, 4·P/N, plus ZeRO-3's accumulation partitions in `reduce_dtype`
@@ -297,7 +299,7 @@ def host_plan(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, tuple[float, 
     """
     d, ds = cfg.distributed, cfg.distributed.deepspeed
     p = model_shape(cfg.model.name_or_path).params
-    world, local = d.num_processes * d.num_machines, d.num_processes
+    world, local = shard_ranks(cfg), d.num_processes
     compute, master, reduce = _widths(cfg)
     share = p / world * local
     rows: dict[str, tuple[float, str]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from grpo_cli.config.hsdp import layout_note, shard_ranks
 from grpo_cli.config.reward_models import parks_reward_models
 from grpo_cli.config.rules_megatron import megatron_layout
 from grpo_cli.planner.plan import (GIB, GPU_HEADROOM, HOST_HEADROOM, async_plan, batch_plan, host_plan, memory_plan,
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def _gpu_notes(cfg: GRPOConfig) -> dict[str, str]:
-    d, world = cfg.distributed, cfg.distributed.num_processes * cfg.distributed.num_machines
+    d, world = cfg.distributed, shard_ranks(cfg)
     if d.backend == "fsdp2":
         where = "; shards on the host (cpu_offload)" if d.fsdp2.cpu_offload else ""
         grads = (f"whole model, unsharded, {d.reduce_dtype}, between micro-batches (unsharded_grad_accumulation)"
@@ -56,6 +57,7 @@ def _render_memory(cfg: GRPOConfig, mem: dict[str, float], gpu_mem: float | None
     lines = [f"# memory per GPU (estimate; mode {cfg.rollout.mode}, engine {cfg.rollout.engine}, "
              f"backend {cfg.distributed.backend})"]
     notes = _gpu_notes(cfg)
+    lines += [f"  ({note})" for note in [layout_note(cfg)] if note]
     if "reward_model" in mem:
         notes["reward_model"] = "local reward model(s) and judge(s), one copy per process; " + (
             "on the GPU only while scoring" if parks_reward_models(cfg) else "resident for the whole run")
