@@ -8,6 +8,7 @@ from grpo_cli.config.engine_modes import engine_mode, modes_of
 from grpo_cli.config.rules_megatron import check_megatron, divisors
 from grpo_cli.config.rules_vision import check_vision
 from grpo_cli.config.rules_offload import check_offload
+from grpo_cli.config.rules_sequence import check_sequence_parallel
 from grpo_cli.config.transports import facts, is_loopback
 
 if TYPE_CHECKING:
@@ -223,10 +224,6 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             "model.master_weights 'compute_dtype' is not available with distributed.backend 'deepspeed': its bf16 "
             "mode always keeps float32 master weights; set model.master_weights=float32."
         )
-    if d.sequence_parallel.size > 1:
-        raise ValueError(
-            f"distributed.sequence_parallel.size={d.sequence_parallel.size}: sequence parallelism is not built yet "
-            "in this version; set distributed.sequence_parallel.size=1.")
     if d.deepspeed.offload_params and d.deepspeed.zero_stage != 3:
         raise ValueError("distributed.deepspeed.offload_params needs zero_stage 3; set zero_stage=3 or turn it off.")
 
@@ -347,6 +344,7 @@ def check_rules(cfg: GRPOConfig) -> None:
     _check_sharding(cfg)
     check_vision(cfg)
     check_megatron(cfg)
+    check_sequence_parallel(cfg)
     _check_lora_and_eval(cfg)
     _check_agent(cfg)
     _check_reward_models(cfg)

@@ -1,0 +1,106 @@
+"""Sequence-parallel attention (`distributed.sequence_parallel`; `grpo_sdpa` calls it when its mask carries a
+`ShardedRow`): each rank holds a contiguous shard of a packed row's positions; Ulysses swaps sequence shards for head
+shards around the attention (all-to-all), ring passes key/value blocks around the group (`ring_attention`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """One rank's place in its sequence-parallel group: `group` (a torch.distributed process group of `size`
+    consecutive ranks), this rank's index in it, and the attention `style` (`ulysses` | `ring`)."""
+
+    group: object
+    size: int
+    rank: int
+    style: str
+    global_ranks: tuple[int, ...] = field(default=())
+    """The group's global ranks in group order (ring's send/recv peers)."""
+
+
+@dataclass
+class ShardedRow:
+    """What the attention of one sharded forward needs: the shard, the whole row's mask for Ulysses (`full_mask`:
+    the `grpo_sdpa` mask every rank would pass unsharded), and for ring the packed row's per-position descriptors
+    (R, N): `block` (its prompt group), `segment` (0 prompt, k completion k, −1 padding) and `valid`."""
+
+    shard: SequenceShard
+    full_mask: torch.Tensor | None
+    block: torch.Tensor
+    segment: torch.Tensor
+    valid: torch.Tensor
+
+    def allowed(self, q_block: int, k_block: int) -> torch.Tensor:
+        """(R, 1, n, n) bool: query positions of shard `q_block` may attend to key positions of shard `k_block`
+        (k ≤ q in the packed row, same prompt group, on the prompt or in q's own completion, a real token; every
+        position also sees itself) — the mask `models.packing.packed_mask` / `packed_attention` apply."""
+        n = self.block.shape[1] // self.shard.size
+        q, k = slice(q_block * n, (q_block + 1) * n), slice(k_block * n, (k_block + 1) * n)
+        qi = torch.arange(q.start, q.stop, device=self.block.device)
+        ki = torch.arange(k.start, k.stop, device=self.block.device)
+        seg_q, seg_k = self.segment[:, q, None], self.segment[:, None, k]
+        ok = ((ki[None, None, :] <= qi[None, :, None]) & (self.block[:, q, None] == self.block[:, None, k])
+              & ((seg_k == 0) | (seg_k == seg_q)) & self.valid[:, None, k].bool())
+        return (ok | (ki[None, None, :] == qi[None, :, None]))[:, None]
+
+
+class _Groups:
+    """`module` as the inner attention sees it after K/V heads were repeated to one per query head."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+        self.num_key_value_groups = 1
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _seq_to_heads(t: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """(R, H, n, D) local positions of every head → (R, H/size, N, D) every position of this rank's heads."""
+    from torch.distributed.nn.functional import all_to_all
+
+    parts = [c.contiguous() for c in t.chunk(shard.size, dim=1)]
+    got = all_to_all([torch.empty_like(parts[0]) for _ in parts], parts, group=shard.group)
+    return torch.cat(got, dim=2)
+
+
+def _heads_to_seq(t: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """(R, N, H/size, D) every position of this rank's heads → (R, n, H, D) local positions of every head."""
+    from torch.distributed.nn.functional import all_to_all
+
+    parts = [c.contiguous() for c in t.chunk(shard.size, dim=1)]
+    got = all_to_all([torch.empty_like(parts[0]) for _ in parts], parts, group=shard.group)
+    return torch.cat(got, dim=2)
+
+
+def ulysses_attention(inner, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, row: ShardedRow,
+                      *, scaling: float | None) -> torch.Tensor:
+    """`inner` (the unsharded attention, `grpo_sdpa`) over the whole row for heads/size heads: the shards' queries,
+    keys and values are swapped for head shards, and its output back. K/V heads that do not split `size` ways are
+    repeated to one per query head first (each rank then holds the K/V of its own query heads)."""
+    shard = row.shard
+    heads, kv = query.shape[1], key.shape[1]
+    if kv % shard.size:
+        key, value = (t.repeat_interleave(heads // kv, dim=1) for t in (key, value))
+        module = _Groups(module)
+    q, k, v = (_seq_to_heads(t, shard) for t in (query, key, value))
+    out, _ = inner(module, q, k, v, row.full_mask, scaling=scaling)
+    return _heads_to_seq(out, shard)
+
+
+def sharded_attention(inner, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, row: ShardedRow,
+                      *, scaling: float | None, dropout: float) -> tuple[torch.Tensor, None]:
+    """Attention output (R, n, H, D) of this rank's n positions, as `grpo_sdpa` returns it."""
+    if dropout > 0.0:
+        raise RuntimeError("sequence-parallel attention runs without dropout (model.attention_dropout must be 0)")
+    if row.shard.style == "ulysses":
+        return ulysses_attention(inner, module, query, key, value, row, scaling=scaling), None
+    from grpo_cli.models.ring_attention import ring_attention
+
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return ring_attention(query, key, value, row, scale=scale).transpose(1, 2), None

@@ -1,0 +1,174 @@
+"""Worker for test_sequence_parallel: one rank of a 2-process gloo job. On a tiny Qwen3 (tied embeddings, one K/V head
+for two query heads: Ulysses repeats it) it computes, for each combination of style (ulysses, ring), loss (grpo with
+KL, dapo with an entropy bonus, gspo, cispo) and LoRA, the logprobs, entropy, loss and gradients of one micro-batch
+whole (one process's computation, no collective) and cut across the 2 ranks (`models.sequence_logprobs`), and writes
+the largest differences. Then one optimizer step's reduced gradients through the ddp and fsdp2 backends at
+sequence_parallel.size=2 (token-budget micro-batches, the ranks' batches gathered) against the whole batch's.
+
+Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python sequence_parallel_worker.py OUT`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from grpo_cli.config.load import build_config
+from grpo_cli.models.logprobs import completion_logprobs_entropy
+from grpo_cli.models.sequence_attention import SequenceShard
+from grpo_cli.models.sequence_logprobs import sharded_logprobs_entropy
+from grpo_cli.models.tiny import build_tiny_checkpoint
+from grpo_cli.runtime.dist import init_from_env, shutdown
+from grpo_cli.train.batch import TrainBatch
+from grpo_cli.train.loss import compute_loss
+from grpo_cli.train.sequence_parallel import gather_batch
+
+LOSSES = {
+    "grpo": ["algorithm.loss=grpo", "algorithm.kl.beta=0.1"],
+    "dapo": ["algorithm.loss=dapo", "algorithm.entropy_coef=0.01"],
+    "gspo": ["algorithm.loss=gspo"],
+    "cispo": ["algorithm.objective.kind=cispo"],
+}
+G, P, T = 3, 5, 9
+
+
+def make_batch(seed: int, vocab: int) -> TrainBatch:
+    """2 prompts × G completions: left-padded prompts of 5 and 3 tokens, completions of 1..9 tokens (the first group runs past the middle of the packed row) with a run of
+    environment tokens (mask 0, a multi-turn rollout) in one; an odd packed length (not a multiple of 2)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * G
+    ids = torch.randint(6, vocab, (rows, P + T), generator=g)
+    ids[G:, :P] = ids[G, :P]
+    ids[:G, :P] = ids[0, :P]
+    attn = torch.zeros(rows, P + T, dtype=torch.long)
+    attn[:G, :P], attn[G:, P - 3 : P] = 1, 1
+    widths = [9, 8, 3, 7, 2, 6] if seed == 0 else [5, 9, 3, 8, 1, 2]
+    cmask = torch.zeros(rows, T)
+    for b, w in enumerate(widths):
+        attn[b, P : P + w], cmask[b, :w] = 1, 1.0
+    cmask[3, 2:4] = 0.0  # environment tokens
+    return TrainBatch(ids, attn, cmask, advantages=torch.randn(rows, generator=g),
+                      old_logprobs=-torch.rand(rows, T, generator=g) * cmask,
+                      ref_logprobs=-torch.rand(rows, T, generator=g) * cmask,
+                      sampler_logprobs=-torch.rand(rows, T, generator=g) * cmask)
+
+
+def load(ckpt: str, lora: bool):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_cli.models.attention import attention_implementation
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation=attention_implementation("sdpa"))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False))
+    return model
+
+
+def loss_and_grads(model, batch, cfg, stats):
+    """(logprobs, entropy, loss, {name: grad}) of `stats(model, batch)` → (logprobs, entropy) and the loss on them."""
+    model.zero_grad(set_to_none=True)
+    logprobs, entropy = stats(model, batch)
+    loss, _ = compute_loss(
+        logprobs=logprobs, old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs,
+        sampler_logprobs=batch.sampler_logprobs, advantages=batch.advantages, completion_mask=batch.completion_mask,
+        algorithm=cfg.algorithm, num_items_in_batch=float(batch.completion_mask.sum()),
+        num_sequences_in_batch=len(batch), max_completion_length=T, entropy=entropy)
+    return logprobs.detach(), entropy.detach(), loss.detach(), loss
+
+
+def combination(ckpt: str, shard: SequenceShard, loss_name: str, lora: bool) -> dict:
+    cfg = build_config(overrides=LOSSES[loss_name])
+    model = load(ckpt, lora)
+    batch = make_batch(0, model.config.vocab_size)
+    grad = cfg.algorithm.entropy_coef > 0
+    kw = dict(logits_to_keep=T, temperature=0.7, entropy_grad=grad)
+
+    def whole(m, b):
+        return completion_logprobs_entropy(m, b.input_ids, b.attention_mask, **kw)
+
+    def cut(m, b):
+        return sharded_logprobs_entropy(m, b.input_ids, b.attention_mask, with_entropy=True, shard=shard, **kw)
+
+    out = {}
+    lp, ent, loss, graph = loss_and_grads(model, batch, cfg, whole)
+    graph.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    lp2, ent2, loss2, graph2 = loss_and_grads(model, batch, cfg, cut)
+    (graph2 / shard.size).backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=shard.group)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    out["logprobs"] = float((lp - lp2).abs().max())
+    out["entropy"] = float((ent - ent2).abs().max())
+    out["loss"] = abs(float(loss - loss2))
+    out["grads"] = max(float((ref[n] - got[n]).abs().max()) for n in ref)
+    out["grad_scale"] = max(float(g.abs().max()) for g in ref.values())
+    out["names"] = sorted(ref) == sorted(got)
+    return out
+
+
+def backend_step(ckpt: str, backend: str, info) -> dict:
+    """One step's reduced gradients at sequence_parallel.size=2 (each rank's own batch gathered, budgeted micro-batches)
+    against the whole gathered batch's gradient computed in this process alone."""
+    from grpo_cli.train.policy import load_policy
+    from grpo_cli.train.step import optimizer_step
+
+    cfg = build_config(overrides=[
+        f"model.name_or_path={ckpt}", f"distributed.backend={backend}", "rollout.engine=vllm",
+        "distributed.num_processes=2", "distributed.sequence_parallel.size=2", "train.micro_batch_tokens=24",
+        "train.prompts_per_step=2", f"train.generations_per_prompt={G}", "algorithm.loss=dapo",
+        "data.max_prompt_length=5", f"rollout.max_completion_length={T}"])
+    policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
+    run = policy.backend
+    whole = gather_batch(make_batch(info.rank, policy.module.config.vocab_size), run.sequence, pad_token_id=0)
+    grads: dict[str, torch.Tensor] = {}
+    step = run.clip_and_step
+
+    def clip_and_step():
+        grads.update({n: (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
+                      for n, p in policy.module.named_parameters() if (g := p.grad) is not None})
+        return step()
+
+    run.clip_and_step = clip_and_step
+    num_items = float(whole.completion_mask.sum())
+    optimizer_step(policy, whole, cfg, num_items=num_items, num_sequences=len(whole))
+    model = load(ckpt, lora=False)
+    cfg1 = build_config(overrides=["algorithm.loss=dapo"])
+    _, _, _, graph = loss_and_grads(model, whole, cfg1, lambda m, b: completion_logprobs_entropy(
+        m, b.input_ids, b.attention_mask, logits_to_keep=T, temperature=1.0, entropy_grad=False))
+    graph.backward()
+    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {"rows": len(whole), "grads": max(float((ref[n] - grads[n]).abs().max()) for n in ref),
+            "names": sorted(ref) == sorted(grads)}
+
+
+def main(out: str) -> None:
+    info = init_from_env(torch.device("cpu"), timeout_minutes=1)
+    torch.manual_seed(0)
+    ckpt = str(build_tiny_checkpoint(Path(out) / f"qwen3-{info.rank}", arch="qwen3", seed=3))
+    group = dist.new_group([0, 1])
+    res: dict = {}
+    for style in ("ulysses", "ring"):
+        shard = SequenceShard(group, 2, info.rank, style, (0, 1))
+        for loss_name in LOSSES:
+            res[f"{style}/{loss_name}"] = combination(ckpt, shard, loss_name, lora=False)
+        res[f"{style}/dapo+lora"] = combination(ckpt, shard, "dapo", lora=True)
+    for backend in ("ddp", "fsdp2"):
+        res[f"backend/{backend}"] = backend_step(ckpt, backend, info)
+    (Path(out) / f"rank{info.rank}.json").write_text(json.dumps(res))
+    shutdown(info)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+    from grpo_cli.runtime.dist import leave_worker
+
+    leave_worker()
