@@ -47,6 +47,11 @@ def _pass_on(tensors: list[torch.Tensor], shard) -> list[torch.Tensor]:
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, row, scale):
+        with torch.autocast(q.device.type, enabled=False):  # float32 throughout, whatever the compute dtype
+            return _Ring._forward(ctx, q, k, v, row, scale)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, row, scale):
         shard, heads = row.shard, q.shape[1]
         qf = q.float()
         acc = torch.zeros_like(qf)
@@ -70,6 +75,11 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _Ring._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         row, scale = ctx.row, ctx.scale
         shard, heads, kv = row.shard, q.shape[1], k.shape[1]

@@ -222,7 +222,8 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
     metrics.update(train_phase(tr, state, batch))
     if state.step == 0:
         local, total = tr.policy.backend.param_numel()
-        metrics.update({"dist/param_numel_local": float(local), "dist/param_numel_total": float(total)})
+        metrics.update({"dist/param_numel_local": float(local), "dist/param_numel_total": float(total),
+                        "dist/sequence_parallel": float(1 if shard is None else shard.size)})
     metrics.update(sync_phase(tr, state))
     metrics.update(tr.timer.pop())
     for kind, moved in getattr(tr.offload, "moved_bytes", {}).items():  # measured, not what the config asked

@@ -3,7 +3,8 @@ for two query heads: Ulysses repeats it) it computes, for each combination of st
 KL, dapo with an entropy bonus, gspo, cispo) and LoRA, the logprobs, entropy, loss and gradients of one micro-batch
 whole (one process's computation, no collective) and cut across the 2 ranks (`models.sequence_logprobs`), and writes
 the largest differences. Then one optimizer step's reduced gradients through the ddp and fsdp2 backends at
-sequence_parallel.size=2 (token-budget micro-batches, the ranks' batches gathered) against the whole batch's.
+sequence_parallel.size=2 (ddp with Ulysses, fsdp2 with ring; token-budget micro-batches, the ranks' batches gathered,
+KL to the reference) against the whole batch's, and the no-grad passes' logprobs (policy, reference).
 
 Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python sequence_parallel_worker.py OUT`."""
 
@@ -33,6 +34,7 @@ LOSSES = {
     "cispo": ["algorithm.objective.kind=cispo"],
 }
 G, P, T = 3, 5, 9
+KL_DAPO = ["algorithm.loss=dapo", "algorithm.kl.beta=0.1"]
 
 
 def make_batch(seed: int, vocab: int) -> TrainBatch:
@@ -115,16 +117,18 @@ def combination(ckpt: str, shard: SequenceShard, loss_name: str, lora: bool) -> 
     return out
 
 
-def backend_step(ckpt: str, backend: str, info) -> dict:
+def backend_step(ckpt: str, backend: str, style: str, info) -> dict:
     """One step's reduced gradients at sequence_parallel.size=2 (each rank's own batch gathered, budgeted micro-batches)
-    against the whole gathered batch's gradient computed in this process alone."""
+    against the whole gathered batch's gradient computed in this process alone; and the no-grad logprobs of the
+    policy and the KL reference (`batch_logprobs`, old/ref passes) against the whole batch's."""
     from grpo_cli.train.policy import load_policy
     from grpo_cli.train.step import optimizer_step
 
     cfg = build_config(overrides=[
         f"model.name_or_path={ckpt}", f"distributed.backend={backend}", "rollout.engine=vllm",
         "distributed.num_processes=2", "distributed.sequence_parallel.size=2", "train.micro_batch_tokens=24",
-        "train.prompts_per_step=2", f"train.generations_per_prompt={G}", "algorithm.loss=dapo",
+        "train.prompts_per_step=2", f"train.generations_per_prompt={G}", *KL_DAPO,
+        f"distributed.sequence_parallel.style={style}",
         "data.max_prompt_length=5", f"rollout.max_completion_length={T}"])
     policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
     run = policy.backend
@@ -138,16 +142,17 @@ def backend_step(ckpt: str, backend: str, info) -> dict:
         return step()
 
     run.clip_and_step = clip_and_step
+    passes = [run.batch_logprobs(whole, micro_batch_size=4, temperature=1.0, reference=r) for r in (False, True)]
     num_items = float(whole.completion_mask.sum())
     optimizer_step(policy, whole, cfg, num_items=num_items, num_sequences=len(whole))
     model = load(ckpt, lora=False)
-    cfg1 = build_config(overrides=["algorithm.loss=dapo"])
-    _, _, _, graph = loss_and_grads(model, whole, cfg1, lambda m, b: completion_logprobs_entropy(
-        m, b.input_ids, b.attention_mask, logits_to_keep=T, temperature=1.0, entropy_grad=False))
+    lp, _, _, graph = loss_and_grads(model, whole, build_config(overrides=KL_DAPO), lambda m, b: (
+        completion_logprobs_entropy(m, b.input_ids, b.attention_mask, logits_to_keep=T, temperature=1.0,
+                                    entropy_grad=False)))
     graph.backward()
     ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return {"rows": len(whole), "grads": max(float((ref[n] - grads[n]).abs().max()) for n in ref),
-            "names": sorted(ref) == sorted(grads)}
+            "names": sorted(ref) == sorted(grads), "logprobs": max(float((lp - got).abs().max()) for got in passes)}
 
 
 def main(out: str) -> None:
@@ -161,8 +166,8 @@ def main(out: str) -> None:
         for loss_name in LOSSES:
             res[f"{style}/{loss_name}"] = combination(ckpt, shard, loss_name, lora=False)
         res[f"{style}/dapo+lora"] = combination(ckpt, shard, "dapo", lora=True)
-    for backend in ("ddp", "fsdp2"):
-        res[f"backend/{backend}"] = backend_step(ckpt, backend, info)
+    for backend, style in (("ddp", "ulysses"), ("fsdp2", "ring")):
+        res[f"backend/{backend}"] = backend_step(ckpt, backend, style, info)
     (Path(out) / f"rank{info.rank}.json").write_text(json.dumps(res))
     shutdown(info)
 

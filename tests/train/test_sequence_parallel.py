@@ -2,7 +2,8 @@
 logprobs, entropy, loss and gradients of a micro-batch cut across the ranks equal the whole micro-batch's, for
 Ulysses and ring, grpo (with KL), dapo (with an entropy bonus), gspo, cispo and LoRA, on a packed row of two prompt
 groups whose length is odd; and one optimizer step through ddp and fsdp2 (the ranks' batches gathered, token-budget
-micro-batches) reduces the whole batch's gradient."""
+micro-batches, KL to the reference) reduces the whole batch's gradient, and the no-grad passes (old policy,
+reference) give the whole batch's logprobs."""
 
 from __future__ import annotations
 
@@ -35,4 +36,4 @@ def test_backend_step_reduces_the_whole_batch_gradient(ranks, backend):
     for rank in ranks:
         got = rank[f"backend/{backend}"]
         assert got["rows"] == 12 and got["names"]  # both ranks' 6 rows, gathered
-        assert got["grads"] < TOL, got
+        assert got["grads"] < TOL and got["logprobs"] < TOL, got
