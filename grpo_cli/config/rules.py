@@ -36,11 +36,14 @@ def _check_batch(cfg: GRPOConfig) -> None:
 
 def _check_token_budget(cfg: GRPOConfig) -> None:
     budget, longest = cfg.train.micro_batch_tokens, cfg.max_sequence_length
-    if budget < longest:
+    sp = cfg.distributed.sequence_parallel.size  # the budget is per rank: a group's micro-batch holds sp times it
+    if budget * sp < longest:
+        least = -(-longest // sp)
         raise ValueError(
             f"train.micro_batch_tokens={budget} is smaller than the longest sequence a step can hold "
-            f"(data.max_prompt_length + rollout.max_completion_length = {longest}): such a row would run alone, "
-            f"past the budget meant to bound a micro-batch's memory; use at least {longest} (see `grpo plan`)."
+            f"(data.max_prompt_length + rollout.max_completion_length = {longest}"
+            f"{f', over distributed.sequence_parallel.size={sp} ranks' if sp > 1 else ''}): such a row would run "
+            f"alone, past the budget meant to bound a micro-batch's memory; use at least {least} (see `grpo plan`)."
         )
     if cfg.distributed.backend == "megatron":
         raise ValueError(

@@ -69,3 +69,14 @@ def test_the_built_model_is_checked(tiny_checkpoint):
     eager = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager")
     with pytest.raises(UserError, match=r"needs model\.attn_implementation=sdpa"):
         check_model(eager, SequenceShard(None, 2, 0, "ring"))
+
+
+def test_the_token_budget_is_per_rank():
+    """A sequence longer than one rank's `train.micro_batch_tokens` fits a group of `size` ranks: the rule asks for
+    the longest sequence over `size` ranks, not whole on one."""
+    longest = build_config(overrides=SP2).max_sequence_length
+    half = -(-longest // 2)
+    cfg = build_config(overrides=[*SP2, f"train.micro_batch_tokens={half}"])
+    assert cfg.train.micro_batch_tokens * 2 >= longest > cfg.train.micro_batch_tokens
+    with pytest.raises(ConfigError, match=rf"over distributed\.sequence_parallel\.size=2 ranks.*at least {half}"):
+        build_config(overrides=[*SP2, f"train.micro_batch_tokens={half - 1}"])
