@@ -44,62 +44,81 @@ def _pass_on(tensors: list[torch.Tensor], shard) -> list[torch.Tensor]:
     return out
 
 
+SCORES = 1 << 24
+"""Score elements (float32: 64 MiB) one query chunk × key block computes at a time: ring attention holds no
+(n × n × heads) score tensor whole, in the forward or the backward."""
+
+
+def _chunks(q: torch.Tensor, keys: int):
+    """Slices of query positions, each small enough that its scores over `keys` keys stay within SCORES."""
+    rows, heads, n, _ = q.shape
+    step = max(1, SCORES // max(1, rows * heads * keys))
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def _forward_block(qf, kb, vb, acc, lse, row, src, scale) -> None:
+    """Merge key block `src` into (acc, lse) in place, a query chunk at a time (log-sum-exp merge)."""
+    shard, heads = row.shard, qf.shape[1]
+    ke, ve = _expand(kb, heads), _expand(vb, heads)
+    for c in _chunks(qf, kb.shape[2]):
+        allowed = row.allowed(shard.rank, src, c)
+        if not bool(allowed.any()):
+            continue
+        s = _scores(qf[:, :, c], ke, allowed, scale)
+        lse_b = torch.logsumexp(s, dim=-1, keepdim=True).clamp(min=FLOOR)
+        out_b = torch.exp(s - lse_b) @ ve
+        merged = torch.logaddexp(lse[:, :, c], lse_b)
+        acc[:, :, c] = acc[:, :, c] * torch.exp(lse[:, :, c] - merged) + out_b * torch.exp(lse_b - merged)
+        lse[:, :, c] = merged
+
+
+def _backward_block(qf, go, lse, delta, kb, vb, grads, row, src, scale) -> None:
+    """Add key block `src`'s share to grads = [dq, dk, dv] in place, a query chunk at a time."""
+    shard, heads, kv = row.shard, qf.shape[1], kb.shape[1]
+    ke, ve = _expand(kb, heads), _expand(vb, heads)
+    dq, dk, dv = grads
+    for c in _chunks(qf, kb.shape[2]):
+        allowed = row.allowed(shard.rank, src, c)
+        if not bool(allowed.any()):
+            continue
+        q, g = qf[:, :, c], go[:, :, c]
+        p = torch.exp(_scores(q, ke, allowed, scale) - lse[:, :, c])
+        ds = p * (g @ ve.transpose(-1, -2) - delta[:, :, c])
+        dq[:, :, c] += ds @ ke * scale
+        dk += _fold(ds.transpose(-1, -2) @ q * scale, kv)
+        dv += _fold(p.transpose(-1, -2) @ g, kv)
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, row, scale):
         with torch.autocast(q.device.type, enabled=False):  # float32 throughout, whatever the compute dtype
-            return _Ring._forward(ctx, q, k, v, row, scale)
-
-    @staticmethod
-    def _forward(ctx, q, k, v, row, scale):
-        shard, heads = row.shard, q.shape[1]
-        qf = q.float()
-        acc = torch.zeros_like(qf)
-        lse = torch.full((*q.shape[:3], 1), FLOOR, dtype=torch.float32, device=q.device)
-        kb, vb = k.float(), v.float()
-        for step in range(shard.size):
-            src = (shard.rank - step) % shard.size
-            allowed = row.allowed(shard.rank, src)
-            if bool(allowed.any()):
-                s = _scores(qf, _expand(kb, heads), allowed, scale)
-                lse_b = torch.logsumexp(s, dim=-1, keepdim=True).clamp(min=FLOOR)
-                out_b = torch.exp(s - lse_b) @ _expand(vb, heads)
-                merged = torch.logaddexp(lse, lse_b)
-                acc = acc * torch.exp(lse - merged) + out_b * torch.exp(lse_b - merged)
-                lse = merged
-            if step < shard.size - 1:
-                kb, vb = _pass_on([kb, vb], shard)
+            shard, qf = row.shard, q.float()
+            acc = torch.zeros_like(qf)
+            lse = torch.full((*q.shape[:3], 1), FLOOR, dtype=torch.float32, device=q.device)
+            kb, vb = k.float(), v.float()
+            for step in range(shard.size):
+                _forward_block(qf, kb, vb, acc, lse, row, (shard.rank - step) % shard.size, scale)
+                if step < shard.size - 1:
+                    kb, vb = _pass_on([kb, vb], shard)
         ctx.save_for_backward(q, k, v, acc, lse)
         ctx.row, ctx.scale = row, scale
         return acc.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return _Ring._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        row, scale = ctx.row, ctx.scale
-        shard, heads, kv = row.shard, q.shape[1], k.shape[1]
-        qf, go = q.float(), grad_out.float()
-        delta = (go * out).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qf)
-        kb, vb = k.float(), v.float()
-        dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-        for step in range(shard.size):
-            src = (shard.rank - step) % shard.size
-            allowed = row.allowed(shard.rank, src)
-            if bool(allowed.any()):
-                ke, ve = _expand(kb, heads), _expand(vb, heads)
-                p = torch.exp(_scores(qf, ke, allowed, scale) - lse)
-                ds = p * (go @ ve.transpose(-1, -2) - delta)
-                dq = dq + ds @ ke * scale
-                dk = dk + _fold(ds.transpose(-1, -2) @ qf * scale, kv)
-                dv = dv + _fold(p.transpose(-1, -2) @ go, kv)
-            if shard.size > 1:  # after `size` hops each block's gradient is back at its owner
-                kb, vb, dk, dv = _pass_on([kb, vb, dk, dv], shard)
+        row, shard = ctx.row, ctx.row.shard
+        with torch.autocast(grad_out.device.type, enabled=False):
+            qf, go = q.float(), grad_out.float()
+            delta = (go * out).sum(-1, keepdim=True)
+            kb, vb = k.float(), v.float()
+            dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kb), torch.zeros_like(vb)
+            for step in range(shard.size):
+                _backward_block(qf, go, lse, delta, kb, vb, [dq, dk, dv], row, (shard.rank - step) % shard.size,
+                                ctx.scale)
+                if shard.size > 1:  # after `size` hops each block's gradient is back at its owner
+                    kb, vb, dk, dv = _pass_on([kb, vb, dk, dv], shard)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

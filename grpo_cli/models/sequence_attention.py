@@ -35,12 +35,13 @@ class ShardedRow:
     segment: torch.Tensor
     valid: torch.Tensor
 
-    def allowed(self, q_block: int, k_block: int) -> torch.Tensor:
-        """(R, 1, n, n) bool: query positions of shard `q_block` may attend to key positions of shard `k_block`
-        (k ≤ q in the packed row, same prompt group, on the prompt or in q's own completion, a real token; every
-        position also sees itself) — the mask `models.packing.packed_mask` / `packed_attention` apply."""
+    def allowed(self, q_block: int, k_block: int, rows: slice) -> torch.Tensor:
+        """(R, 1, len(rows), n) bool: query positions `rows` of shard `q_block` may attend to key positions of shard
+        `k_block` (k ≤ q in the packed row, same prompt group, on the prompt or in q's own completion, a real token;
+        every position also sees itself) — the mask `models.packing.packed_mask` / `packed_attention` apply."""
         n = self.block.shape[1] // self.shard.size
-        q, k = slice(q_block * n, (q_block + 1) * n), slice(k_block * n, (k_block + 1) * n)
+        q = slice(q_block * n + rows.start, q_block * n + rows.stop)
+        k = slice(k_block * n, (k_block + 1) * n)
         qi = torch.arange(q.start, q.stop, device=self.block.device)
         ki = torch.arange(k.start, k.stop, device=self.block.device)
         seg_q, seg_k = self.segment[:, q, None], self.segment[:, None, k]

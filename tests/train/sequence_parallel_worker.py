@@ -161,6 +161,9 @@ def main(out: str) -> None:
     ckpt = str(build_tiny_checkpoint(Path(out) / f"qwen3-{info.rank}", arch="qwen3", seed=3))
     group = dist.new_group([0, 1])
     res: dict = {}
+    from grpo_cli.models import ring_attention
+
+    ring_attention.SCORES = 2 * 23 * 5  # ring's query chunks of 5 rows (2 heads x 23 keys): several per block
     for style in ("ulysses", "ring"):
         shard = SequenceShard(group, 2, info.rank, style, (0, 1))
         for loss_name in LOSSES:
