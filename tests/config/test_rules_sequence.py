@@ -30,6 +30,9 @@ def _folder(tmp_path, heads: int) -> str:
      r"not 'megatron' \(megatron shards sequences with its own context parallelism"),
     ([*SP2, "model.attn_implementation=eager"], r"model\.attn_implementation is 'eager'; set .*=sdpa"),
     ([*SP2, "model.name_or_path=builtin:tiny-vlm"], r"vision-language model, whose image tokens"),
+    # the hf engine generating with fsdp2's sharded weights stays refused (config/rules.py), with or without SP
+    ([*SP2, "distributed.backend=fsdp2"], r"rollout\.engine 'hf' in colocate mode generates with the policy's own"),
+    ([*SP2, "algorithm.distill.teacher=builtin:tiny"], r"does not shard the distillation teacher"),
 ])
 def test_refusals_name_the_field_and_the_fix(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -6,7 +6,8 @@ the largest differences. Then one optimizer step's reduced gradients through the
 sequence_parallel.size=2 (ddp with Ulysses, fsdp2 with ring; token-budget micro-batches, the ranks' batches gathered,
 KL to the reference) against the whole batch's, and the no-grad passes' logprobs (policy, reference).
 
-Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python sequence_parallel_worker.py OUT`."""
+Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python sequence_parallel_worker.py LLAMA OUT` (LLAMA:
+the tiny Llama checkpoint, untied output layer, which the backend steps train)."""
 
 from __future__ import annotations
 
@@ -117,22 +118,37 @@ def combination(ckpt: str, shard: SequenceShard, loss_name: str, lora: bool) -> 
     return out
 
 
-def backend_step(ckpt: str, backend: str, style: str, info) -> dict:
-    """One step's reduced gradients at sequence_parallel.size=2 (each rank's own batch gathered, budgeted micro-batches)
-    against the whole gathered batch's gradient computed in this process alone; and the no-grad logprobs of the
-    policy and the KL reference (`batch_logprobs`, old/ref passes) against the whole batch's."""
+def short_batch(seed: int, vocab: int) -> TrainBatch:
+    """One prompt of P tokens and 2 one-token completions: packed [prompt | c₁ | c₂], 7 positions cut 4 + 4, so the
+    first shard holds prompt positions only and predicts no token (the head runs on a dummy position)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(6, vocab, (1, P + T), generator=g).expand(2, -1).clone()
+    ids[1, P] = (ids[0, P] + 1) % vocab
+    cmask = torch.zeros(2, T)
+    cmask[:, 0] = 1.0
+    attn = torch.cat([torch.ones(2, P, dtype=torch.long), cmask.long()], dim=1)
+    return TrainBatch(ids, attn, cmask, advantages=torch.tensor([1.0, -1.0]),
+                      old_logprobs=-torch.rand(2, T, generator=g) * cmask, ref_logprobs=-torch.rand(2, T) * cmask)
+
+
+def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_batch, rows: str = "",
+                 group: int = G) -> dict:
+    """One step's reduced gradients at sequence_parallel.size=2 (each rank's own batch gathered; budgeted
+    micro-batches, or `rows` per micro-batch) against the whole gathered batch's gradient computed in this process
+    alone; and the no-grad logprobs of the policy and the KL reference (`batch_logprobs`, old/ref passes)."""
     from grpo_cli.train.policy import load_policy
     from grpo_cli.train.step import optimizer_step
 
+    micro = [f"train.micro_batch_size={rows}"] if rows else ["train.micro_batch_tokens=24"]
     cfg = build_config(overrides=[
         f"model.name_or_path={ckpt}", f"distributed.backend={backend}", "rollout.engine=vllm",
-        "distributed.num_processes=2", "distributed.sequence_parallel.size=2", "train.micro_batch_tokens=24",
-        "train.prompts_per_step=2", f"train.generations_per_prompt={G}", *KL_DAPO,
+        "distributed.num_processes=2", "distributed.sequence_parallel.size=2", *micro,
+        "train.prompts_per_step=2", f"train.generations_per_prompt={group}", *KL_DAPO,
         f"distributed.sequence_parallel.style={style}",
         "data.max_prompt_length=5", f"rollout.max_completion_length={T}"])
     policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
     run = policy.backend
-    whole = gather_batch(make_batch(info.rank, policy.module.config.vocab_size), run.sequence, pad_token_id=0)
+    whole = gather_batch(batch_of(info.rank, policy.module.config.vocab_size), run.sequence, pad_token_id=0)
     grads: dict[str, torch.Tensor] = {}
     step = run.clip_and_step
 
@@ -142,7 +158,8 @@ def backend_step(ckpt: str, backend: str, style: str, info) -> dict:
         return step()
 
     run.clip_and_step = clip_and_step
-    passes = [run.batch_logprobs(whole, micro_batch_size=4, temperature=1.0, reference=r) for r in (False, True)]
+    passes = [run.batch_logprobs(whole, micro_batch_size=cfg.train.micro_batch_size, temperature=1.0, reference=r)
+              for r in (False, True)]
     num_items = float(whole.completion_mask.sum())
     optimizer_step(policy, whole, cfg, num_items=num_items, num_sequences=len(whole))
     model = load(ckpt, lora=False)
@@ -155,7 +172,7 @@ def backend_step(ckpt: str, backend: str, style: str, info) -> dict:
             "names": sorted(ref) == sorted(grads), "logprobs": max(float((lp - got).abs().max()) for got in passes)}
 
 
-def main(out: str) -> None:
+def main(llama: str, out: str) -> None:
     info = init_from_env(torch.device("cpu"), timeout_minutes=1)
     torch.manual_seed(0)
     ckpt = str(build_tiny_checkpoint(Path(out) / f"qwen3-{info.rank}", arch="qwen3", seed=3))
@@ -169,8 +186,10 @@ def main(out: str) -> None:
         for loss_name in LOSSES:
             res[f"{style}/{loss_name}"] = combination(ckpt, shard, loss_name, lora=False)
         res[f"{style}/dapo+lora"] = combination(ckpt, shard, "dapo", lora=True)
-    for backend, style in (("ddp", "ulysses"), ("fsdp2", "ring")):
-        res[f"backend/{backend}"] = backend_step(ckpt, backend, style, info)
+    for backend, style in (("ddp", "ulysses"), ("fsdp2", "ring")):  # llama: untied head, K/V heads split by Ulysses
+        res[f"backend/{backend}"] = backend_step(llama, backend, style, info)
+    res["backend/ddp-empty-shard"] = backend_step(llama, "ddp", "ulysses", info, batch_of=short_batch, rows="2",
+                                                  group=2)
     (Path(out) / f"rank{info.rank}.json").write_text(json.dumps(res))
     shutdown(info)
 

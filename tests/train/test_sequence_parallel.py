@@ -17,8 +17,8 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    return run_two_ranks(WORKER, [], tmp_path_factory.mktemp("sequence-parallel"), timeout=240)
+def ranks(tiny_checkpoint, tmp_path_factory) -> list[dict]:
+    return run_two_ranks(WORKER, [tiny_checkpoint], tmp_path_factory.mktemp("sequence-parallel"), timeout=240)
 
 
 @pytest.mark.parametrize("style", ["ulysses", "ring"])
@@ -36,4 +36,13 @@ def test_backend_step_reduces_the_whole_batch_gradient(ranks, backend):
     for rank in ranks:
         got = rank[f"backend/{backend}"]
         assert got["rows"] == 12 and got["names"]  # both ranks' 6 rows, gathered
+        assert got["grads"] < TOL and got["logprobs"] < TOL, got
+
+
+def test_a_shard_that_predicts_no_token(ranks):
+    """[prompt | 1 token | 1 token] cut in two: the first shard is all prompt. Its rank still runs the output layer
+    (at weight 0), so DDP's reducer gets every gradient and the step equals the whole batch's."""
+    for rank in ranks:
+        got = rank["backend/ddp-empty-shard"]
+        assert got["rows"] == 4 and got["names"]
         assert got["grads"] < TOL and got["logprobs"] < TOL, got
