@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 
@@ -25,9 +26,10 @@ class SequenceShard:
 
 @dataclass
 class ShardedRow:
-    """What the attention of one sharded forward needs: the shard, the whole row's mask for Ulysses (`full_mask`:
-    the `grpo_sdpa` mask every rank would pass unsharded), and for ring the packed row's per-position descriptors
-    (R, N): `block` (its prompt group), `segment` (0 prompt, k completion k, −1 padding) and `valid`."""
+    """What the attention of one sharded forward needs: the shard, for Ulysses the whole row's `grpo_sdpa` mask
+    (`full_mask`, carrying the `packed_attention` layout) when that is cheaper than `causal_chunks`, and the packed
+    row's per-position descriptors (R, N): `block` (its prompt group), `segment` (0 prompt, k completion k, −1
+    padding) and `valid`, from which ring and `causal_chunks` build each block's mask."""
 
     shard: SequenceShard
     full_mask: torch.Tensor | None
@@ -36,18 +38,49 @@ class ShardedRow:
     valid: torch.Tensor
 
     def allowed(self, q_block: int, k_block: int, rows: slice) -> torch.Tensor:
-        """(R, 1, len(rows), n) bool: query positions `rows` of shard `q_block` may attend to key positions of shard
-        `k_block` (k ≤ q in the packed row, same prompt group, on the prompt or in q's own completion, a real token;
-        every position also sees itself) — the mask `models.packing.packed_mask` / `packed_attention` apply."""
+        """(R, 1, len(rows), n) bool: query positions `rows` of shard `q_block` may attend to the key positions of
+        shard `k_block` (`span`)."""
         n = self.block.shape[1] // self.shard.size
-        q = slice(q_block * n + rows.start, q_block * n + rows.stop)
-        k = slice(k_block * n, (k_block + 1) * n)
+        return self.span(slice(q_block * n + rows.start, q_block * n + rows.stop),
+                         slice(k_block * n, (k_block + 1) * n))
+
+    def span(self, q: slice, k: slice) -> torch.Tensor:
+        """(R, 1, len(q), len(k)) bool: row positions `q` may attend to row positions `k` (k ≤ q in the packed row,
+        same prompt group, on the prompt or in q's own completion, a real token; every position also sees itself) —
+        the mask `models.packing.packed_mask` / `packed_attention` apply."""
         qi = torch.arange(q.start, q.stop, device=self.block.device)
         ki = torch.arange(k.start, k.stop, device=self.block.device)
         seg_q, seg_k = self.segment[:, q, None], self.segment[:, None, k]
         ok = ((ki[None, None, :] <= qi[None, :, None]) & (self.block[:, q, None] == self.block[:, None, k])
               & ((seg_k == 0) | (seg_k == seg_q)) & self.valid[:, None, k].bool())
         return (ok | (ki[None, None, :] == qi[None, :, None]))[:, None]
+
+
+MASK = 1 << 24
+"""Mask elements one query chunk of `causal_chunks` builds at a time (16 Mi: 16 MiB as bool)."""
+
+
+def _chunk_attention(q, k, v, row: ShardedRow, start: int, scale: float | None) -> torch.Tensor:
+    mask = row.span(slice(start, start + q.shape[2]), slice(0, k.shape[2]))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def causal_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: ShardedRow, *,
+                  scale: float | None) -> torch.Tensor:
+    """Attention (R, N, h, D) of the whole row (q (R, h, N, D), k/v (R, kv, N, D)) a chunk of queries at a time,
+    each over the keys up to its last query (the mask is causal in the packed row): no N × N mask is built, and
+    with autograd each chunk is recomputed in the backward rather than its mask kept (`torch.utils.checkpoint`)."""
+    from torch.utils.checkpoint import checkpoint
+
+    n = q.shape[2]
+    step = max(1, MASK // max(1, q.shape[0] * n))
+    outs = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        args = (q[:, :, a:b], k[:, :, :b], v[:, :, :b], row, a, scale)
+        outs.append(checkpoint(_chunk_attention, *args, use_reentrant=False) if torch.is_grad_enabled()
+                    else _chunk_attention(*args))
+    return torch.cat(outs, dim=2).transpose(1, 2)
 
 
 class _Groups:
@@ -90,8 +123,11 @@ def ulysses_attention(inner, module, query: torch.Tensor, key: torch.Tensor, val
         key, value = (t.repeat_interleave(heads // kv, dim=1) for t in (key, value))
         module = _Groups(module)
     q, k, v = (_seq_to_heads(t, shard) for t in (query, key, value))
-    out, _ = inner(module, q, k, v, row.full_mask, scaling=scaling)
-    return _heads_to_seq(out, shard)
+    if row.full_mask is not None:
+        out, _ = inner(module, q, k, v, row.full_mask, scaling=scaling)
+    else:
+        out = causal_chunks(q, k, v, row, scale=scaling)
+    return _heads_to_seq(out.contiguous(), shard)
 
 
 def sharded_attention(inner, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, row: ShardedRow,

@@ -36,9 +36,19 @@ def _blocks(segment: torch.Tensor) -> torch.Tensor:
     return (prompt & ~before).long().cumsum(1)
 
 
+def layout_pays(packing: Packing) -> bool:
+    """Whether `packed_attention`'s layout (per sequence: its prompt's keys and its own, padded to the widest
+    completion; its completion mask whole) scores fewer query × key pairs than `causal_chunks` over the whole row
+    (N²/2). Many short completions: the layout; one long sequence: the chunks, whose masks are never whole."""
+    rows, n = packing.src.shape
+    p, widest = packing.prompt_len, int(packing.width.max()) if packing.width.numel() else 1
+    blocks = int(torch.unique(packing.row * n + packing.prompt_start).numel())
+    return blocks * p * p + packing.width.numel() * widest * (p + widest) < rows * n * n / 2
+
+
 def _sharded_row(packing: Packing, valid: torch.Tensor, shard: SequenceShard) -> ShardedRow:
     full = None
-    if shard.style == "ulysses":  # the whole row's `packed_attention` layout, which each rank runs for its heads
+    if shard.style == "ulysses" and layout_pays(packing):  # each rank runs the whole row's layout for its heads
         from grpo_cli.models.packed_attention import build_layout
 
         rows, n = packing.src.shape

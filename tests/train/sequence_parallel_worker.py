@@ -1,5 +1,6 @@
 """Worker for test_sequence_parallel: one rank of a 2-process gloo job. On a tiny Qwen3 (tied embeddings, one K/V head
-for two query heads: Ulysses repeats it) it computes, for each combination of style (ulysses, ring), loss (grpo with
+for two query heads: Ulysses repeats it) it computes, for each combination of style (ulysses with the packed layout, ulysses with causal chunks,
+ring), loss (grpo with
 KL, dapo with an entropy bonus, gspo, cispo) and LoRA, the logprobs, entropy, loss and gradients of one micro-batch
 whole (one process's computation, no collective) and cut across the 2 ranks (`models.sequence_logprobs`), and writes
 the largest differences. Then one optimizer step's reduced gradients through the ddp and fsdp2 backends at
@@ -178,14 +179,18 @@ def main(llama: str, out: str) -> None:
     ckpt = str(build_tiny_checkpoint(Path(out) / f"qwen3-{info.rank}", arch="qwen3", seed=3))
     group = dist.new_group([0, 1])
     res: dict = {}
-    from grpo_cli.models import ring_attention
+    from grpo_cli.models import ring_attention, sequence_attention, sequence_logprobs
 
     ring_attention.SCORES = 2 * 23 * 5  # ring's query chunks of 5 rows (2 heads x 23 keys): several per block
-    for style in ("ulysses", "ring"):
-        shard = SequenceShard(group, 2, info.rank, style, (0, 1))
+    layout_pays = sequence_logprobs.layout_pays
+    for style in ("ulysses", "ulysses-chunks", "ring"):
+        shard = SequenceShard(group, 2, info.rank, style.split("-")[0], (0, 1))
+        if style == "ulysses-chunks":  # Ulysses' other inner attention, queries 7 at a time (46 positions)
+            sequence_logprobs.layout_pays, sequence_attention.MASK = (lambda packing: False), 46 * 7
         for loss_name in LOSSES:
             res[f"{style}/{loss_name}"] = combination(ckpt, shard, loss_name, lora=False)
         res[f"{style}/dapo+lora"] = combination(ckpt, shard, "dapo", lora=True)
+        sequence_logprobs.layout_pays = layout_pays
     for backend, style in (("ddp", "ulysses"), ("fsdp2", "ring")):  # llama: untied head, K/V heads split by Ulysses
         res[f"backend/{backend}"] = backend_step(llama, backend, style, info)
     res["backend/ddp-empty-shard"] = backend_step(llama, "ddp", "ulysses", info, batch_of=short_batch, rows="2",
