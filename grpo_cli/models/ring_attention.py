@@ -56,17 +56,24 @@ def _chunks(q: torch.Tensor, keys: int):
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
+def _keys(rows: slice, src: int, shard, n: int) -> int:
+    """Keys of block `src` a query chunk can see: on its own block, none past its last query (the mask is causal in
+    the packed row), so the diagonal block costs half."""
+    return rows.stop if src == shard.rank else n
+
+
 def _forward_block(qf, kb, vb, acc, lse, row, src, scale) -> None:
     """Merge key block `src` into (acc, lse) in place, a query chunk at a time (log-sum-exp merge)."""
     shard, heads = row.shard, qf.shape[1]
     ke, ve = _expand(kb, heads), _expand(vb, heads)
     for c in _chunks(qf, kb.shape[2]):
-        allowed = row.allowed(shard.rank, src, c)
+        keys = _keys(c, src, shard, kb.shape[2])
+        allowed = row.allowed(shard.rank, src, c, keys)
         if not bool(allowed.any()):
             continue
-        s = _scores(qf[:, :, c], ke, allowed, scale)
+        s = _scores(qf[:, :, c], ke[:, :, :keys], allowed, scale)
         lse_b = torch.logsumexp(s, dim=-1, keepdim=True).clamp(min=FLOOR)
-        out_b = torch.exp(s - lse_b) @ ve
+        out_b = torch.exp(s - lse_b) @ ve[:, :, :keys]
         merged = torch.logaddexp(lse[:, :, c], lse_b)
         acc[:, :, c] = acc[:, :, c] * torch.exp(lse[:, :, c] - merged) + out_b * torch.exp(lse_b - merged)
         lse[:, :, c] = merged
@@ -78,15 +85,16 @@ def _backward_block(qf, go, lse, delta, kb, vb, grads, row, src, scale) -> None:
     ke, ve = _expand(kb, heads), _expand(vb, heads)
     dq, dk, dv = grads
     for c in _chunks(qf, kb.shape[2]):
-        allowed = row.allowed(shard.rank, src, c)
+        keys = _keys(c, src, shard, kb.shape[2])
+        allowed = row.allowed(shard.rank, src, c, keys)
         if not bool(allowed.any()):
             continue
-        q, g = qf[:, :, c], go[:, :, c]
-        p = torch.exp(_scores(q, ke, allowed, scale) - lse[:, :, c])
-        ds = p * (g @ ve.transpose(-1, -2) - delta[:, :, c])
-        dq[:, :, c] += ds @ ke * scale
-        dk += _fold(ds.transpose(-1, -2) @ q * scale, kv)
-        dv += _fold(p.transpose(-1, -2) @ g, kv)
+        q, g, kc, vc = qf[:, :, c], go[:, :, c], ke[:, :, :keys], ve[:, :, :keys]
+        p = torch.exp(_scores(q, kc, allowed, scale) - lse[:, :, c])
+        ds = p * (g @ vc.transpose(-1, -2) - delta[:, :, c])
+        dq[:, :, c] += ds @ kc * scale
+        dk[:, :, :keys] += _fold(ds.transpose(-1, -2) @ q * scale, kv)
+        dv[:, :, :keys] += _fold(p.transpose(-1, -2) @ g, kv)
 
 
 class _Ring(torch.autograd.Function):

@@ -24,6 +24,10 @@ class SequenceShard:
     """The group's global ranks in group order (ring's send/recv peers)."""
 
 
+KEEP = 1 << 28
+"""Mask elements (bool: 256 MiB) a forward keeps for its layers; past it each layer builds its own."""
+
+
 @dataclass
 class ShardedRow:
     """What the attention of one sharded forward needs: the shard, for Ulysses the whole row's `grpo_sdpa` mask
@@ -36,18 +40,32 @@ class ShardedRow:
     block: torch.Tensor
     segment: torch.Tensor
     valid: torch.Tensor
+    causal: bool = False
+    """The row is one sequence with no hole, then padding: its mask is plain causal (SDPA's `is_causal`)."""
+    masks: dict = field(default_factory=dict)
+    """`span`'s masks kept for the next layers (and the backward's recompute): every layer's are the same."""
 
-    def allowed(self, q_block: int, k_block: int, rows: slice) -> torch.Tensor:
-        """(R, 1, len(rows), n) bool: query positions `rows` of shard `q_block` may attend to the key positions of
-        shard `k_block` (`span`)."""
+    def allowed(self, q_block: int, k_block: int, rows: slice, keys: int) -> torch.Tensor:
+        """(R, 1, len(rows), keys) bool: query positions `rows` of shard `q_block` may attend to the first `keys`
+        key positions of shard `k_block` (`span`)."""
         n = self.block.shape[1] // self.shard.size
         return self.span(slice(q_block * n + rows.start, q_block * n + rows.stop),
-                         slice(k_block * n, (k_block + 1) * n))
+                         slice(k_block * n, k_block * n + keys))
 
     def span(self, q: slice, k: slice) -> torch.Tensor:
         """(R, 1, len(q), len(k)) bool: row positions `q` may attend to row positions `k` (k ≤ q in the packed row,
         same prompt group, on the prompt or in q's own completion, a real token; every position also sees itself) —
-        the mask `models.packing.packed_mask` / `packed_attention` apply."""
+        the mask `models.packing.packed_mask` / `packed_attention` apply. Kept while all kept masks hold at most
+        `KEEP` elements."""
+        key = (q.start, q.stop, k.start, k.stop)
+        if key in self.masks:
+            return self.masks[key]
+        mask = self._span(q, k)
+        if sum(m.numel() for m in self.masks.values()) + mask.numel() <= KEEP:
+            self.masks[key] = mask
+        return mask
+
+    def _span(self, q: slice, k: slice) -> torch.Tensor:
         qi = torch.arange(q.start, q.stop, device=self.block.device)
         ki = torch.arange(k.start, k.stop, device=self.block.device)
         seg_q, seg_k = self.segment[:, q, None], self.segment[:, None, k]
@@ -125,6 +143,9 @@ def ulysses_attention(inner, module, query: torch.Tensor, key: torch.Tensor, val
     q, k, v = (_seq_to_heads(t, shard) for t in (query, key, value))
     if row.full_mask is not None:
         out, _ = inner(module, q, k, v, row.full_mask, scaling=scaling)
+    elif row.causal:  # the padding after the sequence sees it too; its outputs predict nothing
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                             enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
     else:
         out = causal_chunks(q, k, v, row, scale=scaling)
     return _heads_to_seq(out.contiguous(), shard)

@@ -54,7 +54,10 @@ def _sharded_row(packing: Packing, valid: torch.Tensor, shard: SequenceShard) ->
         rows, n = packing.src.shape
         full = torch.ones((), dtype=torch.bool, device=valid.device).expand(rows, 1, n, n)
         setattr(full, LAYOUT_ATTR, build_layout(packing, valid))
-    return ShardedRow(shard, full, _blocks(packing.segment), packing.segment, valid)
+    seg, real = packing.segment, int(valid.sum())
+    causal = (seg.shape[0] == 1 and bool(valid[0, :real].all()) and int(seg.max()) <= 1
+              and bool((seg[0, real:] < 0).all()))  # one sequence, no hole: then padding only
+    return ShardedRow(shard, full, _blocks(seg), seg, valid, causal=causal)
 
 
 def _local_slots(packing: Packing, width: torch.Tensor, lo: int, hi: int):

@@ -1,11 +1,11 @@
 """Worker for test_sequence_parallel: one rank of a 2-process gloo job. On a tiny Qwen3 (tied embeddings, one K/V head
-for two query heads: Ulysses repeats it) it computes, for each combination of style (ulysses with the packed layout, ulysses with causal chunks,
-ring), loss (grpo with
-KL, dapo with an entropy bonus, gspo, cispo) and LoRA, the logprobs, entropy, loss and gradients of one micro-batch
-whole (one process's computation, no collective) and cut across the 2 ranks (`models.sequence_logprobs`), and writes
-the largest differences. Then one optimizer step's reduced gradients through the ddp and fsdp2 backends at
-sequence_parallel.size=2 (ddp with Ulysses, fsdp2 with ring; token-budget micro-batches, the ranks' batches gathered,
-KL to the reference) against the whole batch's, and the no-grad passes' logprobs (policy, reference).
+for two query heads: Ulysses repeats it) it computes, for each combination of style (Ulysses with the packed layout,
+Ulysses with causal chunks, ring), loss (grpo with KL, dapo with an entropy bonus, gspo, cispo), LoRA and one
+sequence, the logprobs, entropy, loss and gradients of one micro-batch whole (one process's computation, no
+collective) and cut across the 2 ranks (`models.sequence_logprobs`), and writes the largest differences. Then one
+optimizer step's reduced gradients through the ddp and fsdp2 backends at sequence_parallel.size=2 (ddp with
+Ulysses, fsdp2 with ring; token-budget micro-batches, the ranks' batches gathered, KL to the reference) against the
+whole batch's, the no-grad passes' logprobs (policy, reference), and a step where one shard predicts no token.
 
 Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python sequence_parallel_worker.py LLAMA OUT` (LLAMA:
 the tiny Llama checkpoint, untied output layer, which the backend steps train)."""
@@ -40,8 +40,9 @@ KL_DAPO = ["algorithm.loss=dapo", "algorithm.kl.beta=0.1"]
 
 
 def make_batch(seed: int, vocab: int) -> TrainBatch:
-    """2 prompts × G completions: left-padded prompts of 5 and 3 tokens, completions of 1..9 tokens (the first group runs past the middle of the packed row) with a run of
-    environment tokens (mask 0, a multi-turn rollout) in one; an odd packed length (not a multiple of 2)."""
+    """2 prompts × G completions: left-padded prompts of 5 and 3 tokens, completions of 1..9 tokens (the first group
+    runs past the middle of the packed row) with a run of environment tokens (mask 0, a multi-turn rollout) in one; an
+    odd packed length (not a multiple of 2)."""
     g = torch.Generator().manual_seed(seed)
     rows = 2 * G
     ids = torch.randint(6, vocab, (rows, P + T), generator=g)
@@ -87,10 +88,17 @@ def loss_and_grads(model, batch, cfg, stats):
     return logprobs.detach(), entropy.detach(), loss.detach(), loss
 
 
-def combination(ckpt: str, shard: SequenceShard, loss_name: str, lora: bool) -> dict:
+def one_sequence(seed: int, vocab: int) -> TrainBatch:
+    """One row, a whole prompt and a completion of 8 tokens (13 positions): Ulysses' plain causal attention."""
+    batch = make_batch(seed, vocab).rows(0, 1)
+    batch.attention_mask[0, P + 8 :], batch.completion_mask[0, 8:] = 0, 0.0
+    return batch
+
+
+def combination(ckpt: str, shard: SequenceShard, loss_name: str, lora: bool, batch_of=make_batch) -> dict:
     cfg = build_config(overrides=LOSSES[loss_name])
     model = load(ckpt, lora)
-    batch = make_batch(0, model.config.vocab_size)
+    batch = batch_of(0, model.config.vocab_size)
     grad = cfg.algorithm.entropy_coef > 0
     kw = dict(logits_to_keep=T, temperature=0.7, entropy_grad=grad)
 
@@ -190,6 +198,7 @@ def main(llama: str, out: str) -> None:
         for loss_name in LOSSES:
             res[f"{style}/{loss_name}"] = combination(ckpt, shard, loss_name, lora=False)
         res[f"{style}/dapo+lora"] = combination(ckpt, shard, "dapo", lora=True)
+        res[f"{style}/one-sequence"] = combination(ckpt, shard, "dapo", lora=False, batch_of=one_sequence)
         sequence_logprobs.layout_pays = layout_pays
     for backend, style in (("ddp", "ulysses"), ("fsdp2", "ring")):  # llama: untied head, K/V heads split by Ulysses
         res[f"backend/{backend}"] = backend_step(llama, backend, style, info)
