@@ -164,7 +164,7 @@ def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, f
     cfg = tr.cfg
     trained = trained_mask(batch.completion_mask, batch.truncated, algorithm=cfg.algorithm)
     shard = tr.policy.backend.sequence  # a sequence-parallel group's ranks hold the same rows: count them once
-    num_items = all_reduce_sum(float(trained.sum()), tr.dist) * data_parallel_size(tr.dist, shard) / tr.dist.world_size
+    num_items = all_reduce_sum(float(trained.sum()), tr.dist) / (1 if shard is None else shard.size)
     poison = tr.faults.nonfinite_loss(rank=tr.dist.rank, step=state.step + 1)
     out: dict[str, float] = {}
     with tr.timer.phase("train"):
