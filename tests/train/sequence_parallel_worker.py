@@ -127,6 +127,13 @@ def combination(ckpt: str, shard: SequenceShard, loss_name: str, lora: bool, bat
     return out
 
 
+def uneven_batch(seed: int, vocab: int) -> TrainBatch:
+    """Rank 0: `make_batch`'s 6 rows; rank 1: its second group only, cut to its own padding (3 rows, prompt 3
+    columns, completions 8): the gather widens rank 1's rows to 5 + 9 columns."""
+    batch = make_batch(seed, vocab)
+    return batch if seed == 0 else batch.select([3, 4, 5])
+
+
 def short_batch(seed: int, vocab: int) -> TrainBatch:
     """One prompt of P tokens and 2 one-token completions: packed [prompt | c₁ | c₂], 7 positions cut 4 + 4, so the
     first shard holds prompt positions only and predicts no token (the head runs on a dummy position)."""
@@ -157,7 +164,8 @@ def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_bat
         "data.max_prompt_length=5", f"rollout.max_completion_length={T}"])
     policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
     run = policy.backend
-    whole = gather_batch(batch_of(info.rank, policy.module.config.vocab_size), run.sequence, pad_token_id=0)
+    own = batch_of(info.rank, policy.module.config.vocab_size)
+    whole = gather_batch(own, run.sequence, pad_token_id=0)
     grads: dict[str, torch.Tensor] = {}
     step = run.clip_and_step
 
@@ -177,8 +185,14 @@ def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_bat
                                     entropy_grad=False)))
     graph.backward()
     ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    mine = lp[len(whole) - len(own) :] if info.rank else lp[: len(own)]  # this rank's rows, widened by the gather
+    alone = completion_logprobs_entropy(model, own.input_ids, own.attention_mask, entropy_grad=False, temperature=1.0,
+                                        logits_to_keep=own.num_completion_tokens)[0].detach()
+    steps = own.num_completion_tokens
+    widened = float((mine[:, :steps] - alone).abs().max() + mine[:, steps:].abs().sum())
     return {"rows": len(whole), "grads": max(float((ref[n] - grads[n]).abs().max()) for n in ref),
-            "names": sorted(ref) == sorted(grads), "logprobs": max(float((lp - got).abs().max()) for got in passes)}
+            "names": sorted(ref) == sorted(grads), "logprobs": max(float((lp - got).abs().max()) for got in passes),
+            "widened": widened}
 
 
 def main(llama: str, out: str) -> None:
@@ -201,7 +215,7 @@ def main(llama: str, out: str) -> None:
         res[f"{style}/one-sequence"] = combination(ckpt, shard, "dapo", lora=False, batch_of=one_sequence)
         sequence_logprobs.layout_pays = layout_pays
     for backend, style in (("ddp", "ulysses"), ("fsdp2", "ring")):  # llama: untied head, K/V heads split by Ulysses
-        res[f"backend/{backend}"] = backend_step(llama, backend, style, info)
+        res[f"backend/{backend}"] = backend_step(llama, backend, style, info, batch_of=uneven_batch)
     res["backend/ddp-empty-shard"] = backend_step(llama, "ddp", "ulysses", info, batch_of=short_batch, rows="2",
                                                   group=2)
     (Path(out) / f"rank{info.rank}.json").write_text(json.dumps(res))

@@ -36,8 +36,9 @@ def test_sharded_micro_batch_equals_the_whole(ranks, style, case):
 def test_backend_step_reduces_the_whole_batch_gradient(ranks, backend):
     for rank in ranks:
         got = rank[f"backend/{backend}"]
-        assert got["rows"] == 12 and got["names"]  # both ranks' 6 rows, gathered
+        assert got["rows"] == 9 and got["names"]  # rank 0's 6 rows and rank 1's 3, gathered
         assert got["grads"] < TOL and got["logprobs"] < TOL, got
+        assert got["widened"] < TOL, got  # a rank's rows, widened by the gather, keep their own logprobs
 
 
 def test_a_shard_that_predicts_no_token(ranks):
