@@ -23,7 +23,8 @@ def _fold(t: torch.Tensor, kv: int) -> torch.Tensor:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    return (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    """q·kᵀ·scale, −inf where not `allowed` (a fresh tensor the callers overwrite in place)."""
+    return (q @ k.transpose(-1, -2)).mul_(scale).masked_fill_(~allowed, float("-inf"))
 
 
 def _pass_on(tensors: list[torch.Tensor], shard) -> list[torch.Tensor]:
@@ -72,8 +73,10 @@ def _forward_block(qf, kb, vb, acc, lse, row, src, scale) -> None:
         if not bool(allowed.any()):
             continue
         s = _scores(qf[:, :, c], ke[:, :, :keys], allowed, scale)
-        lse_b = torch.logsumexp(s, dim=-1, keepdim=True).clamp(min=FLOOR)
-        out_b = torch.exp(s - lse_b) @ ve[:, :, :keys]
+        top = s.amax(dim=-1, keepdim=True).clamp_(min=FLOOR)  # a row with no allowed key: exp(−inf) = 0 below
+        total = s.sub_(top).exp_().sum(dim=-1, keepdim=True)
+        out_b = (s @ ve[:, :, :keys]).div_(total.clamp(min=torch.finfo(s.dtype).tiny))
+        lse_b = (top + total.log()).clamp_(min=FLOOR)
         merged = torch.logaddexp(lse[:, :, c], lse_b)
         acc[:, :, c] = acc[:, :, c] * torch.exp(lse[:, :, c] - merged) + out_b * torch.exp(lse_b - merged)
         lse[:, :, c] = merged
@@ -90,8 +93,8 @@ def _backward_block(qf, go, lse, delta, kb, vb, grads, row, src, scale) -> None:
         if not bool(allowed.any()):
             continue
         q, g, kc, vc = qf[:, :, c], go[:, :, c], ke[:, :, :keys], ve[:, :, :keys]
-        p = torch.exp(_scores(q, kc, allowed, scale) - lse[:, :, c])
-        ds = p * (g @ vc.transpose(-1, -2) - delta[:, :, c])
+        p = _scores(q, kc, allowed, scale).sub_(lse[:, :, c]).exp_()
+        ds = (g @ vc.transpose(-1, -2)).sub_(delta[:, :, c]).mul_(p)
         dq[:, :, c] += ds @ kc * scale
         dk[:, :, :keys] += _fold(ds.transpose(-1, -2) @ q * scale, kv)
         dv[:, :, :keys] += _fold(p.transpose(-1, -2) @ g, kv)
