@@ -9,6 +9,7 @@ from grpo_cli.config.hsdp import check_hsdp
 from grpo_cli.config.rules_megatron import check_megatron, divisors
 from grpo_cli.config.rules_vision import check_vision
 from grpo_cli.config.rules_offload import check_offload
+from grpo_cli.config.rules_sequence import check_sequence_parallel
 from grpo_cli.config.transports import facts, is_loopback
 
 if TYPE_CHECKING:
@@ -36,11 +37,14 @@ def _check_batch(cfg: GRPOSections) -> None:
 
 def _check_token_budget(cfg: GRPOSections) -> None:
     budget, longest = cfg.train.micro_batch_tokens, cfg.max_sequence_length
-    if budget < longest:
+    sp = cfg.distributed.sequence_parallel.size  # the budget is per rank: a group's micro-batch holds sp times it
+    if budget * sp < longest:
+        least = -(-longest // sp)
         raise ValueError(
             f"train.micro_batch_tokens={budget} is smaller than the longest sequence a step can hold "
-            f"(data.max_prompt_length + rollout.max_completion_length = {longest}): such a row would run alone, "
-            f"past the budget meant to bound a micro-batch's memory; use at least {longest} (see `grpo plan`)."
+            f"(data.max_prompt_length + rollout.max_completion_length = {longest}"
+            f"{f', over distributed.sequence_parallel.size={sp} ranks' if sp > 1 else ''}): such a row would run "
+            f"alone, past the budget meant to bound a micro-batch's memory; use at least {least} (see `grpo plan`)."
         )
     if cfg.distributed.backend == "megatron":
         raise ValueError(
@@ -224,10 +228,6 @@ def _check_distributed(cfg: GRPOSections) -> None:
             "model.master_weights 'compute_dtype' is not available with distributed.backend 'deepspeed': its bf16 "
             "mode always keeps float32 master weights; set model.master_weights=float32."
         )
-    if d.sequence_parallel.size > 1:
-        raise ValueError(
-            f"distributed.sequence_parallel.size={d.sequence_parallel.size}: sequence parallelism is not built yet "
-            "in this version; set distributed.sequence_parallel.size=1.")
     if d.deepspeed.offload_params and d.deepspeed.zero_stage != 3:
         raise ValueError("distributed.deepspeed.offload_params needs zero_stage 3; set zero_stage=3 or turn it off.")
 
@@ -349,6 +349,7 @@ def check_rules(cfg: GRPOSections) -> None:
     _check_sharding(cfg)
     check_vision(cfg)
     check_megatron(cfg)
+    check_sequence_parallel(cfg)
     _check_lora_and_eval(cfg)
     _check_agent(cfg)
     _check_reward_models(cfg)

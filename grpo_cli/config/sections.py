@@ -127,7 +127,8 @@ class TrainConfig(Section):
     (train phase 1.45-1.60x on the CPU benchmark; with packed rows the padding was already gone: 1.0-1.1x). The
     loss does not depend on the grouping (its normalisers count the whole step). A row longer than the budget runs
     alone; every process runs as many micro-batches as the one that needs most. `grpo plan` suggests a value. Not
-    with the megatron backend or the `token_mean_local` aggregation."""
+    with the megatron backend or the `token_mean_local` aggregation. Under `distributed.sequence_parallel` it counts
+    one rank's positions: a group's micro-batch holds `size` times as many, one shard on each rank."""
     learning_rate: float = Field(1e-6, gt=0)
     """Peak AdamW learning rate."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
@@ -189,7 +190,8 @@ class SequenceParallelConfig(Section):
     are cut into `size` contiguous shards, one per rank of a sequence-parallel group."""
 
     size: int = Field(1, ge=1)
-    """Ranks that share one sequence (1: off). Must divide the processes of the job."""
+    """Ranks that share one sequence (1: off), on the ddp and fsdp2 backends (docs/distributed.md, "Long context").
+    Must divide the processes of the job."""
     style: Literal["ulysses", "ring"] = "ulysses"
     """`ulysses`: an all-to-all around each attention swaps sequence shards for head shards (needs `size` to divide
     the attention heads); `ring`: key/value blocks pass around the group with online-softmax accumulation."""
