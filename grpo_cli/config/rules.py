@@ -223,10 +223,6 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             "model.master_weights 'compute_dtype' is not available with distributed.backend 'deepspeed': its bf16 "
             "mode always keeps float32 master weights; set model.master_weights=float32."
         )
-    if d.sequence_parallel.size > 1:
-        raise ValueError(
-            f"distributed.sequence_parallel.size={d.sequence_parallel.size}: sequence parallelism is not built yet "
-            "in this version; set distributed.sequence_parallel.size=1.")
     if d.deepspeed.offload_params and d.deepspeed.zero_stage != 3:
         raise ValueError("distributed.deepspeed.offload_params needs zero_stage 3; set zero_stage=3 or turn it off.")
 
