@@ -12,6 +12,7 @@ from grpo_cli.config.model_shape import (  # noqa: F401  (re-exported: `grpo pla
     QWEN_VOCAB, ModelShape, local_model_config, model_shape, num_experts)
 from grpo_cli.config.plan_megatron import (  # noqa: F401
     BYTES, megatron_activation_bytes, megatron_layout, megatron_state_bytes)
+from grpo_cli.config.plan_sequence import sequence_shards, sharded_rows
 from grpo_cli.config.plan_tokens import activation_bytes_per_position, micro_batch_positions
 from grpo_cli.config.distill import local_teacher_params
 from grpo_cli.config.reward_models import parks_reward_models, reward_model_bytes
@@ -203,6 +204,8 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     else:
         out["activations"] = micro_batch_positions(cfg) * activation_bytes_per_position(cfg, shape)
         out["head_chunk"] = chunk_bytes(shape.vocab or QWEN_VOCAB, micro_batch_positions(cfg), device=device)
+    if sequence_shards(cfg) > 1:  # one sequence's positions split over sequence/context-parallel ranks
+        out.update(sharded_rows(cfg, shape, batch_plan(cfg), device=device))
     if megatron and cfg.rollout.layout.shares_policy_weights:
         out["hf_engine_copy"] = p * engine_bytes(cfg)
     if hf_generation_copy(cfg):
