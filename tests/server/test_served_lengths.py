@@ -11,8 +11,10 @@ import pytest
 from served_app import app_in_thread
 
 from grpo_cli.config.load import ConfigError, build_config
-from grpo_cli.rollout.base import EngineContext, RolloutError
+from grpo_cli.rollout.base import EngineContext, RolloutError, SamplingParams
 from grpo_cli.rollout.factory import make_engine
+from grpo_cli.rollout.sglang.client import SGLangEngine
+from grpo_cli.rollout.transport.http_client import Policy
 from grpo_cli.server.app import create_app
 from grpo_cli.server.engines import ServeOptions, build
 from grpo_cli.server.launch import sglang_command
@@ -78,10 +80,18 @@ def test_sglang_context_length_leaves_room_for_the_longest_sequence(served_tiny,
         sets = ["rollout.engine=sglang", "rollout.mode=server", f'rollout.server.urls=["{url}"]', *FAST,
                 "rollout.server.weight_transport=disk"]
         ctx = EngineContext(model_path=tiny_checkpoint, eos_token_ids=[1], pad_token_id=0)
-        make_engine(build_config(overrides=[*sets, *_lengths(16, 48)]), ctx).close()  # 64 < 65: SGLang takes it
+        eng = make_engine(build_config(overrides=[*sets, *_lengths(16, 48)]), ctx)  # 64 < 65: SGLang takes it
+        assert len(eng.generate([[3] * 16], SamplingParams(n=1, max_tokens=48, seed=0)).completion_ids) == 1
+        eng.close()
         with pytest.raises(RolloutError, match=r"SGLang server at .* was started with --context-length 65, but this "
                                                r"run's sequences reach .* = 65 tokens.*--context-length 66"):
             make_engine(build_config(overrides=[*sets, *_lengths(16, 49)]), ctx)
+    exact = args[:args.index("--context-length") + 1] + ["64"] + args[args.index("--context-length") + 2:]
+    with app_in_thread(create_contract_app(served_tiny, launch_args=exact)) as url:  # what the launcher passed before
+        eng = SGLangEngine([url], policy=Policy(connect_timeout_s=5, retries=0), model_path=tiny_checkpoint)
+        with pytest.raises(RolloutError, match="exceeds the model's maximum context length of 64 tokens"):
+            eng.generate([[3] * 16], SamplingParams(n=1, max_tokens=48, seed=0))
+        eng.close()
 
 
 def test_vllm_max_model_len_below_the_longest_sequence_is_refused():
