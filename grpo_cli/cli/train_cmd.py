@@ -14,6 +14,7 @@ from grpo_cli.planner.plan import required_gpus
 from grpo_cli.planner.plan_render import render_plan
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.planner.deepspeed import deepspeed_json
+from grpo_cli.config.rules_megatron import context_parallel_refusal
 from grpo_cli.launch.command import launch_command
 from grpo_cli.runtime.faults import FaultPlan
 
@@ -44,6 +45,8 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
         typer.echo("\n# launch command\n" + (" ".join(cmd) if cmd else "(single process: runs in this process)"))
         return 0
     check_gpus(cfg)
+    if why := context_parallel_refusal(cfg):  # not a config rule: `grpo plan`/`--rehearse`/`--dry-run` model it
+        raise UserError(why)
     FaultPlan.from_env()  # a malformed GRPO_INJECT_FAULT fails here (exit 2), before any worker starts
     if cmd and not worker:
         typer.echo("launching: " + " ".join(cmd))

@@ -123,6 +123,13 @@ def _check_rollout(cfg: GRPOSections) -> None:
                  "instead" if r.layout.remote else f"rollout.engine is '{r.engine}'")
         raise ValueError(f"rollout.vllm.block_size sets the KV block size of the vLLM engine the trainer builds "
                          f"(colocate or async), but {where}; remove rollout.vllm.block_size.")
+    if r.vllm.max_model_len is not None and r.vllm.max_model_len < cfg.max_sequence_length:
+        raise ValueError(
+            f"rollout.vllm.max_model_len={r.vllm.max_model_len} is below data.max_prompt_length "
+            f"{cfg.data.max_prompt_length} + rollout.max_completion_length {r.max_completion_length} = "
+            f"{cfg.max_sequence_length}: vLLM would stop the longest completions at {r.vllm.max_model_len} tokens "
+            f"without an error (finish reason length). Set it to at least {cfg.max_sequence_length} or remove it "
+            "(the default is that sum), or lower data.max_prompt_length / rollout.max_completion_length.")
 
 
 def _check_weight_transport(cfg: GRPOSections) -> None:

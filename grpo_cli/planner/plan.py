@@ -14,6 +14,7 @@ from grpo_cli.planner.plan_megatron import megatron_activation_bytes, megatron_s
 from grpo_cli.planner.plan_rewards import reward_model_bytes
 from grpo_cli.planner.plan_tokens import activation_bytes_per_position, micro_batch_positions
 from grpo_cli.config.hsdp import shard_ranks
+from grpo_cli.planner.plan_sequence import sequence_shards, sharded_rows
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -209,6 +210,8 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     else:
         out["activations"] = micro_batch_positions(cfg) * activation_bytes_per_position(cfg, shape)
         out["head_chunk"] = chunk_bytes(shape.vocab or QWEN_VOCAB, micro_batch_positions(cfg), device=device)
+    if sequence_shards(cfg) > 1:  # one sequence's positions split over sequence/context-parallel ranks
+        out.update(sharded_rows(cfg, shape, batch_plan(cfg), device=device))
     if megatron and cfg.rollout.layout.shares_policy_weights:
         out["hf_engine_copy"] = p * engine_bytes(cfg)
     if hf_generation_copy(cfg):

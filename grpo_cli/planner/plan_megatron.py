@@ -20,7 +20,8 @@ def megatron_state_bytes(cfg: GRPOConfig, shape: ModelShape) -> dict[str, float]
         gradients  = 4 · (D / (tp·pp) + X / (ep·etp·pp))           Megatron DDP's float32 grad buffers
         optimizer  = o · (D / (tp·pp·dp') + X / (ep·etp·pp·edp'))   o = 12 (fp32 master + 2 Adam moments), 8 when
                                                                     model.dtype is float32 (no separate master)
-        dp' = dp and edp' = edp with `distributed_optimizer` (ZeRO-1 over the data-parallel ranks), else 1.
+        dp' = dp·cp and edp' = edp with `distributed_optimizer` (ZeRO-1 over the data-parallel ranks, context
+        parallel ranks included), else 1.
 
     The same count as Megatron-LM's `compute_weight_and_optimizer_memory` (6 + 12/dp bytes per parameter on the
     most loaded shard, 6 + 12/edp for expert parameters) with bf16 weights. Approximated: the embedding and the
@@ -31,7 +32,7 @@ def megatron_state_bytes(cfg: GRPOConfig, shape: ModelShape) -> dict[str, float]
     dense, experts = shape.params - shape.expert_params, shape.expert_params
     held = dense / (lay["tp"] * lay["pp"]) + experts / (lay["ep"] * lay["etp"] * lay["pp"])
     shard = cfg.distributed.megatron.distributed_optimizer
-    dp, edp = (max(1, lay["dp"]), max(1, lay["edp"])) if shard else (1, 1)
+    dp, edp = (max(1, lay["dp"] * lay["cp"]), max(1, lay["edp"])) if shard else (1, 1)
     opt = (8 + (4 if compute != 4 else 0)) * (dense / (lay["tp"] * lay["pp"] * dp)
                                               + experts / (lay["ep"] * lay["etp"] * lay["pp"] * edp))
     return {"weights": held * compute, "gradients": held * 4, "optimizer": opt}

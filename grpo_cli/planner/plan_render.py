@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grpo_cli.config.hsdp import layout_note, shard_ranks
+from grpo_cli.planner.plan_sequence import long_context_lines
 from grpo_cli.config.reward_models import parks_reward_models
 from grpo_cli.config.rules_megatron import megatron_layout
 from grpo_cli.planner.plan import (GIB, GPU_HEADROOM, HOST_HEADROOM, async_plan, batch_plan, host_plan, memory_plan,
-                                   peak_bytes)
+                                   peak_bytes, plan_device)
 from grpo_cli.planner.plan_tokens import token_budget_lines
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ def _gpu_notes(cfg: GRPOConfig) -> dict[str, str]:
         lay = megatron_layout(cfg)
         grid = f"tp {lay['tp']} x pp {lay['pp']}"
         experts = f"; experts 1/(ep {lay['ep']} x etp {lay['etp']} x pp {lay['pp']})"
-        opt = (f"dense 1/(tp x pp x dp {lay['dp']}), experts also 1/edp {lay['edp']} (distributed_optimizer)"
+        dp = f"dp {lay['dp']}" + (f" x cp {lay['cp']}" if lay["cp"] > 1 else "")
+        opt = (f"dense 1/(tp x pp x {dp}), experts also 1/edp {lay['edp']} (distributed_optimizer)"
                if d.megatron.distributed_optimizer else "whole on every data-parallel rank (no distributed_optimizer)")
         return {"weights": f"{cfg.model.dtype}, dense 1/({grid}){experts}",
                 "gradients": "float32 Megatron DDP buffers, same split as the weights",
@@ -97,4 +99,6 @@ def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None, host_mem: float | Non
     mem = memory_plan(cfg, gpu_mem)
     if cfg.distributed.backend != "megatron":
         lines += token_budget_lines(cfg, mem, gpu_mem and gpu_mem * (1 - GPU_HEADROOM), peak=peak_bytes)
+    lines += long_context_lines(cfg, mem, batch_plan(cfg), gpu_mem and gpu_mem * (1 - GPU_HEADROOM),
+                                device=plan_device(cfg, gpu_mem), peak=peak_bytes)
     return "\n".join(lines + _render_memory(cfg, mem, gpu_mem) + _render_host(cfg, mem, host_mem))

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from grpo_cli.rollout.base import RolloutEngine
+from grpo_cli.rollout.base import RolloutEngine, RolloutError
 from grpo_cli.rollout.transport import base as transports
 from grpo_cli.rollout.transport.http_client import HttpClient, Policy
 
@@ -42,6 +42,9 @@ class HttpServerEngine(RolloutEngine):
     """The training process this client generates for (`EngineContext.rank`): every rank sends the step's seed, and
     the requests' seeds are keyed by it (`rollout/seeds.py`) so two ranks never draw the same noise."""
     thread_name_prefix: ClassVar[str]
+    lengths: tuple[int, int] | None = None
+    """(`data.max_prompt_length`, `rollout.max_completion_length`) of the run, set by `from_config` before it
+    connects: the longest sequence every server must hold (`check_served_length`)."""
 
     def _open(self, urls: list[str], *, token: str | None, policy: Policy | None, transport: str, offered: dict,
               workers: int | None = None) -> None:
@@ -61,9 +64,34 @@ class HttpServerEngine(RolloutEngine):
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> HttpServerEngine:
         s = cfg.rollout.server
         engine = cls(list(s.urls), policy=Policy.of(s), stop_token_ids=ctx.eos_token_ids,
-                     chunk_mb=s.weight_chunk_mb, **cls.config_args(cfg, ctx))
+                     chunk_mb=s.weight_chunk_mb, connect=False, **cls.config_args(cfg, ctx))
         engine.rank = ctx.rank
+        engine.lengths = (cfg.data.max_prompt_length, cfg.rollout.max_completion_length)
+        engine.connect()
         return engine
+
+    def connect(self) -> None:
+        """Wait for the servers and check each against the run (model, flags, `check_served_length`)."""
+        raise NotImplementedError
+
+    def check_served_length(self, url: str, limit: int | None, *, what: str, flag: str,
+                            exclusive: bool = False) -> None:
+        """Refuse a server started for shorter sequences than the run's longest (`lengths`), at connect rather than
+        at the first long prompt hours in. `limit`: the length the server reports (None: not reported, nothing to
+        check); `flag`: its start option; `exclusive`: the server refuses a prompt + completion equal to `limit`
+        (SGLang's context length), so it must be one more than the sum."""
+        if limit is None or self.lengths is None:
+            return
+        prompt, completion = self.lengths
+        need = prompt + completion + (1 if exclusive else 0)
+        if need > int(limit):
+            raise RolloutError(
+                f"{what} at {url} was started with {flag} {limit}, but this run's sequences reach "
+                f"data.max_prompt_length {prompt} + rollout.max_completion_length {completion} = "
+                f"{prompt + completion} tokens" + (" (it refuses a prompt + completion that reaches its limit)"
+                                                   if exclusive else "")
+                + f": the longest ones would be refused or cut mid-run. Restart it with {flag} {need} (or more), or "
+                "lower data.max_prompt_length / rollout.max_completion_length to fit.")
 
     @classmethod
     def config_args(cls, cfg: GRPOConfig, ctx: EngineContext) -> dict:

@@ -24,7 +24,7 @@ def _plan(name: str, *, deepspeed_ready: bool = True):
 def test_every_gpu_preset_is_covered():
     assert set(GPU_PRESETS) == {"qwen-72b-colocate", "qwen-7b-colocate-tp2", "qwen-7b-async", "qwen-1.5b-server",
                                 "qwen-1.5b-colocate", "qwen-7b-sglang-server", "qwen2-0.5b-tldr-length",
-                                "qwen3-30b-a3b-megatron", "qwen2.5-vl-3b-colocate"}
+                                "qwen3-30b-a3b-megatron", "qwen2.5-vl-3b-colocate", "qwen3-8b-long-sp4"}
 
 
 @pytest.mark.parametrize("name", GPU_PRESETS)

@@ -66,6 +66,8 @@ class ServerEngine(HttpServerEngine):
         for url in self.urls:
             info = self.http.call(url, "GET", "/info").json()
             self._check_identity(url, info)
+            self.check_served_length(url, info.get("max_model_len"), what="rollout server (grpo serve-rollout)",
+                                     flag="--max-model-len")
             self.info[url] = info
         self.dtype = next(iter(self.info.values())).get("dtype")  # what bounds the sync probe's tolerance
         self.accepts_images = all("images" in info.get("capabilities", ()) for info in self.info.values())

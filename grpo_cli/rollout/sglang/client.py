@@ -43,6 +43,9 @@ class ServerFacts:
     """Data-parallel replicas (`--dp-size`)."""
     dp_attention: bool = False
     """`enable_dp_attention`: with it, older SGLang took tensor updates at dp_size > 1."""
+    context_length: int | None = None
+    """`--context-length` (None when not given: SGLang takes the model's); a request's prompt + max_new_tokens must
+    stay below it."""
 
 
 def parse_version(text: str | None) -> tuple[int, ...] | None:
@@ -94,7 +97,8 @@ class SGLangEngine(HttpServerEngine):
         self.http.wait_all_healthy(self.policy.connect_timeout_s, lambda url: hint)
         want = model_identity(self.model_path).get("architectures") if self.model_path else None
         for url in self.urls:
-            self._facts(url)
+            self.check_served_length(url, self._facts(url).context_length, what="SGLang server",
+                                     flag="--context-length", exclusive=True)
             info = self.model_info(url)
             got = info.get("architectures")
             if want and got and list(want) != list(got):
@@ -129,7 +133,8 @@ class SGLangEngine(HttpServerEngine):
                                f"{'.'.join(map(str, MIN_VERSION))} (per-request sampling seeds, memory tags, weight "
                                "versions): upgrade sglang on the server")
         facts = ServerFacts(version, int(info.get("tp_size") or 1), bool(info.get("enable_deterministic_inference")),
-                            int(info.get("dp_size") or 1), bool(info.get("enable_dp_attention")))
+                            int(info.get("dp_size") or 1), bool(info.get("enable_dp_attention")),
+                            info.get("context_length"))
         if self.weight_transport == "tensor" and facts.dp_size > 1 and not facts.dp_attention:
             # managers/tokenizer_control_mixin.py update_weights_from_tensor asserts dp_size == 1 (an HTTP 500)
             raise RolloutError(

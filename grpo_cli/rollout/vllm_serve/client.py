@@ -149,6 +149,7 @@ class VLLMServeEngine(HttpServerEngine):
             resp = self.http.request(url, "GET", "/server_info", params={"config_format": "json"})
             self.facts[url] = ServerFacts.parse(resp.json())
             self.facts[url].check(url, self.transport, hint)
+            self.check_served_length(url, self.facts[url].max_model_len, what="vllm serve", flag="--max-model-len")
         self.dtype = next(iter(self.facts.values())).dtype
         self.weight_version = 0  # what a server holds is not adopted: the run pushes its own first (`synced`)
 
