@@ -15,6 +15,7 @@ from grpo_cli.planner.plan_render import render_plan
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.planner.deepspeed import deepspeed_json
 from grpo_cli.launch.command import launch_command
+from grpo_cli.launch.deploy_ray import render_deployment
 from grpo_cli.runtime.faults import FaultPlan
 
 
@@ -42,7 +43,15 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
         if cfg.distributed.backend == "deepspeed":
             typer.echo("\n# DeepSpeed config (each worker builds it from the config above)\n" + deepspeed_json(cfg))
         typer.echo("\n# launch command\n" + (" ".join(cmd) if cmd else "(single process: runs in this process)"))
+        script = render_deployment(cfg)
+        if script:
+            typer.echo(f"\n# deployment ({cfg.deployment.scheduler}): the script below, saved as a file\n" + script)
         return 0
+    if cfg.deployment.rollout_nodes and not cfg.rollout.server.urls and not worker:
+        raise UserError(
+            f"deployment.rollout_nodes={cfg.deployment.rollout_nodes}: this config is a multi-node job; print its "
+            f"{cfg.deployment.scheduler} script with `grpo train ... --dry-run` and submit that (it starts the "
+            "rollout servers and passes their URLs to the trainers).")
     check_gpus(cfg)
     FaultPlan.from_env()  # a malformed GRPO_INJECT_FAULT fails here (exit 2), before any worker starts
     if cmd and not worker:

@@ -1,0 +1,47 @@
+"""Cross-field rules of `deployment:`: the node groups, the scheduler and the rollout mode must describe one job."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grpo_cli.config.sections import GRPOSections
+
+_SERVE_ROLLOUT_ENGINES = ("hf", "vllm")  # what `grpo serve-rollout --data-parallel-size` starts
+
+
+def check_deployment(cfg: GRPOSections) -> None:
+    """Raise ValueError naming the `deployment.*` field and the fix."""
+    dep, rollout = cfg.deployment, cfg.rollout
+    if dep.scheduler == "none":
+        if dep.rollout_nodes:
+            raise ValueError(
+                f"deployment.rollout_nodes={dep.rollout_nodes} needs a script to start them: set "
+                "deployment.scheduler=slurm (rollout servers) or ray (async actors), or rollout_nodes=0.")
+        return
+    if dep.gpus_per_node % dep.rollout_tensor_parallel:
+        raise ValueError(
+            f"deployment.rollout_tensor_parallel={dep.rollout_tensor_parallel} must divide deployment.gpus_per_node="
+            f"{dep.gpus_per_node} (each rollout engine takes that many of a node's GPUs).")
+    if cfg.distributed.num_processes > dep.gpus_per_node:
+        raise ValueError(
+            f"distributed.num_processes={cfg.distributed.num_processes} (training processes per node) exceeds "
+            f"deployment.gpus_per_node={dep.gpus_per_node}; lower it or raise gpus_per_node.")
+    if dep.scheduler == "ray":
+        if rollout.mode != "async":
+            raise ValueError(
+                f"deployment.scheduler=ray bootstraps Ray for rollout.mode=async (and stream), not "
+                f"'{rollout.mode}'; use scheduler=slurm for rollout servers.")
+        return
+    if dep.rollout_nodes and rollout.mode != "server":
+        raise ValueError(
+            f"deployment.rollout_nodes={dep.rollout_nodes} under scheduler=slurm start rollout servers, so "
+            f"rollout.mode must be 'server' (it is '{rollout.mode}'); or set rollout_nodes=0 (colocated).")
+    if dep.rollout_nodes and dep.rollout_layout == "servers" and rollout.engine not in _SERVE_ROLLOUT_ENGINES:
+        raise ValueError(
+            f"deployment.rollout_layout=servers starts `grpo serve-rollout` (engines hf, vllm), not rollout.engine "
+            f"'{rollout.engine}'; for a stock `vllm serve` use engine vllm-serve with rollout_layout=data_parallel.")
+    if dep.rollout_nodes and dep.rollout_layout == "data_parallel" and rollout.engine != "vllm-serve":
+        raise ValueError(
+            f"deployment.rollout_layout=data_parallel runs one `vllm serve --data-parallel-size N` per node, which "
+            f"needs rollout.engine=vllm-serve (it is '{rollout.engine}'); or use rollout_layout=servers.")
