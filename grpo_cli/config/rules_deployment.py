@@ -45,3 +45,16 @@ def check_deployment(cfg: GRPOSections) -> None:
         raise ValueError(
             f"deployment.rollout_layout=data_parallel runs one `vllm serve --data-parallel-size N` per node, which "
             f"needs rollout.engine=vllm-serve (it is '{rollout.engine}'); or use rollout_layout=servers.")
+    if dep.rollout_nodes and dep.rollout_layout == "servers" and dep.rollout_tensor_parallel != 1:
+        raise ValueError(
+            f"deployment.rollout_tensor_parallel={dep.rollout_tensor_parallel}: `grpo serve-rollout` (engines hf, vllm)"
+            " serves one GPU per engine; for tensor-parallel engines use rollout.engine=vllm-serve with "
+            "rollout_layout=data_parallel (one `vllm serve --data-parallel-size N --tensor-parallel-size TP` a node).")
+    if dep.rollout_nodes and rollout.server.weight_transport in ("shm", "tensor"):
+        raise ValueError(
+            f"rollout.server.weight_transport={rollout.server.weight_transport} works on one host only, and "
+            "deployment.rollout_nodes puts the servers on other nodes; use http or nccl.")
+    if dep.rollout_layout == "data_parallel" and dep.rollout_nodes and rollout.server.weight_transport != "nccl":
+        raise ValueError(
+            "deployment.rollout_layout=data_parallel (stock `vllm serve` on other nodes) needs "
+            "rollout.server.weight_transport=nccl (vLLM's NCCL engine; its shm plugin needs the same host).")

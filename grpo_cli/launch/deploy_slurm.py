@@ -42,8 +42,10 @@ def serve_command(cfg: GRPOConfig) -> str:
     dep, model = cfg.deployment, shlex.quote(cfg.model.name_or_path)
     n, tp = dep.rollout_engines_per_node, dep.rollout_tensor_parallel
     if dep.rollout_layout == "data_parallel":
-        return (f"vllm serve {model} --host 0.0.0.0 --port {dep.rollout_port} --data-parallel-size {n} "
-                f"--tensor-parallel-size {tp} --max-model-len {cfg.max_sequence_length} "
+        return (f"env VLLM_SERVER_DEV_MODE=1 vllm serve {model} --host 0.0.0.0 --port {dep.rollout_port} "
+                f"--data-parallel-size {n} --tensor-parallel-size {tp} --max-model-len {cfg.max_sequence_length} "
+                "--enable-scale-out --logprobs-mode processed_logprobs --no-enable-chunked-prefill "
+                "--weight-transfer-config '{\"backend\": \"nccl\"}' "
                 '${GRPO_ROLLOUT_TOKEN:+--api-key "$GRPO_ROLLOUT_TOKEN"}')
     dtype = cfg.model.dtype
     return (f"grpo serve-rollout --engine {cfg.rollout.engine} --model {model} --host 0.0.0.0 "
