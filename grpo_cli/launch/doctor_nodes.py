@@ -26,10 +26,18 @@ class Check:
 
 
 def model_fingerprint(name_or_path: str) -> str:
-    """A short hash of a local checkpoint's config.json and weight files' names and sizes ('missing' if absent)."""
+    """A short hash of a local checkpoint's config.json and weight files' names and sizes: a folder, a built-in, or a
+    hub id already in the local Hugging Face cache ('missing' otherwise; nothing is downloaded)."""
     from grpo_cli.models.tiny import resolve_model_path
 
     path = Path(resolve_model_path(name_or_path))
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(name_or_path, local_files_only=True))
+        except Exception:  # not cached, not a repo id: reported as missing
+            return "missing"
     if not (path / "config.json").is_file():
         return "missing"
     h = hashlib.sha256((path / "config.json").read_bytes())
