@@ -32,6 +32,10 @@ def check_deployment(cfg: GRPOSections) -> None:
             raise ValueError(
                 f"deployment.scheduler=ray bootstraps Ray for rollout.mode=async (and stream), not "
                 f"'{rollout.mode}'; use scheduler=slurm for rollout servers.")
+        if dep.rollout_nodes and rollout.ray.num_actors > dep.rollout_nodes * dep.gpus_per_node:
+            raise ValueError(
+                f"rollout.ray.num_actors={rollout.ray.num_actors} rollout actors take one GPU each, and the "
+                f"{dep.rollout_nodes} rollout node(s) give Ray {dep.rollout_nodes * dep.gpus_per_node}; lower it.")
         return
     if dep.rollout_nodes and rollout.mode != "server":
         raise ValueError(

@@ -34,8 +34,8 @@ def fleet_size(data_parallel_size: int | None, all_gpus: bool, tensor_parallel: 
         return gpus // tensor_parallel
     n = data_parallel_size or 1
     if gpus and n * tensor_parallel > gpus:
-        raise ServeError(f"--data-parallel-size {n} x --tensor-parallel-size {tensor_parallel} needs {n * tensor_parallel}"
-                         f" GPUs; this machine has {gpus}.")
+        raise ServeError(f"--data-parallel-size {n} x --tensor-parallel-size {tensor_parallel} needs "
+                         f"{n * tensor_parallel} GPUs; this machine has {gpus}.")
     return n
 
 

@@ -76,6 +76,8 @@ def test_ray_bootstrap_shows_ray_only_the_rollout_gpus(tmp_path):
     ([*SLURM_TINY, "rollout.server.weight_transport=shm"], "one host only"),
     ([*SLURM_TINY, "deployment.rollout_layout=data_parallel"], "needs rollout.engine=vllm-serve"),
     (["deployment.scheduler=ray"], "rollout.mode=async"),
+    (["rollout.mode=async", "deployment.scheduler=ray", "deployment.rollout_nodes=1", "deployment.gpus_per_node=1",
+      "rollout.ray.num_actors=2"], "give Ray 1"),
     (["deployment.scheduler=slurm", "deployment.gpus_per_node=1", "distributed.num_processes=2"], "exceeds deployment.gpus_per_node"),
 ])
 def test_rules_refuse_a_deployment_that_cannot_run(overrides, words):
