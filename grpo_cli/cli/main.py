@@ -52,6 +52,9 @@ def train(
     rehearse: Annotated[bool, typer.Option("--rehearse", help="Dress rehearsal on CPU: the preset's topology (backend, "
                                            "engine, mode, TP, offload, server) on builtin:tiny; checks every "
                                            "transition and exits 0 only when all pass.")] = False,
+    write_script: Annotated[Optional[Path], typer.Option("--write-script", help="With --dry-run and a `deployment:` "
+                                                         "scheduler: also write its script (sbatch or Ray bootstrap) "
+                                                         "to this file.")] = None,
     worker: Annotated[bool, typer.Option("--worker", hidden=True, help="Internal: run as a launched worker.")] = False,
 ) -> None:
     """Train with GRPO. With no arguments, runs the built-in tiny-cpu preset (no download, a few minutes on CPU)."""
@@ -71,7 +74,7 @@ def train(
 
             raise typer.Exit(run_rehearse(cfg, output_dir=output_dir, dry_run=dry_run))
         code = run_train(cfg, output_dir=output_dir, dry_run=dry_run, worker=worker,
-                         argv=sys.argv[1:])
+                         argv=sys.argv[1:], write_script=write_script)
     raise typer.Exit(code)
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from grpo_cli.config.engine_modes import engine_mode, modes_of
 from grpo_cli.config.hsdp import check_hsdp
+from grpo_cli.config.rules_deployment import check_deployment
 from grpo_cli.config.rules_megatron import check_megatron, divisors
 from grpo_cli.config.rules_vision import check_vision
 from grpo_cli.config.rules_offload import check_offload
@@ -78,7 +79,7 @@ def _check_layout(cfg: GRPOSections) -> None:
 def _check_rollout(cfg: GRPOSections) -> None:
     r = cfg.rollout
     _check_layout(cfg)
-    if r.layout.remote and not r.server.urls:
+    if r.layout.remote and not r.server.urls and not cfg.deployment.rollout_nodes:  # derived on each node
         raise ValueError(
             "rollout.server.urls is empty but rollout.mode is 'server': give the rollout server's address, "
             "e.g. --set rollout.server.urls='[\"http://127.0.0.1:8000\"]' (start one with `grpo serve-rollout`)."
@@ -361,3 +362,4 @@ def check_rules(cfg: GRPOSections) -> None:
     _check_agent(cfg)
     _check_reward_models(cfg)
     _check_distill(cfg)
+    check_deployment(cfg)

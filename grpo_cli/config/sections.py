@@ -10,6 +10,7 @@ from pydantic import Field
 from grpo_cli.config.agent import AgentConfig
 from grpo_cli.config.algorithm import AlgorithmConfig
 from grpo_cli.config.base import Section
+from grpo_cli.config.deployment import DeploymentConfig
 from grpo_cli.config.megatron import MegatronConfig
 from grpo_cli.config.rewards import RewardsConfig
 from grpo_cli.config.rollout import RolloutConfig
@@ -323,6 +324,8 @@ class GRPOSections(Section):
     """Held-out evaluation during training (and the settings `grpo eval` uses)."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Progress display and logs."""
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    """Node groups and the scheduler script `grpo train --dry-run` renders (docs/distributed.md)."""
 
     @property
     def max_sequence_length(self) -> int:

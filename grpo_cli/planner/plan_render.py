@@ -11,6 +11,7 @@ from grpo_cli.config.reward_models import parks_reward_models
 from grpo_cli.config.rules_megatron import megatron_layout
 from grpo_cli.planner.plan import (GIB, GPU_HEADROOM, HOST_HEADROOM, async_plan, batch_plan, host_plan, memory_plan,
                                    peak_bytes, plan_device)
+from grpo_cli.planner.plan_deploy import deployment_lines, training_view
 from grpo_cli.planner.plan_tokens import token_budget_lines
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ def _render_host(cfg: GRPOConfig, mem: dict[str, float], host_mem: float | None)
 
 
 def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None, host_mem: float | None = None) -> str:
+    cfg = training_view(cfg)  # under deployment: the figures of the job's real number of training nodes
     lines = ["# batch plan"]
     lines += [f"  {k:28s} {v}" for k, v in batch_plan(cfg).items()]
     if cfg.rollout.mode == "async":
@@ -101,4 +103,5 @@ def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None, host_mem: float | Non
         lines += token_budget_lines(cfg, mem, gpu_mem and gpu_mem * (1 - GPU_HEADROOM), peak=peak_bytes)
     lines += long_context_lines(cfg, mem, batch_plan(cfg), gpu_mem and gpu_mem * (1 - GPU_HEADROOM),
                                 device=plan_device(cfg, gpu_mem), peak=peak_bytes)
-    return "\n".join(lines + _render_memory(cfg, mem, gpu_mem) + _render_host(cfg, mem, host_mem))
+    return "\n".join(lines + _render_memory(cfg, mem, gpu_mem) + _render_host(cfg, mem, host_mem)
+                     + deployment_lines(cfg, gpu_mem))
