@@ -45,8 +45,9 @@ class VLLMConfig(Section):
 
 class ServerConfig(Section):
     urls: list[str] = Field(default_factory=list)
-    """Rollout servers (`grpo serve-rollout`, SGLang, or `vllm serve` with `engine: vllm-serve`); generation is split
-    across them round-robin."""
+    """Rollout servers (`grpo serve-rollout`, SGLang, or `vllm serve` with `engine: vllm-serve`); each new group of
+    completions goes to the least-loaded server (requests in flight from this client), each later turn of a
+    multi-turn trajectory to the server of its first turn (`sticky_max_excess`; docs/server-mode.md, Routing)."""
     connect_timeout_s: float = Field(60.0, gt=0)
     """How long to wait for `/health` at start before stopping with a message."""
     request_timeout_s: float = Field(600.0, gt=0)
@@ -58,6 +59,10 @@ class ServerConfig(Section):
     `wait_for_recovery_s` for it to come back, then re-syncs weights and continues."""
     wait_for_recovery_s: float = Field(300.0, gt=0)
     """With `on_failure: wait`, how long to wait for a dead server."""
+    sticky_max_excess: int = Field(16, ge=0)
+    """A later turn of a multi-turn trajectory goes to the server that served its first turn (whose prefix cache
+    holds the conversation) unless that server has more than this many requests in flight beyond the least-loaded
+    server, or restarted since: then it goes to the least-loaded one. 0 routes every turn by load alone."""
     token_env: str = "GRPO_ROLLOUT_TOKEN"
     """Environment variable holding the bearer token sent to the server (unset: no token); for `vllm serve`, its
     `--api-key`."""

@@ -1,17 +1,21 @@
 """`HttpServerEngine`: what the three clients of rollout servers over HTTP share (`remote` for `grpo serve-rollout`,
 `sglang`, `vllm_serve`): one `HttpClient` with the `rollout.server` policy over the server URLs, a thread pool for
 the requests in flight, the weight transport `rollout.transport` names (built through the transport registry under
-the client's name), the fields every `from_config` reads from `rollout.server`, closing all three, and
-`model_identity` (what a server's model must match)."""
+the client's name), the routing of requests over the servers (`rollout/routing.py`), the fields every `from_config`
+reads from `rollout.server`, closing all three, and `model_identity` (what a server's model must match)."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from grpo_cli.rollout.base import RolloutEngine
+from grpo_cli.rollout.base import RolloutEngine, SamplingParams
+from grpo_cli.rollout.routing import Router
 from grpo_cli.rollout.transport import base as transports
 from grpo_cli.rollout.transport.http_client import HttpClient, Policy
 
@@ -56,6 +60,34 @@ class HttpServerEngine(RolloutEngine):
                                         thread_name_prefix=self.thread_name_prefix)
         self._weights = transports.create(transport, transports.Link(self.http, self.urls, self._pool),
                                           client=self.client, offered=offered)
+        self.router = Router(len(self.urls), max_excess=self.policy.sticky_max_excess)
+        self._call_ids = itertools.count()
+        self._local = threading.local()  # this thread's first-turn call and pending later-turn keys
+
+    # -- routing (rollout/routing.py) -----------------------------------------------------------------------
+    def _place(self, count: int, weight: int) -> list[int]:
+        """Servers for the next `count` prompts of `weight` requests each: later turns of trajectories where
+        `generate_turn` said so, else new groups by load (remembered as this thread's first-turn call)."""
+        keys = getattr(self._local, "turns", None)
+        if keys is not None:
+            self._local.turns = None
+            return self.router.place_turns(keys, weight)
+        call = next(self._call_ids)
+        self._local.call = call
+        return self.router.place_new([(call, i) for i in range(count)], weight)
+
+    def _routed(self, server: int, weight: int, fn: Callable, *args):
+        """`fn(*args)`, a request placed on `server`; its load is released however it ends."""
+        try:
+            return fn(*args)
+        finally:
+            self.router.done(server, weight)
+
+    def generate_turn(self, prompt_ids: list[list[int]], sampling: SamplingParams, first: list[int]):
+        """Later turns go where their first turn went (that server caches their prefix), within the load bound."""
+        call = getattr(self._local, "call", None)
+        self._local.turns = None if call is None else [(call, g) for g in first]
+        return self.generate(prompt_ids, sampling)
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> HttpServerEngine:

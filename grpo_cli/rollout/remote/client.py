@@ -13,6 +13,7 @@ from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.http_engine import HttpServerEngine, model_identity
 from grpo_cli.rollout.seeds import request_seed
+from grpo_cli.rollout.routing import runs
 from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, split_groups
 
 if TYPE_CHECKING:
@@ -85,8 +86,7 @@ class ServerEngine(HttpServerEngine):
         URLs (`rollout/images.py`), not once per completion."""
         start = time.perf_counter()
         urls = wire_images.encode(images)
-        parts = split_groups(len(prompt_ids), len(self.urls), self._calls)
-        self._calls += 1
+        parts = runs(self._place(len(prompt_ids), sampling.n))  # whole groups per server (rollout/routing.py)
         futures = []
         for server, sl in parts:
             # one request per server slice: the server's engine derives each prompt's seed from this one
@@ -97,7 +97,8 @@ class ServerEngine(HttpServerEngine):
                                  "top_k": sampling.top_k, "seed": seed}}
             if urls is not None:
                 body["images"] = urls[sl]
-            futures.append(self._pool.submit(self._post, self.urls[server], "/generate", body))
+            futures.append(self._pool.submit(self._routed, server, sampling.n * (sl.stop - sl.start), self._post,
+                                             self.urls[server], "/generate", body))
         completions, reasons, logps = [], [], []
         for (server, _), fut in zip(parts, futures, strict=True):
             out = fut.result()
@@ -110,7 +111,7 @@ class ServerEngine(HttpServerEngine):
                                f"{len(prompt_ids)} prompts x n={sampling.n}")
         return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
                             finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
-                            timings={"generate": time.perf_counter() - start})
+                            timings={"generate": time.perf_counter() - start}, metrics=self.router.take_metrics())
 
     def score(self, sequences: list[list[int]], images=None) -> list[list[float]]:
         parts = split_groups(len(sequences), len(self.urls), self._calls)
@@ -138,6 +139,7 @@ class ServerEngine(HttpServerEngine):
 
     def _check_version(self, url: str, version) -> None:
         if version != self.weight_version:  # it restarted (or another trainer pushed): our weights are gone
+            self.router.forget(self.urls.index(url))
             raise RolloutServerDown(f"rollout server {url} answered with weights v{version}, but the trainer pushed "
                                     f"v{self.weight_version} (did it restart?): push the weights again "
                                     "(update_weights) and retry the step", url=url, recovered=True)
