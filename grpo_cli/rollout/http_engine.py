@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from grpo_cli.rollout.base import RolloutEngine, SamplingParams
-from grpo_cli.rollout.routing import Router
+from grpo_cli.rollout.routing import CacheMeter, Router, prefix_cache_counters
 from grpo_cli.rollout.transport import base as transports
 from grpo_cli.rollout.transport.http_client import HttpClient, Policy
 
@@ -63,6 +63,7 @@ class HttpServerEngine(RolloutEngine):
         self.router = Router(len(self.urls), max_excess=self.policy.sticky_max_excess)
         self._call_ids = itertools.count()
         self._local = threading.local()  # this thread's first-turn call and pending later-turn keys
+        self._cache_meter = CacheMeter(len(self.urls))
 
     # -- routing (rollout/routing.py) -----------------------------------------------------------------------
     def _place(self, count: int, weight: int) -> list[int]:
@@ -88,6 +89,18 @@ class HttpServerEngine(RolloutEngine):
         call = getattr(self._local, "call", None)
         self._local.turns = None if call is None else [(call, g) for g in first]
         return self.generate(prompt_ids, sampling)
+
+    def _prefix_cache_metrics(self) -> dict[str, float]:
+        """The servers' prefix-cache hit rate since the last call, from their Prometheus `/metrics` where they serve
+        vLLM's counters (`rollout/routing.py`); a server that does not is left out."""
+        readings = []
+        for url in self.urls:
+            try:
+                resp = self.http.request(url, "GET", "/metrics", timeout=5.0)
+                readings.append(prefix_cache_counters(resp.text) if resp.status_code == 200 else None)  # noqa: PLR2004
+            except Exception:  # noqa: BLE001 - a metric, never a reason to fail the step
+                readings.append(None)
+        return self._cache_meter.take_metrics(readings)
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext) -> HttpServerEngine:

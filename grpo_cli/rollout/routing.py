@@ -118,3 +118,43 @@ class Router:
         self.sticky.move_to_end(key)
         while len(self.sticky) > STICKY_CAPACITY:
             self.sticky.popitem(last=False)
+
+
+CACHE_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+"""vLLM's prefix-cache counters on its Prometheus `/metrics` (tokens looked up, tokens found), one per engine."""
+
+
+def prefix_cache_counters(text: str) -> tuple[float, float] | None:
+    """(queries, hits) summed over label sets from a Prometheus exposition; None when the server reports neither."""
+    sums = dict.fromkeys(CACHE_COUNTERS, 0.0)
+    seen = False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return (sums[CACHE_COUNTERS[0]], sums[CACHE_COUNTERS[1]]) if seen else None
+
+
+class CacheMeter:
+    """The servers' prefix-cache hit rate between two readings of their counters (a counter that went down: the
+    server restarted, its counting started again from 0)."""
+
+    def __init__(self, servers: int) -> None:
+        self.last: list[tuple[float, float] | None] = [None] * servers
+
+    def take_metrics(self, readings: Sequence[tuple[float, float] | None]) -> dict[str, float]:
+        """`rollout/prefix_cache_hit_rate/<i>` and overall, over the tokens looked up since the last reading."""
+        out, total_q, total_h = {}, 0.0, 0.0
+        for i, now in enumerate(readings):
+            if now is None:
+                continue
+            before = self.last[i] if self.last[i] is not None and self.last[i][0] <= now[0] else (0.0, 0.0)
+            self.last[i] = now
+            queries, hits = now[0] - before[0], now[1] - before[1]
+            if queries > 0:
+                out[f"rollout/prefix_cache_hit_rate/{i}"] = hits / queries
+                total_q, total_h = total_q + queries, total_h + hits
+        if total_q > 0:
+            out["rollout/prefix_cache_hit_rate"] = total_h / total_q
+        return out

@@ -3,7 +3,8 @@ overload bound, restart invalidation, and the load metrics."""
 
 from __future__ import annotations
 
-from grpo_cli.rollout.routing import Router, fill, least_loaded, overloaded, runs
+from grpo_cli.rollout.routing import (CacheMeter, Router, fill, least_loaded, overloaded, prefix_cache_counters,
+                                     runs)
 
 
 def test_least_loaded_and_fill_follow_load_not_turns():
@@ -54,3 +55,28 @@ def test_restart_drops_stickiness_and_metrics_report_peaks():
     # peaks start afresh from what was in flight at the take (5 then), then from nothing
     assert r.take_metrics()["rollout/server_load/max"] == 5.0
     assert r.take_metrics()["rollout/server_load/max"] == 0.0
+
+
+EXPOSITION = """# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 60.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 40.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 20.0
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
+"""
+
+
+def test_prefix_cache_hit_rate_from_vllm_counters_between_readings():
+    assert prefix_cache_counters(EXPOSITION) == (160.0, 60.0)
+    assert prefix_cache_counters("# a server without them\nother_total 3\n") is None
+    meter = CacheMeter(2)
+    assert meter.take_metrics([(160.0, 60.0), None]) == {"rollout/prefix_cache_hit_rate/0": 60 / 160,
+                                                         "rollout/prefix_cache_hit_rate": 60 / 160}
+    # since the last reading: 40 tokens looked up, 30 found; server 1 reports for the first time
+    m = meter.take_metrics([(200.0, 90.0), (10.0, 5.0)])
+    assert m["rollout/prefix_cache_hit_rate/0"] == 0.75 and m["rollout/prefix_cache_hit_rate/1"] == 0.5
+    assert m["rollout/prefix_cache_hit_rate"] == 35 / 50
+    # server 0 restarted (its counter went down): counted from 0
+    assert meter.take_metrics([(8.0, 2.0), (10.0, 5.0)]) == {"rollout/prefix_cache_hit_rate/0": 0.25,
+                                                              "rollout/prefix_cache_hit_rate": 0.25}

@@ -200,7 +200,8 @@ class VLLMServeEngine(HttpServerEngine):
                 logps.append([float(c["logprob"]) for c in content])
         batch = RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
                              finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
-                             timings={"generate": time.perf_counter() - start}, metrics=self.router.take_metrics())
+                             timings={"generate": time.perf_counter() - start},
+                             metrics={**self.router.take_metrics(), **self._prefix_cache_metrics()})
         if len(completions) == len(prompt_ids) * sampling.n:
             return batch
         raise RolloutError(f"vllm serve returned {len(completions)} completions for {len(prompt_ids)} prompts x "
