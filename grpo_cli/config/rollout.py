@@ -80,6 +80,12 @@ class ServerConfig(Section):
     at the price of holding one copy of the weights in shared memory for the whole run; false frees it after each
     sync. The file is removed when the run ends; a file left by a killed trainer is removed by the next shm run of
     the same user."""
+    weight_fanout: Literal["relay", "direct"] = "relay"
+    """With `weight_transport: http` and several `grpo serve-rollout` servers: `relay` sends one upload to the first
+    server, which forwards it to the next as it reads it, and so on down `urls` (the trainer sends each byte once;
+    every server checks every frame and reports its version; the servers must reach each other and share the
+    token); `direct` uploads to every server at once (each byte once per server). `shm` writes one file all servers
+    map, and `nccl` broadcasts to all servers in one group, whatever this says."""
     weight_chunk_mb: int = Field(128, ge=1)
     """Size of one weight chunk (HTTP frame, or SGLang tensor bucket)."""
     weight_sync_dir: str | None = None

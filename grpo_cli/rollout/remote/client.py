@@ -37,9 +37,10 @@ class ServerEngine(HttpServerEngine):
 
     def __init__(self, urls: list[str], *, policy: Policy | None = None, token: str | None = None,
                  stop_token_ids: list[int] | None = None, expected: dict | None = None,
-                 chunk_mb: int = 128, transport: str = "http", shm_keep_file: bool = True,
+                 chunk_mb: int = 128, transport: str = "http", shm_keep_file: bool = True, relay: bool = True,
                  start_hint: str = "grpo serve-rollout --model PATH", connect: bool = True) -> None:
-        self._open(urls, token=token, policy=policy, transport=transport, offered={"keep_file": shm_keep_file})
+        self._open(urls, token=token, policy=policy, transport=transport,
+                   offered={"keep_file": shm_keep_file, "relay": relay})
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
         self.expected = expected or {}
         self.chunk_bytes = chunk_mb << 20
@@ -53,7 +54,7 @@ class ServerEngine(HttpServerEngine):
     def config_args(cls, cfg: GRPOConfig, ctx: EngineContext) -> dict:
         s = cfg.rollout.server
         return {"token": s.token, "expected": model_identity(ctx.model_path), "transport": cfg.rollout.transport,
-                "shm_keep_file": s.shm_keep_file,
+                "shm_keep_file": s.shm_keep_file, "relay": s.weight_fanout == "relay",
                 "start_hint": f"GRPO_ROLLOUT_TOKEN=... grpo serve-rollout --engine hf --model {ctx.model_path}"}
 
     # -- start-up ---------------------------------------------------------------------------------------
