@@ -18,7 +18,8 @@ from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.http_engine import HttpServerEngine, model_identity
 from grpo_cli.rollout.seeds import child_seed
 from grpo_cli.rollout.sglang.vision import Placeholders
-from grpo_cli.rollout.transport.http_client import Policy, split_groups
+from grpo_cli.rollout.routing import runs
+from grpo_cli.rollout.transport.http_client import Policy
 
 if TYPE_CHECKING:
     import torch
@@ -170,8 +171,7 @@ class SGLangEngine(HttpServerEngine):
                                "generating: after release/resume SGLang holds garbage, not the old weights")
         self.wake_up()
         start = time.perf_counter()
-        parts = split_groups(len(prompt_ids), len(self.urls), self._calls)
-        self._calls += 1
+        parts = runs(self._place(len(prompt_ids), sampling.n))  # whole groups per server (rollout/routing.py)
         urls = wire_images.encode(images)
         futures = []
         for server, sl in parts:
@@ -186,7 +186,8 @@ class SGLangEngine(HttpServerEngine):
             body = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
             if urls is not None:
                 body["image_data"] = image_data
-            futures.append(self._pool.submit(self._generate_call, self.urls[server], body))
+            futures.append(self._pool.submit(self._routed, server, len(ids), self._generate_call, self.urls[server],
+                                             body))
         completions, reasons, logps = [], [], []
         for fut in futures:
             for out in fut.result():
@@ -196,7 +197,7 @@ class SGLangEngine(HttpServerEngine):
                 logps.append(lp)
         return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
                             finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
-                            timings={"generate": time.perf_counter() - start})
+                            timings={"generate": time.perf_counter() - start}, metrics=self.router.take_metrics())
 
     def _generate_call(self, url: str, body: dict) -> list[dict]:
         out = self.http.call(url, "POST", "/generate", json=body).json()
