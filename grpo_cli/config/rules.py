@@ -136,6 +136,12 @@ def _check_rollout(cfg: GRPOSections) -> None:
 def _check_weight_transport(cfg: GRPOSections) -> None:
     r = cfg.rollout
     name = r.server.weight_transport
+    if r.server.weight_fanout == "direct" and (r.mode != "server" or r.transport != "http"):
+        how = f"by {r.transport}" if r.mode == "server" else f"in {r.mode} mode"
+        raise ValueError(
+            "rollout.server.weight_fanout=direct changes nothing here: fan-out applies to the http weight transport "
+            f"of rollout.mode=server, and this run's weights go {how} (shm: one file every server maps; nccl: one "
+            "broadcast group). Remove it, or set rollout.server.weight_transport=http.")
     if name is None:
         _check_same_host(cfg)
         return
