@@ -37,6 +37,9 @@ class Hardware:
     backward, optimizer step), so a step of T tokens trains in T * this / train_gpus."""
     sync_s: float
     """A weight update: the engines hold still (paused, loading), the trainer pushes."""
+    decode_per_ctx_s: float = 0.0
+    """What each token of a sequence's context (prompt + tokens so far) adds to a decode step: its KV-cache reads,
+    which dominate at long context. The step then grows as the sequences do; the simulator integrates it."""
     prefill_s_per_token: float = 0.0
     max_seqs: int = 1 << 30
     """Sequences an engine decodes at once (vLLM's max_num_seqs / KV capacity); the rest wait in its queue."""
@@ -122,13 +125,16 @@ class Group:
 
 
 class Engine:
-    """One rollout engine: a token clock that runs at 1 / step_s(active) tokens per second per sequence."""
+    """One rollout engine: a token clock that every decoding sequence follows, one token per decode step. A step
+    takes A + B * clock seconds (`step_now`): the context term grows with the clock, so time and tokens are related
+    by the integral of the step over the clock (exact for this linear cost, a quadratic)."""
 
-    def __init__(self, hw: Hardware, index: int) -> None:
-        self.hw, self.index = hw, index
+    def __init__(self, hw: Hardware, index: int, prompt_len: int = 0) -> None:
+        self.hw, self.index, self.prompt_len = hw, index, prompt_len
         self.clock = 0.0
         self.heap: list[tuple[float, int, Seq]] = []
         self.active = 0
+        self.starts = 0.0  # sum of the active sequences' start clocks: their contexts sum to c*(prompt+clock) - this
         self.waiting: list[Seq] = []
         self.prefill_left = 0.0
         self.paused_until = 0.0
@@ -149,6 +155,7 @@ class Engine:
                 s.group.prefilled = True
                 self.prefill_left += self.hw.prefill_s_per_token * s.group.prompt_len
             s.start = self.clock
+            self.starts += s.start
             self._n += 1
             heapq.heappush(self.heap, (self.clock + s.length, self._n, s))
             self.active += 1
@@ -170,7 +177,17 @@ class Engine:
         self._drop_aborted()
         if not self.heap:
             return INF
-        return now + (self.heap[0][0] - self.clock) * self.hw.step_s(self.active)
+        u = self.heap[0][0] - self.clock
+        return now + self.step_now() * u + self._slope() / 2 * u * u
+
+    def _slope(self) -> float:
+        return self.hw.decode_per_ctx_s * self.active
+
+    def step_now(self) -> float:
+        """Seconds of the decode step at the current clock, for the sequences decoding now."""
+        hw, c = self.hw, self.active
+        ctx = c * (self.prompt_len + self.clock) - self.starts
+        return hw.step_s(c) + hw.decode_per_ctx_s * ctx
 
     def _drop_aborted(self) -> None:
         while self.heap and self.heap[0][2].aborted:
@@ -187,18 +204,20 @@ class Engine:
         self.busy += used
         dt -= used
         if dt > 0 and self.active:
-            step = self.hw.step_s(self.active)
-            self.clock += dt / step
-            self.tokens += dt / step * self.active
+            s0, b = self.step_now(), self._slope()
+            u = 2 * dt / (s0 + math.sqrt(s0 * s0 + 2 * b * dt))  # the root of s0*u + b/2*u^2 = dt
+            self.clock += u
+            self.tokens += u * self.active
             self.busy += dt
 
     def finished(self) -> list[Seq]:
         out = []
         self._drop_aborted()
-        while self.heap and self.heap[0][0] <= self.clock + 1e-9:
+        while self.heap and self.heap[0][0] <= self.clock + 1e-9 * max(1.0, self.clock):
             _, _, s = heapq.heappop(self.heap)
             self.clock = max(self.clock, s.start + s.length)
             self.active -= 1
+            self.starts -= s.start
             self._close(s, s.start + s.length)
             s.done = True
             out.append(s)
@@ -214,6 +233,7 @@ class Engine:
                 self.waiting.remove(s)
             else:
                 self.active -= 1
+                self.starts -= s.start
                 self._close(s, self.clock)
         self._admit()
 
@@ -239,7 +259,7 @@ class Sim:
 
     def __init__(self, hw: Hardware, w: Workload) -> None:
         self.hw, self.w = hw, w
-        self.engines = [Engine(hw, i) for i in range(hw.rollout_engines)]
+        self.engines = [Engine(hw, i, w.prompt_len) for i in range(hw.rollout_engines)]
         self.groups = Groups(w)
         self.next_group = 0
         self.now = 0.0

@@ -20,23 +20,25 @@ W = Workload(steps=8, prompts_per_step=4, generations=4, prompt_len=10,
              lengths={"kind": "geometric", "mean": 40, "max": 300}, max_in_flight=8, max_version_lag=1)
 
 
-def generation_seconds(hw: Hardware, lengths: list[int]) -> float:
-    """One engine decoding `lengths` together from the same start: between two endings the concurrency is fixed."""
+def generation_seconds(hw: Hardware, lengths: list[int], prompt_len: int) -> float:
+    """One engine decoding `lengths` together from the same start: between two endings the concurrency c is fixed
+    and a decode step at token x costs step_s(c) + decode_per_ctx_s * c * (prompt_len + x), integrated over x."""
     total, done, c = 0.0, 0, len(lengths)
     for n in sorted(lengths):
-        total += (n - done) * hw.step_s(c)
+        total += (n - done) * (hw.step_s(c) + hw.decode_per_ctx_s * c * prompt_len)
+        total += hw.decode_per_ctx_s * c * (n * n - done * done) / 2
         done, c = n, c - 1
     return total
 
 
 def test_sync_with_nothing_but_generation_takes_the_generation_time():
-    """Decode plus one prefill per group (its samples share the prompt), both busy time."""
-    hw = replace(HW, train_s_per_token=0.0, sync_s=0.0, prefill_s_per_token=1e-4)
+    """Decode (its step growing with the contexts) plus one prefill per group (its samples share the prompt)."""
+    hw = replace(HW, train_s_per_token=0.0, sync_s=0.0, prefill_s_per_token=1e-4, decode_per_ctx_s=1e-6)
     r = simulate(hw, W, ["sync"])["sync"]
     groups = Groups(W)
     per_step = [[n for g in range(s * 4, s * 4 + 4) for n in groups[g]] for s in range(W.steps)]
     prefill = W.steps * W.prompts_per_step * W.prompt_len * 1e-4
-    assert r["seconds"] == pytest.approx(sum(generation_seconds(hw, n) for n in per_step) + prefill, rel=1e-9)
+    assert r["seconds"] == pytest.approx(sum(generation_seconds(hw, n, W.prompt_len) for n in per_step) + prefill, rel=1e-9)
     assert r["trained_completion_tokens"] == r["generated_tokens"] == sum(map(sum, per_step))
     assert r["engine_idle_frac"] == pytest.approx(0.0, abs=1e-9)
     assert r["version_lag_max"] == 0
