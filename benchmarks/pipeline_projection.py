@@ -5,9 +5,10 @@ How the inputs are made (docs/benchmarks.md, "Streaming rollouts: the projection
 - decode step = weights read once (bytes / HBM bandwidth) + per sequence its matmul FLOPs (2 x params / dense BF16
   peak) + per context token its KV-cache read (bytes / bandwidth), with efficiencies `BW_EFF` and `FLOP_EFF`;
   checked against a published vLLM throughput of an 8B model on one H100;
-- train seconds per token: the rate at which the simulator reproduces NeMo-RL's published synchronous Llama-3.1-8B
-  GRPO run (16 colocated H100s, 1,562 tokens/s/GPU), checked against Megatron-Bridge's published pre-training rate;
-  scaled to 7B by the parameter count;
+- train seconds per token, two ways: (a) the rate at which the simulator reproduces NeMo-RL's published
+  synchronous Llama-3.1-8B GRPO run (16 colocated H100s, 1,562 tokens/s/GPU); (b) Megatron-Bridge's published FP8
+  pre-training rate of Llama-3 8B on H100, at BF16's peak and with the two extra forwards an RL step makes (policy
+  and reference logprobs); both scaled to 7B by the parameter count;
 - completion lengths: lognormal (sigma 0.8) clipped at max_completion_length, mean ~1/4 of the cap.
 Run: `python -m benchmarks.pipeline_projection` (seconds). Results: `benchmarks/results/stream_projection.json`.
 """
@@ -49,6 +50,10 @@ MODELS = {"llama8b": {"params": 8.03e9, "layers": 32, "kv_heads": 8, "head_dim":
 BW_EFF, FLOP_EFF, MEM_UTIL = 0.7, 0.5, 0.9
 """Assumed: share of HBM bandwidth a decode step reaches, share of dense BF16 peak its matmuls reach, share of HBM
 vLLM takes (gpu_memory_utilization)."""
+MEGATRON_FP8_TOKENS, FP8_PEAK = 14451.0, 1979e12
+"""Megatron-Bridge: 14,451 tokens/s/GPU at 744 model TFLOP/s in FP8 (peak 1,979 dense); the same share of the
+BF16 peak gives 14,451 x 989/1,979 tokens/s of forward + backward (6N FLOPs per token); an RL step also runs the
+policy's and the reference's logprob forwards (2N each): 6N / 10N of that."""
 NEMO_PROMPT = 132
 """NeMo-RL's mean prompt: 1,562 x 16 x 97.7 tokens per step / 2,048 samples = 1,192 tokens, minus 1,060 generated."""
 
@@ -108,46 +113,66 @@ def calibrate_train(target: float = 1562.0) -> dict:
             "published": {"tokens_per_s_per_gpu": target, "step_s": 97.7}}
 
 
-def project(cap: int, train_s_per_token_8b: float, *, lag: int, prompts: int = 64, G: int = 16,
-            steps: int = 16) -> dict:
+def megatron_rate() -> float:
+    """Train tokens/s of one H100 on Llama-3-8B in an RL step, from Megatron-Bridge's pre-training figure."""
+    return MEGATRON_FP8_TOKENS * H100["flops"] / FP8_PEAK * 6 / 10
+
+
+def project(cap: int, train_s_per_token_8b: float, *, lag: int, in_flight: float, prompts: int = 64, G: int = 16,
+            steps: int = 16, rollout_gpus: int = 8, train_gpus: int = 8) -> dict:
+    """Sync, async and stream on `rollout_gpus` + `train_gpus` H100s, and sync colocated on all of them."""
     prompt = 256
     mean = lengths(cap)["median"] * 1.377
     r = decode_rates("qwen7b", mean_context=prompt + mean)
     per_token = train_s_per_token_8b * MODELS["qwen7b"]["params"] / MODELS["llama8b"]["params"]
-    hw = Hardware(rollout_engines=8, train_gpus=8, train_s_per_token=per_token, sync_s=1.0,
+    hw = Hardware(rollout_engines=rollout_gpus, train_gpus=train_gpus, train_s_per_token=per_token, sync_s=1.0,
                   prefill_s_per_token=2 * MODELS["qwen7b"]["params"] / (H100["flops"] * FLOP_EFF), **r)
-    in_flight = max(prompts, 8 * r["max_seqs"] // G)  # fill every engine's cap
+    pool = int(prompts * in_flight)
     w = Workload(steps=steps, prompts_per_step=prompts, generations=G, prompt_len=prompt, lengths=lengths(cap),
-                 max_in_flight=in_flight, max_version_lag=lag, max_buffered=in_flight)
-    res = simulate(hw, w)
+                 max_in_flight=pool, max_version_lag=lag, max_buffered=pool)
+    res = simulate(hw, w, ["sync"])
     res["async"] = simulate(hw, replace(w, max_version_lag=1), ["async"])["async"]
+    res["stream"] = simulate(hw, w, ["stream"])["stream"]
+    everyone = rollout_gpus + train_gpus
+    colo = replace(hw, rollout_engines=everyone, train_gpus=everyone, colocated=True)
+    res["sync colocated"] = simulate(colo, w, ["sync"])["sync"]
+    res["sync colocated"]["schedule"] = f"sync colocated ({everyone})"
+    per_gpu = {k: r["tokens_per_s_per_gpu"] for k, r in res.items()}
     return {"hardware": asdict(hw), "workload": asdict(w), "results": res,
-            "stream_over_sync": res["stream"]["tokens_per_s"] / res["sync"]["tokens_per_s"],
+            "stream_over_sync": per_gpu["stream"] / per_gpu["sync"],
+            "stream_over_sync_colocated": per_gpu["stream"] / per_gpu["sync colocated"],
             "stream_over_async": res["stream"]["tokens_per_s"] / res["async"]["tokens_per_s"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--caps", type=int, nargs="+", default=[4096, 8192, 16384])
-    ap.add_argument("--lag", type=int, default=2, help="stream: rollout.stream.max_version_lag")
+    ap.add_argument("--lag", type=int, default=4, help="stream: rollout.stream.max_version_lag")
+    ap.add_argument("--in-flight", type=float, default=1.5, help="stream: max_in_flight in steps' worth of groups")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "stream_projection.json"))
     a = ap.parse_args()
     v = vllm_check()
     print(f"decode model, Llama-3.1-8B on one H100, 256 x ~500-token contexts: {v['model_tokens_per_s']:.0f} "
           f"tokens/s (published ~{v['published_tokens_per_s']})")
     cal = calibrate_train()
-    print(f"train rate that reproduces NeMo-RL's sync run: {cal['train_tokens_per_s_per_gpu']:.0f} tokens/s per H100 "
-          f"(Llama-3.1-8B, logprobs + forward/backward + step); simulated step {cal['sim_step_s']:.1f} s vs 97.7")
-    out = {"sources": SOURCES, "assumptions": {"bw_eff": BW_EFF, "flop_eff": FLOP_EFF, "mem_util": MEM_UTIL},
-           "vllm_check": v, "train_calibration": cal, "projections": {}}
-    for cap in a.caps:
-        p = project(cap, cal["train_s_per_token"], lag=a.lag)
-        out["projections"][str(cap)] = p
-        print(f"\n8 rollout + 8 training H100, Qwen2.5-7B, completions up to {cap} (lognormal, mean "
-              f"~{lengths(cap)['median'] * 1.377:.0f}), 64 prompts x 16, stream lag <= {a.lag}:")
-        print(table(p["results"]))
-        print(f"stream / sync {p['stream_over_sync']:.2f}x (goal >= 2), stream / async "
-              f"{p['stream_over_async']:.2f}x (goal >= 1.3)")
+    mb = megatron_rate()
+    print(f"train rate (Llama-3.1-8B, one H100, logprobs + forward/backward + step): (a) {1 / cal['train_s_per_token']:.0f}"
+          f" tokens/s reproduces NeMo-RL's sync run (simulated {cal['sim_tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
+          f"step {cal['sim_step_s']:.1f} s vs 1,562 and 97.7 published); (b) {mb:.0f} from Megatron-Bridge's figure")
+    out = {"sources": SOURCES, "assumptions": {"bw_eff": BW_EFF, "flop_eff": FLOP_EFF, "mem_util": MEM_UTIL,
+                                               "stream_lag": a.lag, "stream_in_flight_steps": a.in_flight},
+           "vllm_check": v, "train_calibration": cal, "train_megatron_tokens_per_s": mb, "projections": {}}
+    for label, per_token in (("a: NeMo-RL sync fit", cal["train_s_per_token"]), ("b: Megatron-Bridge", 1 / mb)):
+        for cap in a.caps:
+            p = project(cap, per_token, lag=a.lag, in_flight=a.in_flight)
+            out["projections"][f"{label}, cap {cap}"] = p
+            print(f"\n[{label}] 8 rollout + 8 training H100, Qwen2.5-7B, completions up to {cap} (lognormal, mean "
+                  f"~{lengths(cap)['median'] * 1.377:.0f}), 64 prompts x 16; stream: lag <= {a.lag}, "
+                  f"{a.in_flight:g} steps of groups in flight")
+            print(table(p["results"]))
+            print(f"tokens/s/GPU: stream / sync {p['stream_over_sync']:.2f}x (colocated sync "
+                  f"{p['stream_over_sync_colocated']:.2f}x; goal >= 2), stream / async {p['stream_over_async']:.2f}x "
+                  "(goal >= 1.3)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"\nresults: {a.out}")
