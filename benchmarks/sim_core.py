@@ -46,13 +46,17 @@ class Hardware:
     train_fixed_s: float = 0.0
     """Per training step, whatever its size (optimizer step, rewards, Python)."""
     gpus_per_engine: int = 1
+    colocated: bool = False
+    """The engines and the trainer time-share the same GPUs (colocated sync, e.g. NeMo-RL's published sync runs):
+    tokens/s per GPU divides by the larger of the two counts, not their sum. Meaningful for `sync` only."""
 
     def step_s(self, c: int) -> float:
         return self.decode_fixed_s + self.decode_per_seq_s * c
 
     @property
     def gpus(self) -> int:
-        return self.rollout_engines * self.gpus_per_engine + self.train_gpus
+        rollout = self.rollout_engines * self.gpus_per_engine
+        return max(rollout, self.train_gpus) if self.colocated else rollout + self.train_gpus
 
 
 @dataclass(frozen=True)
@@ -332,6 +336,8 @@ class Sim:
             "schedule": name, "seconds": total, "steps": len(steps),
             "step_s_median": statistics.median(steps[1:] or steps),
             "trained_completion_tokens": self.trained_completion,
+            "trained_tokens": self.trained_completion + self.trained_steps * self.w.prompts_per_step
+            * self.w.generations * self.w.prompt_len,
             "tokens_per_s": self.trained_completion / total,
             "tokens_per_s_per_gpu": self.trained_completion / total / self.hw.gpus,
             "generated_tokens": round(sum(e.tokens for e in self.engines)),

@@ -92,3 +92,24 @@ def test_stream_beats_sync_on_a_heavy_tail_and_runs_are_deterministic():
     assert a == b
     assert a["stream"]["tokens_per_s"] > a["sync"]["tokens_per_s"]
     assert simulate(HW, replace(w, seed=1), ["sync"])["sync"] != a["sync"]
+
+
+def test_async_is_at_most_stream_is_at_most_the_bound_on_a_heavy_tail():
+    """Bounds, by hand: the trainer trains then syncs in series (seconds >= train busy + steps x sync_s), and an
+    engine decodes at most C / step_s(C) tokens/s with C the pool's largest concurrency."""
+    w = replace(W, lengths={"kind": "lognormal", "median": 30, "sigma": 1.0, "max": 400}, steps=12,
+                max_version_lag=2, max_in_flight=8)
+    r = simulate(HW, w, ["async", "stream"])
+    s = r["stream"]
+    train_bound = s["trained_completion_tokens"] / ((1 - s["trainer_idle_frac"]) * s["seconds"] + w.steps * HW.sync_s)
+    c = w.max_in_flight * w.generations
+    generation_bound = HW.rollout_engines * c / HW.step_s(c)
+    assert r["async"]["tokens_per_s"] < s["tokens_per_s"] <= min(train_bound, generation_bound)
+
+
+def test_identical_lengths_make_stream_match_async_with_a_one_step_pool():
+    """No tail to hide: a pool of one step's groups at lag 1 is async's schedule, up to the sync pauses' timing."""
+    fixed = replace(W, lengths={"kind": "fixed", "value": 50}, steps=12, max_version_lag=1, max_in_flight=4)
+    r = simulate(HW, fixed, ["async", "stream"])
+    assert r["stream"]["tokens_per_s"] == pytest.approx(r["async"]["tokens_per_s"], rel=0.03)
+    assert r["stream"]["step_s_median"] == pytest.approx(r["async"]["step_s_median"], rel=0.03)
