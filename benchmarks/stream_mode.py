@@ -18,7 +18,8 @@ Reported per arm: median over seeds of trained completion tokens/s (steps after 
 (sync: 1 − generate/step; async: 1 − the actor's generate/step; stream: `stream/engine_idle_frac`), step time and
 the reward per step. Then the decode cost (timed on the server: requests of c sequences × T tokens, EOS ignored),
 the train time per token and the sync time measured here go into `benchmarks/pipeline_sim.py`, whose predicted step
-times are printed beside the measured ones (goal: within 15%).
+times are printed beside the measured ones (goal: within 15%). The calibration runs before and after the arms (the
+mean of both fits is used; both are kept), since a shared machine's speed drifts.
 
 Run: `python -m benchmarks.stream_mode [--steps 12] [--seeds 0 1 2] [--arms sync async stream]`.
 Results: `benchmarks/results/stream_mode.json` (`--out`).
@@ -81,9 +82,15 @@ def sim_check(calib: dict, summary: dict, a, prompt_len: int) -> dict:
                      max_in_flight=a.max_in_flight, max_version_lag=a.max_version_lag if name == "stream" else 1)
         r = simulate(hw, w, [name])[name]
         out[name] = {"measured_step_s": m["step_s"], "predicted_step_s": r["step_s_median"],
+                     "measured_engine_idle": m["engine_idle_frac"], "predicted_engine_idle": r["engine_idle_frac"],
                      "measured_tokens_per_s": m["tokens_per_s"], "predicted_tokens_per_s": r["tokens_per_s"],
                      "step_error": r["step_s_median"] / m["step_s"] - 1, "predicted": r}
     return out
+
+
+def show(fit: dict, when: str) -> None:
+    print(f"decode step ({when}): {fit['fixed_s'] * 1e3:.2f} ms + {fit['per_seq_s'] * 1e3:.3f} ms/sequence "
+          f"+ {fit['per_ctx_s'] * 1e6:.3f} us/context token", flush=True)
 
 
 def main() -> None:
@@ -118,17 +125,20 @@ def main() -> None:
         server = VLLMServe(ckpt, write_plugin_shim(cache / "shim"), cache / "stream-server.log",
                            extra=("--max-model-len", "1024"), timeout_s=1800)
     try:
-        calib = calibrate_decode(server.url, ckpt, prompt)
-        print(f"decode step: {calib['fixed_s'] * 1e3:.2f} ms + {calib['per_seq_s'] * 1e3:.3f} ms/seq "
-              f"+ {calib['per_ctx_s'] * 1e6:.3f} us/context token", flush=True)
+        fits = [calibrate_decode(server.url, ckpt, prompt)]
+        show(fits[-1], "before the runs")
         for seed in a.seeds:
             for name in runs:
                 res = run_arm([*arm_args(name, server.url, a), *common_args(a, ckpt, seed)], a.timeout,
                               actor_core=0 if name == "async" else None)
                 print(f"seed {seed} {name}: " + (res.get("error") or f"{res['wall_s']:.0f}s wall"), flush=True)
                 runs[name].append(res)
+        fits.append(calibrate_decode(server.url, ckpt, prompt))  # again: a shared machine's speed drifts
+        show(fits[-1], "after the runs")
     finally:
         server.stop()
+    calib = {k: (fits[0][k] + fits[-1][k]) / 2 for k in ("overhead_s", "fixed_s", "per_seq_s", "per_ctx_s")}
+    calib["fits"] = fits
     summary = {name: summarise_arm(r, a.skip, a.prompts * a.G, plen) for name, r in runs.items()}
     rows = [["arm", "tokens/s", "step s", "engine idle", "reward at last step (per seed)", "runs"]]
     for name, m in summary.items():
@@ -149,7 +159,8 @@ def main() -> None:
         if isinstance(c, dict):
             print(f"simulator {name}: step {c['predicted_step_s']:.3f} s predicted vs {c['measured_step_s']:.3f} "
                   f"measured ({c['step_error']:+.0%}); tokens/s {c['predicted_tokens_per_s']:.1f} vs "
-                  f"{c['measured_tokens_per_s']:.1f}")
+                  f"{c['measured_tokens_per_s']:.1f}; engine idle {c['predicted_engine_idle']:.0%} vs "
+                  f"{c['measured_engine_idle']:.0%}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({
         "settings": {**vars(a), "checkpoint": ckpt, "prompt_len": plen}, "machine": machine_info(),
