@@ -2,8 +2,9 @@
 `sync` (generate a step's groups, train, sync), `async` (grpo-cli's `rollout.mode: async`, train/pipeline.py: batch
 k+1 generates while step k trains) and `stream` (a pool of groups always generating, weights landing in flight).
 
-Run: `python -m benchmarks.pipeline_sim INPUTS.json` (`{"hardware": {...}, "workload": {...}}`, the fields of
-`benchmarks.sim_core.Hardware` and `Workload`); `benchmarks/pipeline_projection.py` runs it on published GPU rates.
+Run: `python -m benchmarks.pipeline_sim [INPUTS.json] [--set workload.max_version_lag=4 ...]` (the
+fields of `benchmarks.sim_core.Hardware` and `Workload`; writes benchmarks/results/pipeline_sim.json);
+`benchmarks/pipeline_projection.py` runs it on published GPU rates.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from benchmarks.sim_core import INF, Engine, Group, Hardware, Seq, Sim, Workload
 
@@ -260,16 +263,50 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
+DEFAULTS = {
+    "hardware": {"rollout_engines": 1, "train_gpus": 1, "decode_fixed_s": 0.005, "decode_per_seq_s": 0.0002,
+                 "train_s_per_token": 2e-5, "sync_s": 0.05},
+    "workload": {"steps": 12, "prompts_per_step": 4, "generations": 4, "prompt_len": 10, "max_in_flight": 8,
+                 "max_version_lag": 2, "lengths": {"kind": "lognormal", "median": 30, "sigma": 1.0, "max": 400}},
+}
+"""A small heavy-tailed case (the tests' shape) for a run without inputs."""
+
+
+def inputs(path: str | None, sets: list[str]) -> tuple[Hardware, Workload]:
+    """DEFAULTS, overlaid by the JSON file, overlaid by `--set section.field=JSON` flags."""
+    spec = json.loads(json.dumps(DEFAULTS))
+    if path:
+        with open(path) as f:
+            for section, fields in json.load(f).items():
+                spec.setdefault(section, {}).update(fields)
+    for item in sets:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        if section not in spec or not name or not value:
+            print(f"--set {item!r}: write --set hardware.FIELD=VALUE or --set workload.FIELD=VALUE "
+                  "(VALUE in JSON, e.g. --set workload.lengths='{\"kind\": \"fixed\", \"value\": 50}')",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        spec[section][name] = json.loads(value)
+    return Hardware(**spec["hardware"]), Workload(**spec["workload"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("inputs", help='JSON file: {"hardware": {Hardware fields}, "workload": {Workload fields}}')
+    ap.add_argument("inputs", nargs="?", help='JSON file: {"hardware": {Hardware fields}, "workload": {Workload '
+                    'fields}}; fields left out keep DEFAULTS')
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON",
+                    help="override one field, e.g. --set hardware.sync_s=2 --set workload.max_version_lag=4")
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline_sim.json"))
     args = ap.parse_args()
-    with open(args.inputs) as f:
-        spec = json.load(f)
-    hw, w = Hardware(**spec["hardware"]), Workload(**spec["workload"])
-    results = simulate(hw, w)
+    hw, w = inputs(args.inputs, args.set)
+    results = simulate(hw, w, args.schedules)
     print(table(results))
-    print(json.dumps({"hardware": asdict(hw), "workload": asdict(w), "results": results}, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"hardware": asdict(hw), "workload": asdict(w), "results": results},
+                                         indent=1))
+    print(f"results: {args.out}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ Reported per arm: median over seeds of trained completion tokens/s (steps after 
 (sync: 1 − generate/step; async: 1 − the actor's generate/step; stream: `stream/engine_idle_frac`), step time and
 the reward per step. Then the decode cost (timed on the server: requests of c sequences × T tokens, EOS ignored),
 the train time per token and the sync time measured here go into `benchmarks/pipeline_sim.py`, whose predicted step
-times are printed beside the measured ones (goal: within 15%).
+times are printed beside the measured ones (goal: within 15%). The calibration runs before and after the arms (the
+mean of both fits is used; both are kept), since a shared machine's speed drifts.
 
 Run: `python -m benchmarks.stream_mode [--steps 12] [--seeds 0 1 2] [--arms sync async stream]`.
 Results: `benchmarks/results/stream_mode.json` (`--out`).
@@ -81,12 +82,18 @@ def sim_check(calib: dict, summary: dict, a, prompt_len: int) -> dict:
                      max_in_flight=a.max_in_flight, max_version_lag=a.max_version_lag if name == "stream" else 1)
         r = simulate(hw, w, [name])[name]
         out[name] = {"measured_step_s": m["step_s"], "predicted_step_s": r["step_s_median"],
+                     "measured_engine_idle": m["engine_idle_frac"], "predicted_engine_idle": r["engine_idle_frac"],
                      "measured_tokens_per_s": m["tokens_per_s"], "predicted_tokens_per_s": r["tokens_per_s"],
                      "step_error": r["step_s_median"] / m["step_s"] - 1, "predicted": r}
     return out
 
 
-def main() -> None:
+def show(fit: dict, when: str) -> None:
+    print(f"decode step ({when}): {fit['fixed_s'] * 1e3:.2f} ms + {fit['per_seq_s'] * 1e3:.3f} ms/sequence "
+          f"+ {fit['per_ctx_s'] * 1e6:.3f} us/context token", flush=True)
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=2, help="leading steps left out (start-up, the first exposed rollout)")
@@ -100,59 +107,88 @@ def main() -> None:
     ap.add_argument("--max-version-lag", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=str(RESULTS_DIR / "stream_mode.json"))
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def measure(a, ckpt: str, prompt: list[int], runs: dict) -> dict:
+    """Start the server on core 0, calibrate its decode, run every arm once per seed (alternated), calibrate again,
+    stop the server; `runs` fills with each arm's runs, the mean of the two fits is returned."""
     sys.path.insert(0, str(ROOT / "tests" / "e2e"))
     from vllm_serve_harness import VLLMServe, write_plugin_shim
 
-    cache = Path(os.environ.get("GRPO_BENCH_CACHE", "/tmp/grpo-bench"))
-    ckpt = workload_checkpoint(cache, a.vocab)
-    prompt = prompt_ids(ckpt)
-    plen = len(prompt)
-    notes, runs = [], {name: [] for name in a.arms}
-    if "stream" in a.arms and not stream_accepted(arm_args("stream", "http://127.0.0.1:1", a) + common_args(a, ckpt, 0)):
-        notes.append("stream: skipped, this grpo-cli refuses rollout.mode=stream (not merged yet)")
-        print(notes[-1], flush=True)
-        runs.pop("stream")
-    t0 = time.perf_counter()
+    cache = Path(ckpt).parent
     with pinned({0}, VLLM_CPU_OMP_THREADS_BIND="0"):
         server = VLLMServe(ckpt, write_plugin_shim(cache / "shim"), cache / "stream-server.log",
                            extra=("--max-model-len", "1024"), timeout_s=1800)
     try:
-        calib = calibrate_decode(server.url, ckpt, prompt)
-        print(f"decode step: {calib['fixed_s'] * 1e3:.2f} ms + {calib['per_seq_s'] * 1e3:.3f} ms/seq "
-              f"+ {calib['per_ctx_s'] * 1e6:.3f} us/context token", flush=True)
+        fits = [calibrate_decode(server.url, ckpt, prompt)]
+        show(fits[-1], "before the runs")
         for seed in a.seeds:
             for name in runs:
                 res = run_arm([*arm_args(name, server.url, a), *common_args(a, ckpt, seed)], a.timeout,
                               actor_core=0 if name == "async" else None)
                 print(f"seed {seed} {name}: " + (res.get("error") or f"{res['wall_s']:.0f}s wall"), flush=True)
                 runs[name].append(res)
+        fits.append(calibrate_decode(server.url, ckpt, prompt))  # again: a shared machine's speed drifts
+        show(fits[-1], "after the runs")
     finally:
         server.stop()
-    summary = {name: summarise_arm(r, a.skip, a.prompts * a.G, plen) for name, r in runs.items()}
-    rows = [["arm", "tokens/s", "step s", "engine idle", "reward at last step (per seed)", "runs"]]
+    calib = {k: (fits[0][k] + fits[-1][k]) / 2 for k in ("overhead_s", "fixed_s", "per_seq_s", "per_ctx_s")}
+    return {**calib, "fits": fits}
+
+
+def compare(summary: dict) -> dict:
+    """Print the table; stream's tokens/s over the better of sync and async, and its reward minus sync's at equal
+    steps (the mean over steps, per seed)."""
+    rows = [["arm", "tokens/s", "step s", "engine idle", "reward, mean of the last 3 steps (per seed)", "runs"]]
     for name, m in summary.items():
         if "error" in m:
             rows.append([name, "error", m["error"][:70], "", "", ""])
             continue
         rows.append([name, f"{m['tokens_per_s']:.1f}", f"{m['step_s']:.3f}", f"{m['engine_idle_frac']:.1%}",
-                     " ".join(f"{r:.2f}" for r in m["final_reward"]), str(m["runs"])])
+                     " ".join(f"{r:.3f}" for r in m["final_reward"]), str(m["runs"])])
     print(fmt_table(rows))
     ok = {k: v for k, v in summary.items() if "error" not in v}
-    ratios = {}
+    out = {}
     if "stream" in ok and ({"sync", "async"} & ok.keys()):
         best = max(ok[k]["tokens_per_s"] for k in ("sync", "async") if k in ok)
-        ratios["stream_over_best"] = ok["stream"]["tokens_per_s"] / best
-        print(f"stream / best of sync, async: {ratios['stream_over_best']:.2f}x (goal >= 1.3x)")
-    check = sim_check(calib, summary, a, plen)
+        out["stream_over_best"] = ok["stream"]["tokens_per_s"] / best
+        print(f"stream / best of sync, async: {out['stream_over_best']:.2f}x (goal >= 1.3x); stream engine idle "
+              f"{ok['stream']['engine_idle_frac']:.1%} (goal < 10%)")
+    if "stream" in ok and "sync" in ok:
+        out["stream_minus_sync_reward"] = [
+            sum(x - y for x, y in zip(st, sy)) / max(1, min(len(st), len(sy)))
+            for st, sy in zip(ok["stream"]["reward_per_step"], ok["sync"]["reward_per_step"])]
+        print("stream − sync reward at equal steps (mean over steps, per seed): "
+              + " ".join(f"{d:+.3f}" for d in out["stream_minus_sync_reward"]) + " (goal: not below 0 beyond noise)")
+    return out
+
+
+def main() -> None:
+    a = parse_args()
+    cache = Path(os.environ.get("GRPO_BENCH_CACHE", "/tmp/grpo-bench"))
+    ckpt = workload_checkpoint(cache, a.vocab)
+    prompt = prompt_ids(ckpt)
+    notes, runs = [], {name: [] for name in a.arms}
+    probe = arm_args("stream", "http://127.0.0.1:1", a) + common_args(a, ckpt, 0)
+    if "stream" in a.arms and not stream_accepted(probe):
+        notes.append("stream: skipped, this grpo-cli refuses rollout.mode=stream (not merged yet)")
+        print(notes[-1], flush=True)
+        runs.pop("stream")
+    t0 = time.perf_counter()
+    calib = measure(a, ckpt, prompt, runs)
+    summary = {name: summarise_arm(r, a.skip, a.prompts * a.G, len(prompt)) for name, r in runs.items()}
+    ratios = compare(summary)
+    check = sim_check(calib, summary, a, len(prompt))
     for name, c in check.items():
         if isinstance(c, dict):
             print(f"simulator {name}: step {c['predicted_step_s']:.3f} s predicted vs {c['measured_step_s']:.3f} "
                   f"measured ({c['step_error']:+.0%}); tokens/s {c['predicted_tokens_per_s']:.1f} vs "
-                  f"{c['measured_tokens_per_s']:.1f}")
+                  f"{c['measured_tokens_per_s']:.1f}; engine idle {c['predicted_engine_idle']:.0%} vs "
+                  f"{c['measured_engine_idle']:.0%}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({
-        "settings": {**vars(a), "checkpoint": ckpt, "prompt_len": plen}, "machine": machine_info(),
+        "settings": {**vars(a), "checkpoint": ckpt, "prompt_len": len(prompt)}, "machine": machine_info(),
         "load_average_after": os.getloadavg(), "wall_s": time.perf_counter() - t0, "notes": notes,
         "calibration": calib, "summary": summary, "ratios": ratios, "simulator": check,
         "raw": {k: [r.get("rows", r.get("error")) for r in v] for k, v in runs.items()},

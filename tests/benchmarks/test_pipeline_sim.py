@@ -113,3 +113,21 @@ def test_identical_lengths_make_stream_match_async_with_a_one_step_pool():
     r = simulate(HW, fixed, ["async", "stream"])
     assert r["stream"]["tokens_per_s"] == pytest.approx(r["async"]["tokens_per_s"], rel=0.03)
     assert r["stream"]["step_s_median"] == pytest.approx(r["async"]["step_s_median"], rel=0.03)
+
+
+def test_cli_overlays_flags_on_the_inputs_file_and_writes_the_results(tmp_path, monkeypatch, capsys):
+    from benchmarks import pipeline_sim
+    spec = tmp_path / "in.json"
+    spec.write_text('{"workload": {"steps": 3, "lengths": {"kind": "fixed", "value": 20}}}')
+    out = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", ["pipeline_sim", str(spec), "--set", "hardware.sync_s=0.5", "--out", str(out)])
+    pipeline_sim.main()
+    import json
+    got = json.loads(out.read_text())
+    assert got["hardware"]["sync_s"] == 0.5 and got["workload"]["steps"] == 3
+    assert set(got["results"]) == {"sync", "async", "stream"}
+    assert "stream" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["pipeline_sim", "--set", "hardware.sync_s"])
+    with pytest.raises(SystemExit) as e:
+        pipeline_sim.main()
+    assert e.value.code == 2
