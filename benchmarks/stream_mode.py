@@ -134,7 +134,12 @@ def measure(a, ckpt: str, prompt: list[int], runs: dict) -> dict:
     finally:
         server.stop()
     calib = {k: (fits[0][k] + fits[-1][k]) / 2 for k in ("overhead_s", "fixed_s", "per_seq_s", "per_ctx_s")}
-    return {**calib, "fits": fits}
+    reference = [f["fixed_s"] + 64 * (f["per_seq_s"] + (len(prompt) + 64) * f["per_ctx_s"]) for f in fits]
+    drift = max(reference) / min(reference) - 1  # a 64-sequence decode step at 64 tokens, by each fit
+    if drift > 0.15:
+        print(f"WARNING: the decode step changed by {drift:.0%} between the calibrations (other load on the machine):"
+              " the simulator check below is not meaningful; rerun on a quiet machine", flush=True)
+    return {**calib, "fits": fits, "drift": drift}
 
 
 def compare(summary: dict) -> dict:
