@@ -58,7 +58,8 @@ def worker(ckpt: str, out_dir: str, steps: int, micro_batches: int, overrides: l
     import torch
 
     from grpo_cli.config.load import build_config
-    from grpo_cli.config.plan import model_shape, training_state_bytes
+    from grpo_cli.config.model_shape import model_shape
+    from grpo_cli.planner.plan import training_state_bytes
     from grpo_cli.runtime.dist import all_reduce_sum, init_from_env
     from grpo_cli.train.batch import TrainBatch
     from grpo_cli.train.policy import load_policy

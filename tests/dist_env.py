@@ -29,9 +29,14 @@ def clean_env(**extra: str) -> dict[str, str]:
 def run_two_ranks(worker: str, args: list[str], out: Path, *, timeout: float) -> list[dict]:
     """Start `worker ARGS OUT` as ranks 0 and 1 of a gloo group on loopback (one thread each), wait for both, fail
     with their output tails if either fails; returns each rank's `OUT/rank{r}.json`."""
-    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    return run_ranks(worker, args, out, timeout=timeout, world=2)
+
+
+def run_ranks(worker: str, args: list[str], out: Path, *, timeout: float, world: int) -> list[dict]:
+    """`run_two_ranks` for `world` ranks (e.g. 4 for HSDP's 2 x 2 mesh)."""
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, worker, *args, str(out)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = []
     try:
         for p in procs:
@@ -40,4 +45,4 @@ def run_two_ranks(worker: str, args: list[str], out: Path, *, timeout: float) ->
         for p in procs:
             p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

@@ -120,7 +120,8 @@ class AgentEngine(EngineWrapper):
         return self._ellipsis_ids
 
     def _turns(self, first: RolloutBatch, prompt_ids: list[list[int]], sampling: SamplingParams, resume):
-        """Run the turns after `first`; returns (trajectories, tool-call counts, seconds in tool calls)."""
+        """Run the turns after `first`; returns (trajectories, tool-call counts, seconds in tool calls, the turns'
+        engine metrics)."""
         n, budget = sampling.n, sampling.max_tokens
         trajs = self._start(len(first.completion_ids), n)
         self._add_turns([(t, first.completion_ids[j],
@@ -129,6 +130,7 @@ class AgentEngine(EngineWrapper):
         stats = {"calls": 0, "errors": 0, "timeouts": 0}
         tool_seconds = 0.0
         row = {j: j for j in range(len(trajs))}  # trajectory → row of the engine's last output
+        metrics = [first.metrics]
         for turn in range(1, self.cfg.max_turns):
             active = [j for j, t in enumerate(trajs) if t.pending and t.finish == "stop"]
             tick = time.perf_counter()
@@ -156,7 +158,9 @@ class AgentEngine(EngineWrapper):
             if resume is not None and self.engine.can_continue():
                 out = resume([row[j] for j in go], [trajs[j].fresh for j in go], params)
             else:
-                out = self.engine.generate([prompt_ids[j // n] + trajs[j].ids for j in go], params)
+                out = self.engine.generate_turn([prompt_ids[j // n] + trajs[j].ids for j in go], params,
+                                                first=[j // n for j in go])
+            metrics.append(out.metrics)
             row = {j: i for i, j in enumerate(go)}  # trajectory → row of the engine's last output
             sampled = []
             for i, j in enumerate(go):
@@ -166,7 +170,7 @@ class AgentEngine(EngineWrapper):
                 lps = out.sampler_logprobs[i][: room[i]] if out.sampler_logprobs is not None else None
                 sampled.append((trajs[j], ids, lps, finish))
             self._add_turns(sampled)
-        return trajs, stats, tool_seconds
+        return trajs, stats, tool_seconds, metrics
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         """Turn 0 samples every completion; later turns sample the rollouts that called a tool, from the whole
@@ -179,7 +183,7 @@ class AgentEngine(EngineWrapper):
             try:
                 first = (self.engine.generate(prompt_ids, sampling, keep_cache=True) if resume is not None
                          else self.engine.generate(prompt_ids, sampling))
-                trajs, stats, tool_seconds = self._turns(first, prompt_ids, sampling, resume)
+                trajs, stats, tool_seconds, turn_metrics = self._turns(first, prompt_ids, sampling, resume)
             finally:
                 if resume is not None:
                     self.engine.drop_cache()
@@ -187,6 +191,9 @@ class AgentEngine(EngineWrapper):
         b = len(trajs)
         metrics = {"tools/calls_per_rollout": stats["calls"] / b, "tools/errors": float(stats["errors"]),
                    "tools/timeouts": float(stats["timeouts"]), "tools/turns": sum(t.turns for t in trajs) / b}
+        for figures in turn_metrics:  # the engine's (rollout/server_load/*): the busiest turn's
+            for key, value in figures.items():
+                metrics[key] = max(metrics.get(key, value), value)
         return RolloutBatch(
             prompt_ids=first.prompt_ids, completion_ids=[t.ids for t in trajs],
             finish_reasons=[t.finish for t in trajs],

@@ -1,2 +1,2 @@
-"""Pure tensor math of GRPO: advantages, objectives, aggregation, KL, IS correction, mismatch metrics.
-The bottom layer: imports torch and the standard library only, nothing else of grpo_cli."""
+"""Pure tensor math of GRPO: advantages, objectives, aggregation, KL, IS correction, mismatch metrics; torch and the
+standard library only."""

@@ -1,2 +1,2 @@
-"""Typer command-line layer: parse, load config, call one function. The top layer: may import any package,
-the heavy ones (torch, train, rollout) only inside command bodies; nothing imports cli."""
+"""Typer command-line layer: parse, load config, call one function; the heavy imports (torch, train, rollout) only
+inside command bodies."""

@@ -52,6 +52,9 @@ def train(
     rehearse: Annotated[bool, typer.Option("--rehearse", help="Dress rehearsal on CPU: the preset's topology (backend, "
                                            "engine, mode, TP, offload, server) on builtin:tiny; checks every "
                                            "transition and exits 0 only when all pass.")] = False,
+    write_script: Annotated[Optional[Path], typer.Option("--write-script", help="With --dry-run and a `deployment:` "
+                                                         "scheduler: also write its script (sbatch or Ray bootstrap) "
+                                                         "to this file.")] = None,
     worker: Annotated[bool, typer.Option("--worker", hidden=True, help="Internal: run as a launched worker.")] = False,
 ) -> None:
     """Train with GRPO. With no arguments, runs the built-in tiny-cpu preset (no download, a few minutes on CPU)."""
@@ -71,7 +74,7 @@ def train(
 
             raise typer.Exit(run_rehearse(cfg, output_dir=output_dir, dry_run=dry_run))
         code = run_train(cfg, output_dir=output_dir, dry_run=dry_run, worker=worker,
-                         argv=sys.argv[1:])
+                         argv=sys.argv[1:], write_script=write_script)
     raise typer.Exit(code)
 
 
@@ -88,8 +91,8 @@ def plan(
     """Print the batch plan, a per-GPU memory estimate for the chosen mode and the host memory per machine."""
     with user_errors():
         cfg = load_config(preset, preset_opt, config, overrides)
-        from grpo_cli.config.plan import parse_size
-        from grpo_cli.config.plan_render import render_plan
+        from grpo_cli.planner.plan import parse_size
+        from grpo_cli.planner.plan_render import render_plan
 
         typer.echo(render_plan(cfg, gpu_mem=parse_size(gpu_mem) if gpu_mem else None,
                                host_mem=parse_size(host_mem, "--host-mem") if host_mem else None))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -37,6 +37,13 @@ def serve_rollout(
                     "whole blocks: serving multi-turn (agent) runs on CPU, set 32.")] = None,
     compile: Annotated[bool, typer.Option(help="hf engine: run the decode step under torch.compile (the "
                                                "trainer's rollout.compile; needs a C++ compiler on CPU).")] = False,
+    data_parallel_size: Annotated[Optional[int], typer.Option(
+        min=1, help="Start N engines (each its own process, its own GPU group of --tensor-parallel-size on CUDA) on "
+                    "ports --port .. --port + N - 1, each one URL of the trainer's pool (deployment: derives them); "
+                    "works on CPU too.")] = None,
+    gpus: Annotated[Optional[Literal["all"]], typer.Option(
+        help="`all`: one engine per GPU (per --tensor-parallel-size GPUs) of this machine, as "
+             "--data-parallel-size would; refused without CUDA.")] = None,
     task: Annotated[Literal["rollout", "reward"], typer.Option(
         help="rollout: the routes below; reward: a sequence-classification checkpoint on /classify (SGLang's "
              "reward-model route), for rewards.functions entries {url: ...}.")] = "rollout",
@@ -53,6 +60,12 @@ def serve_rollout(
                         token=os.environ.get(token_env) or None, max_request_mb=max_request_mb,
                         max_frame_mb=max_frame_mb, compile=compile, block_size=block_size)
     with user_errors(), contextlib.suppress(KeyboardInterrupt):
+        if (data_parallel_size or 1) > 1 or gpus:
+            from grpo_cli.server.fleet import cuda_gpus, fleet_size, run_fleet
+
+            found = cuda_gpus()
+            raise typer.Exit(run_fleet(opts, fleet_size(data_parallel_size, gpus == "all", tensor_parallel_size,
+                                                        found), token_env=token_env, gpus=found))
         if task == "reward":
             from grpo_cli.server.launch import run_reward_server
 

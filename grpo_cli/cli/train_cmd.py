@@ -10,11 +10,13 @@ import typer
 
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import dump_config
-from grpo_cli.config.plan import required_gpus
-from grpo_cli.config.plan_render import render_plan
+from grpo_cli.planner.plan import required_gpus
+from grpo_cli.planner.plan_render import render_plan
 from grpo_cli.config.schema import GRPOConfig
-from grpo_cli.config.deepspeed import deepspeed_json
+from grpo_cli.planner.deepspeed import deepspeed_json
+from grpo_cli.config.rules_megatron import context_parallel_refusal
 from grpo_cli.launch.command import launch_command
+from grpo_cli.launch.deploy_ray import render_deployment
 from grpo_cli.runtime.faults import FaultPlan
 
 
@@ -33,7 +35,22 @@ def check_gpus(cfg: GRPOConfig) -> None:
         )
 
 
-def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker: bool, argv: list[str]) -> int:
+def _deployment_script(cfg: GRPOConfig, write_script: Path | None) -> None:
+    """Print (and with --write-script save) the script of `deployment.scheduler`."""
+    script = render_deployment(cfg)
+    if write_script is not None and script is None:
+        raise UserError("--write-script writes the script of deployment.scheduler (slurm or ray), and this config's "
+                        "scheduler is 'none'; set deployment.scheduler or drop --write-script.")
+    if script:
+        typer.echo(f"\n# deployment ({cfg.deployment.scheduler}): the script below, saved as a file\n" + script)
+    if write_script is not None:
+        write_script.write_text(script)
+        write_script.chmod(0o755)
+        typer.echo(f"# wrote {write_script}")
+
+
+def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker: bool, argv: list[str],
+              write_script: Path | None = None) -> int:
     """Exit code of the training command."""
     cmd = launch_command(cfg, argv)
     if dry_run:
@@ -42,8 +59,16 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
         if cfg.distributed.backend == "deepspeed":
             typer.echo("\n# DeepSpeed config (each worker builds it from the config above)\n" + deepspeed_json(cfg))
         typer.echo("\n# launch command\n" + (" ".join(cmd) if cmd else "(single process: runs in this process)"))
+        _deployment_script(cfg, write_script)
         return 0
+    if cfg.deployment.rollout_nodes and not cfg.rollout.server.urls and not worker:
+        raise UserError(
+            f"deployment.rollout_nodes={cfg.deployment.rollout_nodes}: this config is a multi-node job; print its "
+            f"{cfg.deployment.scheduler} script with `grpo train ... --dry-run` and submit that (it starts the "
+            "rollout servers and passes their URLs to the trainers).")
     check_gpus(cfg)
+    if why := context_parallel_refusal(cfg):  # not a config rule: `grpo plan`/`--rehearse`/`--dry-run` model it
+        raise UserError(why)
     FaultPlan.from_env()  # a malformed GRPO_INJECT_FAULT fails here (exit 2), before any worker starts
     if cmd and not worker:
         typer.echo("launching: " + " ".join(cmd))

@@ -1,2 +1,2 @@
-"""Pydantic configuration: the only home of defaults, preset loading, overrides, rules, plans, the DeepSpeed
-JSON. The bottom layer: imports no other grpo_cli package and no torch at module level."""
+"""Pydantic configuration: the only home of defaults, preset loading, overrides, the cross-field rules and the facts
+they read (a model's shape, the engine modes, the weight transports); no torch at module level."""

@@ -38,23 +38,3 @@ class DistillConfig(Section):
     def token(self) -> str | None:
         """The served teacher's bearer token, read once from `token_env`."""
         return os.environ.get(self.token_env) or None
-
-
-def local_teacher(cfg) -> str | None:
-    """The resolved folder of a local teacher (`builtin:` names built on first use), None when there is none."""
-    d = cfg.algorithm.distill
-    if d is None or d.served:
-        return None
-    from grpo_cli.models.tiny import resolve_model_path
-
-    return resolve_model_path(d.teacher)
-
-
-def local_teacher_params(cfg) -> int:
-    """Parameters of a local teacher (0 without one), from its config.json (`grpo plan`)."""
-    d = cfg.algorithm.distill
-    if d is None or d.served:
-        return 0
-    from grpo_cli.config.model_shape import model_shape
-
-    return model_shape(d.teacher).params

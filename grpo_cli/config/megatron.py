@@ -10,8 +10,8 @@ from grpo_cli.config.base import Section
 
 
 class MegatronConfig(Section):
-    """World = tensor_parallel × pipeline_parallel × data parallel (data parallel is what is left of
-    `num_processes × num_machines`); expert parallel splits the MoE experts inside the data × tensor ranks."""
+    """World = tensor_parallel × pipeline_parallel × context_parallel_size × data parallel (data parallel is what is
+    left of `num_processes × num_machines`); expert parallel splits the MoE experts inside the data × tensor ranks."""
 
     tensor_parallel: int = Field(1, ge=1)
     """Ranks that split every layer's matrices (attention heads, MLP columns, the vocabulary); keep it within one
@@ -30,6 +30,11 @@ class MegatronConfig(Section):
     memory). Refused for now: the backend builds megatron-core's pure-torch layer spec, whose RMSNorm cannot do it
     (Transformer Engine's spec could; it is not built). Without it megatron-core also refuses a MoE model at
     `tensor_parallel` > 1: split experts with `expert_parallel` instead."""
+    context_parallel_size: int = Field(1, ge=1)
+    """Ranks that share one sequence (megatron-core's context parallelism: each holds 1/N of the positions, the
+    attention passes key/value blocks around the group); world = tensor × pipeline × context × data. Modelled by
+    `grpo plan` and `--rehearse`, but refused when training: megatron-core runs it only in Transformer Engine's
+    attention (CUDA), and this backend builds the pure-torch layer spec (docs/megatron.md)."""
     distributed_optimizer: bool = True
     """Shard the float32 master weights and Adam state over the data-parallel ranks (ZeRO-1)."""
     recompute: Literal["none", "selective", "full"] = "none"

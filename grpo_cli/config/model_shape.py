@@ -1,5 +1,5 @@
 """A model's size and shape from its config.json alone (a local folder; never downloads), or from the size in its
-name for the Qwen2.5 dense and Qwen3 MoE families: what `grpo plan` and the config rules size a run by."""
+name for the Qwen2.5 dense and Qwen3 dense and MoE families: what `grpo plan` and the config rules size a run by."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ class ModelShape:
         return (self.params - self.root_params) / self.layers
 
 
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per parameter of each `model.dtype`."""
+
+
 QWEN_VOCAB = 151_936
 KNOWN_SHAPES = {0.5: (896, 24, 128, True), 1.5: (1536, 28, 256, True), 3: (2048, 36, 256, True),
                 7: (3584, 28, 512, False), 14: (5120, 48, 1024, False), 32: (5120, 64, 1024, False),
@@ -52,6 +56,19 @@ KNOWN_MOE_CONFIGS = {
 }
 """The Qwen3 MoE models' config.json fields `model_shape` reads, by the size in the name ('Qwen/Qwen3-30B-A3B'), for
 names without a local folder."""
+
+QWEN3_DENSE = {0.6: (1024, 28, 16, 3072, True), 1.7: (2048, 28, 16, 6144, True), 4: (2560, 36, 32, 9728, True),
+               8: (4096, 36, 32, 12288, False), 14: (5120, 40, 40, 17408, False), 32: (5120, 64, 64, 25600, False)}
+"""Billions → (hidden, layers, attention heads, intermediate size, tied embeddings) of the dense Qwen3 models (8 key/
+value heads of 128, vocabulary 151,936), for names like 'Qwen/Qwen3-8B' without a local folder."""
+
+
+def qwen3_dense_config(billions: float) -> dict:
+    """The config.json fields `model_shape` reads of the dense Qwen3 of that size (a key of `QWEN3_DENSE`)."""
+    h, n_layers, heads, inter, tied = QWEN3_DENSE[billions]
+    return {"model_type": "qwen3", "hidden_size": h, "num_hidden_layers": n_layers, "num_attention_heads": heads,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": inter, "vocab_size": QWEN_VOCAB,
+            "tie_word_embeddings": tied}
 
 
 TINY_MOE_CONFIG = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -136,7 +153,8 @@ def _shape_from_config(c: dict) -> ModelShape:
 
 def model_shape(name: str) -> ModelShape:
     """From a local config.json when there is one; otherwise from the size in the name ('7B') with typical
-    Qwen2.5 shapes, or the Qwen3 MoE shape for names like 'Qwen3-30B-A3B'; the built-in tiny model is known."""
+    Qwen2.5 shapes, the dense Qwen3 shape for names like 'Qwen3-8B', or the Qwen3 MoE shape for names like
+    'Qwen3-30B-A3B'; the built-in tiny model is known."""
     c = local_model_config(name)
     if c is not None:
         return _shape_from_config(c)
@@ -147,6 +165,9 @@ def model_shape(name: str) -> ModelShape:
     moe = re.search(r"(\d+B-A\d+B)", name, re.IGNORECASE)
     if moe and moe.group(1).upper() in KNOWN_MOE_CONFIGS:
         return _shape_from_config(KNOWN_MOE_CONFIGS[moe.group(1).upper()])
+    dense3 = re.search(r"qwen3-(\d+(?:\.\d+)?)B(?!-A)", name, re.IGNORECASE)
+    if dense3 and float(dense3.group(1)) in QWEN3_DENSE:
+        return _shape_from_config(qwen3_dense_config(float(dense3.group(1))))
     m = re.search(r"(\d+(?:\.\d+)?)B", name, re.IGNORECASE)
     billions = float(m.group(1)) if m else 1.0
     h, n_layers, kv, tied = KNOWN_SHAPES.get(

@@ -46,8 +46,9 @@ class VLLMConfig(Section):
 
 class ServerConfig(Section):
     urls: list[str] = Field(default_factory=list)
-    """Rollout servers (`grpo serve-rollout`, SGLang, or `vllm serve` with `engine: vllm-serve`); generation is split
-    across them round-robin."""
+    """Rollout servers (`grpo serve-rollout`, SGLang, or `vllm serve` with `engine: vllm-serve`); each new group of
+    completions goes to the least-loaded server (requests in flight from this client), each later turn of a
+    multi-turn trajectory to the server of its first turn (`sticky_max_excess`; docs/server-mode.md, Routing)."""
     connect_timeout_s: float = Field(60.0, gt=0)
     """How long to wait for `/health` at start before stopping with a message."""
     request_timeout_s: float = Field(600.0, gt=0)
@@ -59,6 +60,10 @@ class ServerConfig(Section):
     `wait_for_recovery_s` for it to come back, then re-syncs weights and continues."""
     wait_for_recovery_s: float = Field(300.0, gt=0)
     """With `on_failure: wait`, how long to wait for a dead server."""
+    sticky_max_excess: int = Field(16, ge=0)
+    """A later turn of a multi-turn trajectory goes to the server that served its first turn (whose prefix cache
+    holds the conversation) unless that server has more than this many requests in flight beyond the least-loaded
+    server, or restarted since: then it goes to the least-loaded one. 0 routes every turn by load alone."""
     token_env: str = "GRPO_ROLLOUT_TOKEN"
     """Environment variable holding the bearer token sent to the server (unset: no token); for `vllm serve`, its
     `--api-key`."""
@@ -76,6 +81,12 @@ class ServerConfig(Section):
     at the price of holding one copy of the weights in shared memory for the whole run; false frees it after each
     sync. The file is removed when the run ends; a file left by a killed trainer is removed by the next shm run of
     the same user."""
+    weight_fanout: Literal["relay", "direct"] = "relay"
+    """With `weight_transport: http` and several `grpo serve-rollout` servers: `relay` sends one upload to the first
+    server, which forwards it to the next as it reads it, and so on down `urls` (the trainer sends each byte once;
+    every server checks every frame and reports its version; the servers must reach each other and share the
+    token); `direct` uploads to every server at once (each byte once per server). `shm` writes one file all servers
+    map, and `nccl` broadcasts to all servers in one group, whatever this says."""
     weight_chunk_mb: int = Field(128, ge=1)
     """Size of one weight chunk (HTTP frame, or SGLang tensor bucket)."""
     weight_sync_dir: str | None = None

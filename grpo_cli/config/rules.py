@@ -5,17 +5,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grpo_cli.config.engine_modes import engine_mode, modes_of
+from grpo_cli.config.hsdp import check_hsdp
+from grpo_cli.config.rules_deployment import check_deployment
 from grpo_cli.config.rules_megatron import check_megatron, divisors
 from grpo_cli.config.rules_vision import check_vision
 from grpo_cli.config.rules_offload import check_offload
 from grpo_cli.config.rules_stream import check_stream, check_unused, refuse_engine
+from grpo_cli.config.rules_sequence import check_sequence_parallel
 from grpo_cli.config.transports import facts, is_loopback
 
 if TYPE_CHECKING:
-    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.config.sections import GRPOSections
 
 
-def _check_batch(cfg: GRPOConfig) -> None:
+def _check_batch(cfg: GRPOSections) -> None:
     t, world = cfg.train, cfg.distributed.num_processes * cfg.distributed.num_machines
     if t.prompts_per_step % world:
         valid = [p for p in range(world, 4 * world + 1, world)]
@@ -34,13 +37,16 @@ def _check_batch(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_token_budget(cfg: GRPOConfig) -> None:
+def _check_token_budget(cfg: GRPOSections) -> None:
     budget, longest = cfg.train.micro_batch_tokens, cfg.max_sequence_length
-    if budget < longest:
+    sp = cfg.distributed.sequence_parallel.size  # the budget is per rank: a group's micro-batch holds sp times it
+    if budget * sp < longest:
+        least = -(-longest // sp)
         raise ValueError(
             f"train.micro_batch_tokens={budget} is smaller than the longest sequence a step can hold "
-            f"(data.max_prompt_length + rollout.max_completion_length = {longest}): such a row would run alone, "
-            f"past the budget meant to bound a micro-batch's memory; use at least {longest} (see `grpo plan`)."
+            f"(data.max_prompt_length + rollout.max_completion_length = {longest}"
+            f"{f', over distributed.sequence_parallel.size={sp} ranks' if sp > 1 else ''}): such a row would run "
+            f"alone, past the budget meant to bound a micro-batch's memory; use at least {least} (see `grpo plan`)."
         )
     if cfg.distributed.backend == "megatron":
         raise ValueError(
@@ -56,7 +62,7 @@ def _check_token_budget(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_layout(cfg: GRPOConfig) -> None:
+def _check_layout(cfg: GRPOSections) -> None:
     """The engine × mode is a row of `config/engine_modes.MODES`."""
     r = cfg.rollout
     if engine_mode(r.engine, r.mode) is not None:
@@ -73,10 +79,10 @@ def _check_layout(cfg: GRPOConfig) -> None:
                      f"{', '.join(modes)}; set rollout.mode to one of them.")
 
 
-def _check_rollout(cfg: GRPOConfig) -> None:
+def _check_rollout(cfg: GRPOSections) -> None:
     r = cfg.rollout
     _check_layout(cfg)
-    if r.layout.remote and not r.server.urls:
+    if r.layout.remote and not r.server.urls and not cfg.deployment.rollout_nodes:  # derived on each node
         raise ValueError(
             f"rollout.server.urls is empty but rollout.mode is '{r.mode}': give the rollout server's address, "
             "e.g. --set rollout.server.urls='[\"http://127.0.0.1:8000\"]' (start one with `grpo serve-rollout`)."
@@ -124,11 +130,24 @@ def _check_rollout(cfg: GRPOConfig) -> None:
                  "instead" if r.layout.remote else f"rollout.engine is '{r.engine}'")
         raise ValueError(f"rollout.vllm.block_size sets the KV block size of the vLLM engine the trainer builds "
                          f"(colocate or async), but {where}; remove rollout.vllm.block_size.")
+    if r.vllm.max_model_len is not None and r.vllm.max_model_len < cfg.max_sequence_length:
+        raise ValueError(
+            f"rollout.vllm.max_model_len={r.vllm.max_model_len} is below data.max_prompt_length "
+            f"{cfg.data.max_prompt_length} + rollout.max_completion_length {r.max_completion_length} = "
+            f"{cfg.max_sequence_length}: vLLM would stop the longest completions at {r.vllm.max_model_len} tokens "
+            f"without an error (finish reason length). Set it to at least {cfg.max_sequence_length} or remove it "
+            "(the default is that sum), or lower data.max_prompt_length / rollout.max_completion_length.")
 
 
-def _check_weight_transport(cfg: GRPOConfig) -> None:
+def _check_weight_transport(cfg: GRPOSections) -> None:
     r = cfg.rollout
     name = r.server.weight_transport
+    if r.server.weight_fanout == "direct" and (r.mode != "server" or r.transport != "http"):
+        how = f"by {r.transport}" if r.mode == "server" else f"in {r.mode} mode"
+        raise ValueError(
+            "rollout.server.weight_fanout=direct changes nothing here: fan-out applies to the http weight transport "
+            f"of rollout.mode=server, and this run's weights go {how} (shm: one file every server maps; nccl: one "
+            "broadcast group). Remove it, or set rollout.server.weight_transport=http.")
     if name is None:
         _check_same_host(cfg)
         return
@@ -147,7 +166,7 @@ def _check_weight_transport(cfg: GRPOConfig) -> None:
     _check_same_host(cfg)
 
 
-def _check_same_host(cfg: GRPOConfig) -> None:
+def _check_same_host(cfg: GRPOSections) -> None:
     """A transport that needs the server on the trainer's host (`TransportFacts.same_host`: a file in /dev/shm, CUDA
     IPC handles) refuses a URL that is not loopback, default transports included."""
     r = cfg.rollout
@@ -163,7 +182,7 @@ def _check_same_host(cfg: GRPOConfig) -> None:
         f"rollout.server.weight_transport to {' or '.join(others)} (docs/server-mode.md).")
 
 
-def _check_async(cfg: GRPOConfig) -> None:
+def _check_async(cfg: GRPOSections) -> None:
     r, d = cfg.rollout, cfg.distributed
     world = d.num_processes * d.num_machines
     if r.ray.num_actors % world:
@@ -197,7 +216,7 @@ def _check_async(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_distributed(cfg: GRPOConfig) -> None:
+def _check_distributed(cfg: GRPOSections) -> None:
     d = cfg.distributed
     if d.num_machines > 1 and not d.main_process_ip:
         raise ValueError(
@@ -229,15 +248,11 @@ def _check_distributed(cfg: GRPOConfig) -> None:
             "model.master_weights 'compute_dtype' is not available with distributed.backend 'deepspeed': its bf16 "
             "mode always keeps float32 master weights; set model.master_weights=float32."
         )
-    if d.sequence_parallel.size > 1:
-        raise ValueError(
-            f"distributed.sequence_parallel.size={d.sequence_parallel.size}: sequence parallelism is not built yet "
-            "in this version; set distributed.sequence_parallel.size=1.")
     if d.deepspeed.offload_params and d.deepspeed.zero_stage != 3:
         raise ValueError("distributed.deepspeed.offload_params needs zero_stage 3; set zero_stage=3 or turn it off.")
 
 
-def _check_sharding(cfg: GRPOConfig) -> None:
+def _check_sharding(cfg: GRPOSections) -> None:
     """Settings of one sharded backend refused under another (they would change nothing)."""
     d = cfg.distributed
     if d.backend != "fsdp2" and d.fsdp2.model_dump() != type(d.fsdp2)().model_dump():
@@ -245,6 +260,7 @@ def _check_sharding(cfg: GRPOConfig) -> None:
             f"distributed.fsdp2 settings apply only to distributed.backend=fsdp2, but the backend is '{d.backend}'; "
             "remove them or set distributed.backend=fsdp2."
         )
+    check_hsdp(cfg)
     if d.reduce_dtype != "float32" and d.backend == "megatron":
         raise ValueError(
             f"distributed.reduce_dtype '{d.reduce_dtype}' is not available with distributed.backend 'megatron': its "
@@ -268,7 +284,7 @@ def _check_sharding(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_lora_and_eval(cfg: GRPOConfig) -> None:
+def _check_lora_and_eval(cfg: GRPOSections) -> None:
     if cfg.model.lora is not None and cfg.distributed.backend == "megatron":
         raise ValueError(
             "model.lora is not available with distributed.backend 'megatron': it trains every weight of the "
@@ -293,7 +309,7 @@ def _check_lora_and_eval(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_agent(cfg: GRPOConfig) -> None:
+def _check_agent(cfg: GRPOSections) -> None:
     if cfg.rollout.custom and cfg.agent is not None:
         raise ValueError(
             "rollout.custom produces the completions itself, so it does not take agent: (multi-turn tool calls); "
@@ -311,7 +327,7 @@ def _check_agent(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_reward_models(cfg: GRPOConfig) -> None:
+def _check_reward_models(cfg: GRPOSections) -> None:
     from grpo_cli.config.reward_models import device_setting, reward_models
 
     for f in reward_models(cfg):
@@ -325,7 +341,7 @@ def _check_reward_models(cfg: GRPOConfig) -> None:
             )
 
 
-def _check_distill(cfg: GRPOConfig) -> None:
+def _check_distill(cfg: GRPOSections) -> None:
     d = cfg.algorithm.distill
     if d is None:
         return
@@ -345,7 +361,7 @@ def _check_distill(cfg: GRPOConfig) -> None:
             "and set algorithm.distill.teacher to its URL, or use distributed.backend ddp, fsdp2 or deepspeed.")
 
 
-def check_rules(cfg: GRPOConfig) -> None:
+def check_rules(cfg: GRPOSections) -> None:
     """Raise ValueError (naming the field and the fix) when fields contradict each other."""
     _check_batch(cfg)
     _check_rollout(cfg)
@@ -353,7 +369,9 @@ def check_rules(cfg: GRPOConfig) -> None:
     _check_sharding(cfg)
     check_vision(cfg)
     check_megatron(cfg)
+    check_sequence_parallel(cfg)
     _check_lora_and_eval(cfg)
     _check_agent(cfg)
     _check_reward_models(cfg)
     _check_distill(cfg)
+    check_deployment(cfg)

@@ -6,20 +6,35 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.config.sections import GRPOSections
+
+
+def megatron_layout(cfg: GRPOSections) -> dict[str, int]:
+    """Megatron-core's process grid for `distributed.megatron` (what `initialize_model_parallel` builds): tp, pp,
+    ep, cp (context parallel); dp = world / (tp·pp·cp) (the dense parameters' data-parallel ranks; the distributed
+    optimizer shards over dp·cp, as megatron-core's data-parallel group with context parallel); etp = the expert
+    tensor parallel size, tensor_parallel (Megatron's default when `expert_tensor_parallel_size` is not given, as
+    the backend does); edp = world / (ep·etp·pp) (the expert parameters' data-parallel ranks). dp/edp are 0 where
+    the grid does not divide the world (the config rules refuse that)."""
+    d, m = cfg.distributed, cfg.distributed.megatron
+    world = d.num_processes * d.num_machines
+    tp, pp, ep, cp = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.context_parallel_size
+    etp = tp
+    return {"world": world, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "dp": world // (tp * pp * cp),
+            "edp": world // (ep * etp * pp)}
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_megatron(cfg: GRPOConfig) -> None:
+def check_megatron(cfg: GRPOSections) -> None:
     """The Megatron-core grid (tensor × pipeline × data, experts over expert × expert-tensor × pipeline) fits the
     processes and the model; the settings the backend cannot honour are refused."""
     d, m, model = cfg.distributed, cfg.distributed.megatron, cfg.model
     if d.backend != "megatron":
         return
-    from grpo_cli.config.plan import local_model_config, megatron_layout, model_shape, num_experts
+    from grpo_cli.config.model_shape import local_model_config, model_shape, num_experts
 
     lay = megatron_layout(cfg)
     world, tp, pp, ep = lay["world"], lay["tp"], lay["pp"], lay["ep"]
@@ -30,6 +45,12 @@ def check_megatron(cfg: GRPOConfig) -> None:
             f"{world} training processes (num_processes × num_machines); data parallel is what is left, "
             f"world / (tensor_parallel × pipeline_parallel). Pick a product that divides {world}: tensor_parallel x "
             f"pipeline_parallel in {grids[:6]}."
+        )
+    if world % (tp * pp * lay["cp"]):
+        raise ValueError(
+            f"distributed.megatron.tensor_parallel={tp} × pipeline_parallel={pp} × context_parallel_size="
+            f"{lay['cp']} = {tp * pp * lay['cp']} does not divide the {world} training processes (data parallel is "
+            f"what is left); valid context_parallel_size values: {divisors(world // (tp * pp))}."
         )
     if world % (ep * lay["etp"] * pp):
         valid = [e for e in divisors(world // (lay["etp"] * pp))]
@@ -84,7 +105,7 @@ def check_megatron(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_megatron_model(cfg: GRPOConfig, c: dict, experts: int) -> None:
+def _check_megatron_model(cfg: GRPOSections, c: dict, experts: int) -> None:
     """Head, layer and expert counts from the model's config.json against the Megatron grid."""
     m, name = cfg.distributed.megatron, cfg.model.name_or_path
     tp, pp, ep, vp = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel, m.virtual_pipeline or 1
@@ -119,3 +140,22 @@ def _check_megatron_model(cfg: GRPOConfig, c: dict, experts: int) -> None:
             f"distributed.megatron.expert_parallel={ep} does not divide {name}'s {experts} experts (each rank holds "
             f"the same number of whole experts); valid values: {divisors(experts)}."
         )
+
+
+def context_parallel_refusal(cfg: GRPOConfig) -> str | None:
+    """Why `grpo train` cannot run `distributed.megatron.context_parallel_size` > 1 (None when it is 1 or the backend
+    is not megatron). Not a config rule: `grpo plan` and `--rehearse` still model the setting."""
+    cp = cfg.distributed.megatron.context_parallel_size
+    if cfg.distributed.backend != "megatron" or cp == 1:
+        return None
+    return (
+        f"distributed.megatron.context_parallel_size={cp} cannot train with this backend, on any machine: "
+        "megatron-core (0.16) runs context parallelism only inside Transformer Engine's attention "
+        "(TEDotProductAttention in megatron/core/extensions/transformer_engine.py, CUDA kernels and a CUDA stream "
+        "for the key/value exchange), while its pure-torch DotProductAttention asserts context_parallel_size == 1 "
+        "at model build (DotProductAttention.__init__, megatron/core/transformer/dot_product_attention.py; seen on "
+        "2 gloo processes), and grpo-cli's megatron backend builds that pure-torch layer spec. `grpo plan` and "
+        "`--rehearse` still model the setting. Set distributed.megatron.context_parallel_size=1; to fit long "
+        "sequences use distributed.megatron.recompute=full or a larger tensor_parallel, or distributed.backend=fsdp2 "
+        "with distributed.sequence_parallel.size (Ulysses or ring; docs/distributed.md, Long context)."
+    )

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.config.sections import GRPOSections
 
 
-def check_offload(cfg: GRPOConfig) -> None:
+def check_offload(cfg: GRPOSections) -> None:
     d = cfg.distributed
     if any(d.offload.model_dump().values()) and not cfg.rollout.colocated:
         raise ValueError(
@@ -24,7 +24,7 @@ def check_offload(cfg: GRPOConfig) -> None:
             "(the optimizer state then stays in host memory, nothing to move) or distributed.offload.optimizer=false."
         )
     # DeepSpeed 0.19.8 (`DeepSpeedEngine._do_optimizer_sanity_check`) wraps the optimizer in BF16_Optimizer, which has
-    # no offload_states, exactly for ZeRO-1 + bf16 + fp32 gradient accumulation (config/deepspeed.reduce_dtypes: a
+    # no offload_states, exactly for ZeRO-1 + bf16 + fp32 gradient accumulation (planner/deepspeed.reduce_dtypes: a
     # bf16 model with reduce_dtype float32) without a CPU offload_optimizer; ZeRO-2/3 and fp16 get its ZeRO optimizer.
     on = [k for k, v in d.offload.model_dump().items() if v]
     if d.backend == "deepspeed" and d.deepspeed.zero_stage == 1 and cfg.model.dtype == "bfloat16" \
@@ -40,7 +40,7 @@ def check_offload(cfg: GRPOConfig) -> None:
     _check_offload_of_bucket_grads(cfg)
 
 
-def _check_offload_of_shared_weights(cfg: GRPOConfig) -> None:
+def _check_offload_of_shared_weights(cfg: GRPOSections) -> None:
     """The colocated hf engine generates with the policy's own parameters (`rollout/factory.make_hf_engine`: unless
     `rollout.dtype` asks for a copy in another dtype than the weights', or megatron leaves it none to share), so
     `distributed.offload.params` would move them to the host just before generation: generation ran on the CPU,
@@ -57,7 +57,7 @@ def _check_offload_of_shared_weights(cfg: GRPOConfig) -> None:
         )
 
 
-def _check_offload_of_bucket_grads(cfg: GRPOConfig) -> None:
+def _check_offload_of_bucket_grads(cfg: GRPOSections) -> None:
     """Across processes ddp wraps the model with `gradient_as_bucket_view=True`: every `.grad` is a view into
     DistributedDataParallel's all-reduce buckets, which it keeps allocated for the whole run, so parking the
     gradients on the host frees no device memory (and the copy back doubled them until the next step)."""

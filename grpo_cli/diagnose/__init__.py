@@ -1,2 +1,2 @@
-"""`grpo diagnose-mismatch`: the trainer's and the engine's logprobs of the same samples, the mismatch
-metrics and a verdict. A command package: imports train, rollout, algo, config, runtime."""
+"""`grpo diagnose-mismatch`: the trainer's and the engine's logprobs of the same samples, the mismatch metrics and a
+verdict."""

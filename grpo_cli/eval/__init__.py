@@ -1,2 +1,2 @@
-"""`grpo eval`: a saved checkpoint evaluated held-out with an engine of its own. A command, beside launch and
-diagnose: imports train (the evaluation the loop runs, `train.evaluation`), rollout, rewards, data, config, runtime."""
+"""`grpo eval`: a saved checkpoint evaluated held-out with an engine of its own, as the run's own evaluation does
+(`train.evaluation`)."""

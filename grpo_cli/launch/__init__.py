@@ -1,2 +1,2 @@
-"""Launching: accelerate/torchrun command lines, `--rehearse`, `grpo doctor`. A command package (above train,
-rollout and server, which it starts); imports those and the bottom layer, never cli."""
+"""Launching: accelerate/torchrun command lines, `--rehearse`, `grpo doctor`. A command package (above train, rollout
+and server, which it starts)."""

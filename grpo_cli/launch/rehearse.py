@@ -134,6 +134,13 @@ def _processes(src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
         notes.append(f"processes {d.num_processes}×{d.num_machines} machine(s) → {procs} (this machine)")
     if d.rollout_gpus:
         notes.append(f"rollout_gpus {d.rollout_gpus} → 0: the rollout actors run on CPU cores")
+    sp = d.sequence_parallel
+    if sp.size > procs:
+        out["sequence_parallel"] = {"size": procs, "style": sp.style}
+        notes.append(f"sequence_parallel size {sp.size} → {procs} ({sp.style}; the process count): one sequence "
+                     f"shared by {procs} process(es) instead of {sp.size}")
+    elif sp.size > 1:
+        notes.append(f"sequence_parallel size {sp.size} ({sp.style}) kept")
     return out
 
 
@@ -191,11 +198,16 @@ def _megatron(src: GRPOConfig, notes: list[str]) -> dict[str, Any]:
     ep = min(m.expert_parallel, procs) if moe else 1
     tp = min(m.tensor_parallel, procs // ep)
     pp = min(m.pipeline_parallel, procs // (tp * ep))
-    out = {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep, "virtual_pipeline": None}
+    out = {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep, "virtual_pipeline": None,
+           "context_parallel_size": 1}
     changes = [f"{k} {getattr(m, k)} → {v}" for k, v in out.items() if getattr(m, k) != v]
     model = "the tiny MoE (4 experts)" if moe else "the tiny model (dense)"
     notes.append(f"backend megatron kept (distributed_optimizer {m.distributed_optimizer}, recompute {m.recompute})"
                  + (f"; {', '.join(changes)} ({model}, 2 layers, on {procs} CPU process(es))" if changes else ""))
+    if m.context_parallel_size > 1:
+        notes.append(f"megatron context_parallel_size {m.context_parallel_size} NOT rehearsed, and `grpo train` "
+                     "refuses it: megatron-core runs it only in Transformer Engine's attention (CUDA), the backend "
+                     "builds the pure-torch spec; `grpo plan` counts its activations")
     return out
 
 
@@ -252,12 +264,21 @@ def gpu_only(cfg: GRPOConfig) -> list[tuple[str, str]]:
     if d.num_processes > MAX_PROCESSES or d.num_machines > 1:
         out.append(("full scale", f"{d.num_processes} processes x {d.num_machines} machine(s) (rehearsed with "
                     f"{min(d.num_processes, MAX_PROCESSES)})"))
+    if d.sequence_parallel.size > 1:
+        sp = d.sequence_parallel
+        out.append(("long sequences", f"sequence_parallel {sp.size} ({sp.style}) on {cfg.max_sequence_length}-token "
+                    f"sequences (rehearsed at size {min(sp.size, MAX_PROCESSES)} on the tiny task's short ones); "
+                    f"the activation fit: `grpo plan {cfg.preset} --gpu-mem 80GiB`, its long-context rows"))
     if r.engine == "sglang":
         out.append(("live SGLang", "a real SGLang server (CUDA only); rehearsed against the SGLang contract server"))
     if d.backend == "megatron":
         m = d.megatron
         parts = [f"expert_parallel {m.expert_parallel}"] if m.expert_parallel > 1 else []
         parts += [f"virtual_pipeline {m.virtual_pipeline}"] if m.virtual_pipeline else []
+        if m.context_parallel_size > 1:
+            out.append(("megatron context parallel", f"context_parallel_size {m.context_parallel_size}: refused by "
+                        "`grpo train` on any machine (megatron-core needs Transformer Engine's attention for it, the "
+                        "backend builds the pure-torch spec; docs/megatron.md)"))
         if m.expert_parallel > 1 or m.virtual_pipeline or m.tensor_parallel > MAX_PROCESSES:
             layers = f" and the MoE layers of {cfg.model.name_or_path}" if stand_in_model(cfg) == MOE_NAME else ""
             out.append(("megatron grid", f"tensor_parallel {m.tensor_parallel} x pipeline_parallel "

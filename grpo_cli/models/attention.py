@@ -9,6 +9,8 @@ import torch.nn.functional as F
 NAME = "grpo_sdpa"
 LAYOUT_ATTR = "grpo_packed_layout"
 """Attribute of a packed batch's 4D mask holding its `packed_attention.PackedLayout` (set by `rollout.scoring`)."""
+SHARD_ATTR = "grpo_sequence_shard"
+"""Attribute of a sequence-sharded forward's 4D mask holding its `sequence_attention.ShardedRow`."""
 
 
 def grpo_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -22,6 +24,12 @@ def grpo_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     was 3.5x slower for it: 7.8 vs 2.2 ms per layer at 128 rows x 103 cached positions)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    row = getattr(attention_mask, SHARD_ATTR, None)
+    if row is not None:  # this rank holds a shard of the row's positions (`distributed.sequence_parallel`)
+        from grpo_cli.models.sequence_attention import sharded_attention
+
+        return sharded_attention(grpo_sdpa_attention, module, query, key, value, row, scaling=scaling,
+                                 dropout=dropout)
     groups = getattr(module, "num_key_value_groups", 1)
     layout = getattr(attention_mask, LAYOUT_ATTR, None)
     if layout is not None:  # a shared-prompt packed batch (rollout.scoring): structured, not row-wide, attention

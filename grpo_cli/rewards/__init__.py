@@ -1,2 +1,1 @@
-"""Reward functions: built-ins and the resolver for user functions (`module:function`, `file.py:function`).
-The bottom layer: imports config only."""
+"""Reward functions: built-ins and the resolver for user functions (`module:function`, `file.py:function`)."""

@@ -119,6 +119,11 @@ class RolloutEngine:
         `<|vision_start|>` and `<|vision_end|>`), and no completion samples an image/video placeholder token."""
         raise NotImplementedError(f"{type(self).__name__} defines no generate")
 
+    def generate_turn(self, prompt_ids: list[list[int]], sampling: SamplingParams, first: list[int]) -> RolloutBatch:
+        """A later turn of multi-turn trajectories: prompt i continues prompt `first[i]` of this thread's last
+        `generate` (a server client sends it where that one went, whose prefix cache holds it). Default: `generate`."""
+        return self.generate(prompt_ids, sampling)
+
     def score(self, sequences: list[list[int]], images: list[list[PILImage]] | None = None) -> list[list[float]]:
         """Temperature-1 logprob of each token after the first, given the tokens before it (weight-sync probes);
         `images` (`accepts_images` engines only): sequence i's images, as in `generate`. NaN where the engine

@@ -1,2 +1,2 @@
-"""The process's runtime: devices (the only CUDA-specific calls), process groups, torch.compile
-settings, quiet third-party logging. Imports config only."""
+"""The process's runtime: devices (the only CUDA-specific calls), process groups, torch.compile settings, quiet
+third-party logging."""

@@ -1,3 +1,2 @@
-"""`grpo serve-rollout`: the HTTP app around an engine, its weight-update routes (the wire codec and the NCCL
-receiver they use come from `rollout.transport`), the SGLang launcher and contract server. The middle layer: imports
-rollout, models, config, runtime; never train; nothing in rollout imports it."""
+"""`grpo serve-rollout`: the HTTP app around an engine, its weight-update routes (the wire codec and the NCCL receiver
+they use come from `rollout.transport`), the SGLang launcher and contract server."""

@@ -136,7 +136,7 @@ def _build_hf(opts, cfg, dtype, vocab, arch, eos_ids, pad_id) -> Served:
         from grpo_cli.rollout.hf.engine import require_compilable
 
         require_compilable(model, setting="--compile")
-    from grpo_cli.config.schema import DataConfig
+    from grpo_cli.config.sections import DataConfig
     from grpo_cli.data.images import ImageProcessor
 
     # a VLM's image processor (None for a text model); the trainer has capped the images it sends already

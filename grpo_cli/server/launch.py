@@ -119,8 +119,8 @@ def sglang_command(opts: ServeOptions, *, python: str = sys.executable) -> list[
            "--enable-deterministic-inference"]
     if opts.dtype != "auto":
         cmd += ["--dtype", opts.dtype]
-    if opts.max_model_len:
-        cmd += ["--context-length", str(opts.max_model_len)]
+    if opts.max_model_len:  # SGLang refuses a prompt + completion that reaches its context length: one more
+        cmd += ["--context-length", str(opts.max_model_len + 1)]
     if opts.sleep_level:
         cmd += ["--enable-memory-saver"]
     return cmd + list(opts.extra_args)

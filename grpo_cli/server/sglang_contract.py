@@ -56,7 +56,8 @@ def launch_flags(args: list[str]) -> dict[str, Any]:
     # resolved_dict reports as enable_dp_attention; `--dp-size` counts data-parallel replicas.
     return {"tp_size": int(value("--tp-size", "1")), "api_key": value("--api-key", None),
             "deterministic": "--enable-deterministic-inference" in args, "dp_size": int(value("--dp-size", "1")),
-            "dp_attention": int(value("--attn-dp-size", "1")) > 1 or "--enable-dp-attention" in args}
+            "dp_attention": int(value("--attn-dp-size", "1")) > 1 or "--enable-dp-attention" in args,
+            "context_length": int(value("--context-length", "0")) or None}
 
 
 def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | None = None,
@@ -99,7 +100,8 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
         # utils/common.py build_server_info: the resolved server args (flat), plus "version".
         return {"model_path": served.model, "tp_size": state["tp_size"], "dp_size": state["dp_size"],
                 "enable_dp_attention": state["dp_attention"], "random_seed": 0,
-                "enable_deterministic_inference": state["deterministic"], "version": version}
+                "enable_deterministic_inference": state["deterministic"], "version": version,
+                "context_length": state["context_length"]}
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
@@ -120,6 +122,8 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
         outs = []
         try:
             ids = [_run_ids(served, state, prompt, imgs) for prompt, imgs in zip(ids, images, strict=True)]
+            for prompt, p in zip(ids, params, strict=True):
+                _check_context(state["context_length"], len(prompt), p.get("max_new_tokens"))
             for prompt, p, imgs in zip(ids, params, images, strict=True):
                 for _ in range(p.get("n", 1) or 1):
                     outs.append(_one(engine, prompt, p, obj, state, imgs))
@@ -130,6 +134,22 @@ def create_contract_app(served, *, launch_args: list[str] = (), api_key: str | N
     _weight_routes(app, engine, state, sessions)
     _memory_routes(app, engine, state)
     return app
+
+
+def _check_context(context_length: int | None, prompt: int, max_new: int | None) -> None:
+    """`srt/managers/tokenizer_manager.py` `_validate_one_request` (a ValueError: 400): the input must be shorter
+    than the context length, and input + max_new_tokens must stay below it. (A server without `--context-length`
+    takes the model's; the fake then checks nothing.)"""
+    if context_length is None:
+        return
+    if prompt >= context_length:
+        raise ContractError(400, {"error": f"The input ({prompt} tokens) is longer than the model's context length "
+                                           f"({context_length} tokens)."})
+    if max_new is not None and prompt + max_new >= context_length:
+        raise ContractError(400, {"error": f"Requested token count exceeds the model's maximum context length of "
+                                           f"{context_length} tokens. You requested a total of {prompt + max_new} "
+                                           f"tokens: {prompt} tokens from the input messages and {max_new} tokens "
+                                           "for the completion."})
 
 
 def _image_data(data, ids: list[list[int]], served) -> list | JSONResponse:

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from grpo_cli.rollout.transport.codec import SHM_DIR, FrameReader, checked_frames, read_stream
 from grpo_cli.server.state import CommBody, DiskBody, NcclUpdateBody, RequestError, ShmBody, State, reset_cache
 from grpo_cli.server import raw_body
+from grpo_cli.server.relay import Relay
 from grpo_cli.server.upload import StreamedBody
 
 RAW_READ_TIMEOUT_S = 300.0
@@ -230,25 +231,38 @@ def _served(request: Request) -> tuple[State, int]:
     return request.app.state.rollout, request.app.state.max_frame_bytes
 
 
-async def update_weights(request: Request, version: int):
-    """A streamed frame upload: read from the socket (`raw_body`) where the server can, else from the ASGI stream."""
+async def update_weights(request: Request, version: int, relay: str = ""):
+    """A streamed frame upload: read from the socket (`raw_body`) where the server can, else from the ASGI stream.
+    `relay`: servers to forward it to as it is read (`server/relay.py`); their answers come back under `relayed`."""
     st, max_frame_bytes = _served(request)
     if version < 0:
         raise RequestError("version must be >= 0")
+    chain = [u for u in relay.split(",") if u]
+    fwd = Relay(chain, version=version, headers={k: v for k, v in request.headers.items()
+                                                 if k.lower() == "authorization"}) if chain else None
     reader = FrameReader(max_frame_bytes=max_frame_bytes, buffer=st.receive_buffer)
     raw = raw_body.take(request.scope, request.receive, timeout_s=RAW_READ_TIMEOUT_S)
-    if raw is None:
-        body = StreamedBody(request.stream())
-        return await _whole_update(st, version, "an HTTP update",
-                                   lambda apply: _frames(body, reader, apply, version), body=body)
     try:
-        return await _whole_update(st, version, "an HTTP update",
-                                   lambda apply: _checked(reader.pull(raw.readinto), apply, version))
+        if raw is None:
+            body = StreamedBody(request.stream())
+            answer = await _whole_update(st, version, "an HTTP update",
+                                         lambda apply: _frames(body, reader, apply, version, fwd), body=body)
+        else:
+            readinto = raw.readinto if fwd is None else fwd.tee_readinto(raw.readinto)
+            answer = await _whole_update(st, version, "an HTTP update",
+                                         lambda apply: _checked(reader.pull(readinto), apply, version))
     except Exception:
-        await anyio.to_thread.run_sync(raw.drain)  # the client reads the error, not a reset connection
+        if raw is not None:
+            await anyio.to_thread.run_sync(raw.drain)  # the client reads the error, not a reset connection
         raise
     finally:
-        raw.close()
+        if raw is not None:
+            raw.close()
+        if fwd is not None:
+            fwd.close()
+    if fwd is not None:
+        answer["relayed"] = await anyio.to_thread.run_sync(fwd.answers)
+    return answer
 
 
 async def update_weights_shm(request: Request, body: ShmBody):
@@ -337,11 +351,11 @@ class _Shape:
         self.shape = tuple(shape)
 
 
-def _frames(body: StreamedBody, reader: FrameReader, apply: _Apply, version: int):
-    """Tensors of the upload, in order, decoded by the engine's worker thread as the body arrives."""
+def _frames(body: StreamedBody, reader: FrameReader, apply: _Apply, version: int, fwd: Relay | None = None):
+    """Tensors of the upload, in order, decoded by the engine's worker thread as the body arrives (and forwarded)."""
 
     def received():
-        for chunk in body.chunks():
+        for chunk in body.chunks() if fwd is None else fwd.tee_chunks(body.chunks()):
             yield from reader.feed(chunk)
         reader.finish()
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from grpo_cli.models.sequence_attention import SequenceShard
 from grpo_cli.models.vision import VisionInputs
 from grpo_cli.rollout.base import RolloutBatch
 
@@ -218,8 +219,15 @@ def scatter_rows(parts: list[torch.Tensor], groups: list[list[int]], steps: int)
     return out
 
 
-def forward_logprobs(model, mb: TrainBatch, *, temperature: float) -> torch.Tensor:
-    """Completion-token logprobs (b, T) of a micro-batch, in fp32."""
+def forward_logprobs(model, mb: TrainBatch, *, temperature: float, shard: SequenceShard | None = None) -> torch.Tensor:
+    """Completion-token logprobs (b, T) of a micro-batch, in fp32; with `shard`, the micro-batch cut across its
+    sequence-parallel group (`models.sequence_logprobs`)."""
+    if shard is not None:
+        from grpo_cli.models.sequence_logprobs import sharded_logprobs_entropy
+
+        return sharded_logprobs_entropy(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
+                                        temperature=temperature, with_entropy=False, entropy_grad=False,
+                                        shard=shard)[0].float()
     from grpo_cli.models.logprobs import completion_logprobs
 
     return completion_logprobs(
@@ -228,19 +236,35 @@ def forward_logprobs(model, mb: TrainBatch, *, temperature: float) -> torch.Tens
     ).float()
 
 
+def forward_logprobs_entropy(model, mb: TrainBatch, *, temperature: float, entropy_grad: bool,
+                             shard: SequenceShard | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Completion-token logprobs and entropy (b, T) of a training micro-batch (`forward_logprobs`' `shard`)."""
+    if shard is not None:
+        from grpo_cli.models.sequence_logprobs import sharded_logprobs_entropy
+
+        return sharded_logprobs_entropy(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
+                                        temperature=temperature, with_entropy=True, entropy_grad=entropy_grad,
+                                        shard=shard)
+    from grpo_cli.models.logprobs import completion_logprobs_entropy
+
+    return completion_logprobs_entropy(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
+                                       temperature=temperature, entropy_grad=entropy_grad, vision=mb.vision)
+
+
 @torch.no_grad()
 def batch_logprobs(model, batch: TrainBatch, *, micro_batch_size: int, temperature: float,
                    micro_batch_tokens: int | None = None, agree: Callable[[int], int] | None = None,
-                   any_images: Callable[[bool], bool] | None = None) -> torch.Tensor:
+                   any_images: Callable[[bool], bool] | None = None,
+                   shard: SequenceShard | None = None) -> torch.Tensor:
     """No-grad logprobs (B, T) of the whole batch, micro-batch by micro-batch (old-policy, reference or teacher
     pass); the micro-batches as `micro_batch_rows` cuts them and `take` takes them (`any_images`: see there), the
-    result in the batch's row order."""
+    result in the batch's row order; `shard`: see `forward_logprobs`."""
     from grpo_cli.models.logprobs import packs_rows
 
     groups = micro_batch_rows(batch, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                               agree=agree, packed=packs_rows(model, batch.vision))
     parts = [forward_logprobs(model, take(batch, rows, micro_batch_tokens=micro_batch_tokens, any_images=any_images),
-                              temperature=temperature) for rows in groups]
+                              temperature=temperature, shard=shard) for rows in groups]
     if micro_batch_tokens is None:
         return torch.cat(parts)
     return scatter_rows(parts, groups, batch.num_completion_tokens)

@@ -11,6 +11,7 @@ import torch
 from grpo_cli.algo.distill import distill_advantages, distill_metrics, distill_signal
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.schema import GRPOConfig
+from grpo_cli.models.tiny import resolve_model_path
 from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.loss import trained_mask
@@ -50,6 +51,14 @@ def _teacher_hint(path: Path) -> str:
     return (f"Train the teacher first: `grpo train --output-dir {path.parent}` writes {path} when it ends (add the "
             "teacher's --preset or --config; the tiny-cpu-distill preset's teacher is the default preset, about a "
             "minute on a laptop), run from this folder. ")
+
+
+def local_teacher(cfg: GRPOConfig) -> str | None:
+    """The resolved folder of a local teacher (`builtin:` names built on first use), None when there is none."""
+    d = cfg.algorithm.distill
+    if d is None or d.served:
+        return None
+    return resolve_model_path(d.teacher)
 
 
 def check_local_teacher(student_path: str, teacher_path: str) -> None:

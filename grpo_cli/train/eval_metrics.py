@@ -7,7 +7,7 @@ import torch
 
 from grpo_cli.algo.advantages import weighted_rewards
 from grpo_cli.algo.pass_at_k import k_values, pass_at_k
-from grpo_cli.config.schema import EvalConfig
+from grpo_cli.config.sections import EvalConfig
 from grpo_cli.rewards.resolve import RewardFn
 from grpo_cli.runtime.dist import DistInfo, all_reduce_sum
 

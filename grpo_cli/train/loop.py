@@ -21,6 +21,7 @@ from grpo_cli.rollout.factory import sampling_params
 from grpo_cli.train.batch import TrainBatch, build_batch
 from grpo_cli.train.distill import TeacherScore, distill_phase
 from grpo_cli.train.scoring.dynamic_sampling import fill_step
+from grpo_cli.train.sequence_parallel import data_parallel_size, gather_batch
 from grpo_cli.train.loss import trained_mask
 from grpo_cli.train.pipeline import RolloutPipeline, take_step_prompts
 from grpo_cli.train.stream_pool import StreamPipeline
@@ -163,14 +164,16 @@ def train_phase(tr: Trainer, state: LoopState, batch: TrainBatch) -> dict[str, f
     and stops at the same step."""
     cfg = tr.cfg
     trained = trained_mask(batch.completion_mask, batch.truncated, algorithm=cfg.algorithm)
-    num_items = all_reduce_sum(float(trained.sum()), tr.dist)
+    shard = tr.policy.backend.sequence  # a sequence-parallel group's ranks hold the same rows: count them once
+    num_items = all_reduce_sum(float(trained.sum()), tr.dist) / (1 if shard is None else shard.size)
     poison = tr.faults.nonfinite_loss(rank=tr.dist.rank, step=state.step + 1)
     out: dict[str, float] = {}
     with tr.timer.phase("train"):
         for _ in range(cfg.algorithm.num_iterations):
             try:
                 out = optimizer_step(tr.policy, batch, cfg, num_items=num_items,
-                                     num_sequences=len(batch) * tr.dist.world_size, inject_nonfinite=poison)
+                                     num_sequences=len(batch) * data_parallel_size(tr.dist, shard),
+                                     inject_nonfinite=poison)
                 state.nonfinite_streak = 0
             except NonFiniteStep as exc:
                 state.nonfinite_streak += 1
@@ -214,12 +217,14 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
     batch = build_batch(rollout, group_size=cfg.train.generations_per_prompt,
                         pad_token_id=tr.policy.tokenizer.pad_token_id, vision=vision_of(prompts))
     batch.advantages = advantages
-    batch = batch.to(tr.policy.device)
+    shard = tr.policy.backend.sequence
+    batch = gather_batch(batch, shard, pad_token_id=tr.policy.tokenizer.pad_token_id).to(tr.policy.device)
     metrics.update(logprob_phase(tr, batch))
     metrics.update(train_phase(tr, state, batch))
     if state.step == 0:
         local, total = tr.policy.backend.param_numel()
-        metrics.update({"dist/param_numel_local": float(local), "dist/param_numel_total": float(total)})
+        metrics.update({"dist/param_numel_local": float(local), "dist/param_numel_total": float(total),
+                        "dist/sequence_parallel": float(1 if shard is None else shard.size)})
     metrics.update(sync_phase(tr, state))
     metrics.update(tr.timer.pop())
     for kind, moved in getattr(tr.offload, "moved_bytes", {}).items():  # measured, not what the config asked
@@ -227,7 +232,7 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
     metrics.update(take_deferred_probe(tr.engine))
     elapsed = time.perf_counter() - start
     metrics["time/step"] = elapsed
-    metrics["tokens_per_second"] = float(batch.completion_mask.sum()) * tr.dist.world_size / elapsed
+    metrics["tokens_per_second"] = float(batch.completion_mask.sum()) * data_parallel_size(tr.dist, shard) / elapsed
     metrics["memory/peak_rss_mb"] = peak_rss_mb()
     metrics["weight_version"] = float(state.weight_version)
     metrics["staleness"] = float(state.weight_version - 1 - rollout.weight_version)

@@ -10,6 +10,7 @@ from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.train.backends import make_backend
 from grpo_cli.train.backends.base import TrainingBackend
+from grpo_cli.train.sequence_parallel import check_model
 
 
 @dataclass
@@ -78,4 +79,5 @@ def load_policy(cfg: GRPOConfig, model_path: str, *, device: torch.device, info:
     torch.manual_seed(cfg.train.seed)
     backend = make_backend(cfg, info or DistInfo(), device)
     backend.build(model_path)
+    check_model(backend.model, backend.sequence)
     return Policy(backend, load_tokenizer(model_path), device)

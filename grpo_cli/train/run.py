@@ -20,8 +20,7 @@ from grpo_cli.rollout.base import EngineContext
 from grpo_cli.rollout.factory import make_engine, sampling_params
 from grpo_cli.train import checkpoint as ckpt
 from grpo_cli.train.supervise.alarms import StepAlarms
-from grpo_cli.config.distill import local_teacher
-from grpo_cli.train.distill import check_local_teacher, make_teacher
+from grpo_cli.train.distill import check_local_teacher, local_teacher, make_teacher
 from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_seed
 from grpo_cli.train.pipeline import RolloutPipeline
 from grpo_cli.train.stream_pool import StreamPipeline

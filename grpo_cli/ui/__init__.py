@@ -1,1 +1,1 @@
-"""Terminal output; the only package that imports rich. The bottom layer: imports config only."""
+"""Terminal output; the only package that imports rich."""

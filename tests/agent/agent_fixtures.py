@@ -16,6 +16,7 @@ class ScriptedEngine(RolloutEngine):
         self.turns, self.eos, self.finish = turns, eos, finish
         self.calls: list[tuple[list[list[int]], int, int]] = []
         self.seeds: list[int | None] = []  # each call's sampling seed
+        self.firsts: list[list[int]] = []  # each later turn's `first` (generate_turn)
 
     def generate(self, prompt_ids, sampling):
         k = len(self.calls)
@@ -25,4 +26,9 @@ class ScriptedEngine(RolloutEngine):
         reasons = (self.finish[k] if self.finish else
                    ["stop" if ids and ids[-1] == self.eos else "length" for ids in out])
         return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=out, finish_reasons=reasons,
-                            sampler_logprobs=[[-0.5] * len(ids) for ids in out], weight_version=3)
+                            sampler_logprobs=[[-0.5] * len(ids) for ids in out], weight_version=3,
+                            metrics={"rollout/server_load/max": float(len(prompt_ids) * sampling.n)})
+
+    def generate_turn(self, prompt_ids, sampling, first):
+        self.firsts.append(list(first))
+        return self.generate(prompt_ids, sampling)

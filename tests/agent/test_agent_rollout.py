@@ -61,6 +61,18 @@ def test_ids_are_the_sampled_ones_and_equal_one_rendering_of_the_conversation(to
     assert out.trajectories[0][1] == {"role": "tool", "content": "5"} and out.metrics["tools/turns"] == 2.0
 
 
+def test_later_turns_name_the_prompt_they_continue_and_keep_the_busiest_turns_load(tok):
+    """A server client sends a later turn where its first turn went (rollout/routing.py): the agent loop tells it
+    which prompt of the first call each continuing trajectory belongs to."""
+    call, done = _ids(tok, CALL), _ids(tok, "5 <eos>")
+    engine = ScriptedEngine([[done, call, done, call], [done, done]], eos=tok.eos_token_id)
+    p0, p1 = _ids(tok, "one"), _ids(tok, "two")
+    out = _agent(tok, engine).generate([p0, p1], SamplingParams(n=2, max_tokens=40))
+    assert engine.firsts == [[0, 1]]  # trajectories 1 (prompt 0) and 3 (prompt 1) called a tool
+    assert engine.calls[1][0][0][: len(p0)] == p0 and engine.calls[1][0][1][: len(p1)] == p1
+    assert out.metrics["rollout/server_load/max"] == 4.0  # turn 0 had 4 requests, turn 1 two
+
+
 def test_ids_a_bpe_would_merge_survive(tmp_path):
     """Sampled ids ["a", "b"] decode to "ab", which the tokenizer encodes as one merged id: the trajectory keeps
     the two sampled ids (re-tokenising text is what drifted for TRL and verl users)."""

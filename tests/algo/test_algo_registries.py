@@ -128,7 +128,7 @@ def test_every_algorithm_setting_reaches_a_function():
 
 
 def test_dynamic_sampling_keywords_equal_config_fields():
-    from grpo_cli.config.schema import DynamicSamplingConfig
+    from grpo_cli.config.sections import DynamicSamplingConfig
     from grpo_cli.train.scoring.dynamic_sampling import fill_step
 
     assert set(DynamicSamplingConfig.model_fields) - {"enabled"} <= kw_only(fill_step)

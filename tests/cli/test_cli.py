@@ -118,6 +118,8 @@ def test_help_and_dry_run_import_no_torch():
         "assert r.invoke(app, ['--help']).exit_code == 0\n"
         "res = r.invoke(app, ['train', '--preset', 'qwen-7b-colocate-tp2', '--dry-run'])\n"
         "assert res.exit_code == 0, res.output\n"
+        "res = r.invoke(app, ['train', '--preset', 'qwen-7b-disagg-2x8', '--dry-run'])\n"
+        "assert res.exit_code == 0 and '#SBATCH' in res.output, res.output\n"
         "heavy = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

@@ -24,10 +24,23 @@ def _plan(name: str, *, deepspeed_ready: bool = True):
 def test_every_gpu_preset_is_covered():
     assert set(GPU_PRESETS) == {"qwen-72b-colocate", "qwen-7b-colocate-tp2", "qwen-7b-async", "qwen-1.5b-server",
                                 "qwen-1.5b-colocate", "qwen-7b-sglang-server", "qwen2-0.5b-tldr-length",
-                                "qwen3-30b-a3b-megatron", "qwen2.5-vl-3b-colocate"}
+                                "qwen3-30b-a3b-megatron", "qwen2.5-vl-3b-colocate", "qwen3-8b-long-sp4",
+                                "qwen-7b-disagg-2x8", "qwen-72b-disagg-4x8"}
 
 
-@pytest.mark.parametrize("name", GPU_PRESETS)
+STOCK_SERVER = [n for n in GPU_PRESETS if build_config(n).rollout.engine == "vllm-serve"]
+"""Presets against a stock `vllm serve` (qwen-72b-disagg-4x8): --rehearse starts only grpo-cli's own servers."""
+
+
+@pytest.mark.parametrize("name", STOCK_SERVER)
+def test_a_stock_server_preset_is_refused_with_the_command_pair(name):
+    from grpo_cli.config.errors import UserError
+
+    with pytest.raises(UserError, match="cannot start the server of rollout.engine 'vllm-serve'"):
+        _plan(name)
+
+
+@pytest.mark.parametrize("name", [n for n in GPU_PRESETS if n not in STOCK_SERVER])
 def test_topology_kept_task_replaced(name):
     src, reh = build_config(name), _plan(name)
     vlm = name == "qwen2.5-vl-3b-colocate"  # the only vision-language preset: the tiny VLM on its shapes task

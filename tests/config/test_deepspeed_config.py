@@ -11,7 +11,7 @@ from pathlib import Path
 from dist_env import clean_env
 
 from grpo_cli.config.load import build_config
-from grpo_cli.config.deepspeed import deepspeed_config
+from grpo_cli.planner.deepspeed import deepspeed_config
 
 
 def _ds(*overrides: str) -> dict:

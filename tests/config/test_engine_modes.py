@@ -10,8 +10,8 @@ from grpo_cli.config import engine_modes
 from grpo_cli.config.engine_modes import MODES, EngineMode, engine_mode, engines, register
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import build_config
-from grpo_cli.config.plan import memory_plan
-from grpo_cli.config.plan_render import render_plan
+from grpo_cli.planner.plan import memory_plan
+from grpo_cli.planner.plan_render import render_plan
 from grpo_cli.launch.rehearse import plan_rehearsal
 from grpo_cli.rollout.base import EngineContext, RolloutEngine
 from grpo_cli.rollout.factory import make_engine

@@ -9,7 +9,9 @@ import json
 import pytest
 
 from grpo_cli.config.load import ConfigError, build_config
-from grpo_cli.config.plan import GIB, megatron_layout, memory_plan, model_shape, peak_bytes, training_state_bytes
+from grpo_cli.config.model_shape import model_shape
+from grpo_cli.config.rules_megatron import megatron_layout
+from grpo_cli.planner.plan import GIB, memory_plan, peak_bytes, training_state_bytes
 from grpo_cli.launch import doctor as d
 from grpo_cli.launch import doctor_verdict as dv
 
@@ -196,7 +198,7 @@ def test_pipeline_activations_in_flight():
 
 
 def test_plan_renders_megatron_notes():
-    from grpo_cli.config.plan_render import render_plan
+    from grpo_cli.planner.plan_render import render_plan
 
     text = render_plan(build_config("qwen3-30b-a3b-megatron"), gpu_mem=80 * GIB)
     assert "backend megatron" in text and "experts 1/(ep 8 x etp 1 x pp 1)" in text

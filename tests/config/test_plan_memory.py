@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 from grpo_cli.cli.main import app
 from grpo_cli.config.errors import UserError
 from grpo_cli.config.load import build_config
-from grpo_cli.config.plan import host_plan, memory_plan, model_shape, parse_size, peak_bytes, resident_while_generating, state_between_steps, training_state_bytes
-from grpo_cli.config.plan_render import render_plan
+from grpo_cli.config.model_shape import model_shape
+from grpo_cli.planner.plan import host_plan, memory_plan, parse_size, peak_bytes, resident_while_generating, state_between_steps, training_state_bytes
+from grpo_cli.planner.plan_render import render_plan
 
 GIB, TIB = 1024**3, 1024**4
 FSDP2_7B = ["distributed.backend=fsdp2"]  # qwen-7b-colocate-tp2: 8 processes on one machine, bf16 compute

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from grpo_cli.config.load import ConfigError, build_config, list_presets, parse_override, parse_value
-from grpo_cli.config.plan import batch_plan, memory_plan, parse_size
-from grpo_cli.config.plan_render import render_plan
+from grpo_cli.planner.plan import batch_plan, memory_plan, parse_size
+from grpo_cli.planner.plan_render import render_plan
 
 REQUIRED = {
     "tiny-cpu", "tiny-cpu-vllm", "tiny-cpu-server", "qwen2-0.5b-tldr-length", "qwen-1.5b-colocate",

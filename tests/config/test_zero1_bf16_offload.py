@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from grpo_cli.cli.main import app
-from grpo_cli.config.deepspeed import deepspeed_config
+from grpo_cli.planner.deepspeed import deepspeed_config
 from grpo_cli.config.load import ConfigError, build_config
 
 ZERO1_BF16 = ["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=1", "model.dtype=bfloat16"]

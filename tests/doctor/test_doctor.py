@@ -114,4 +114,5 @@ def test_doctor_json_on_this_machine():
 def test_cli_mode_choices_match_probe_table():
     from grpo_cli.cli.doctor import Mode
 
-    assert [m.value for m in Mode] == list(dv.MODES)
+    # every probe mode, plus `multi-node`: the cluster checks of launch/doctor_nodes.py, not a probe of this node
+    assert [m.value for m in Mode] == [*dv.MODES, "multi-node"]

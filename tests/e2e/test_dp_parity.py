@@ -13,7 +13,8 @@ from dp_harness import SHARDED, ZERO2, ZERO3, ZERO3_OFFLOAD, run_worker
 from safetensors.torch import load_file
 
 from grpo_cli.config.load import build_config
-from grpo_cli.config.plan import model_shape, training_state_bytes
+from grpo_cli.config.model_shape import model_shape
+from grpo_cli.planner.plan import training_state_bytes
 
 KL = ["algorithm.kl.beta=0.5"]
 CASES = {  # name: (checkpoint, aggregation, overrides shared by the 1- and 2-process runs)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo_cli.config.schema import EvalConfig
+from grpo_cli.config.sections import EvalConfig
 from grpo_cli.data.sources import DataError, load_rows
 from grpo_cli.train.eval_metrics import local_sums, reduce_means
 from grpo_cli.rewards.resolve import RewardFn

@@ -76,7 +76,7 @@ def test_a_parked_local_judge_scores_on_the_gpu_and_waits_on_the_host(tmp_path, 
 def test_token_budget_micro_batches_on_the_gpu_stay_within_the_plan(tmp_path, monkeypatch):
     """A step with `train.micro_batch_tokens` runs on the GPU, and every pass cuts at most as many micro-batches as
     `grpo plan`'s `gradient_accumulation` (the plan's worst case: every row of the longest sequence)."""
-    from grpo_cli.config.plan import batch_plan
+    from grpo_cli.planner.plan import batch_plan
     from grpo_cli.train import batch as batch_mod
     from grpo_cli.train.run import run_training
 

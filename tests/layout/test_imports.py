@@ -1,6 +1,6 @@
-"""The house's import rules (docs/architecture.md): every import of `grpo_cli`, at module level or inside a
-function, read with `ast`, forms no circle between modules, and no package imports one of a higher layer.
-Imports under `if TYPE_CHECKING:` are left out: they never run, so they cannot close a circle."""
+"""The house's import rules (docs/architecture.md): every import of `grpo_cli`, at module level, inside a function or
+under `if TYPE_CHECKING:`, read with `ast`, forms no circle between modules, and each package imports only the
+packages `ALLOWED` lists for it (a list with no circle, so no two packages import each other either)."""
 
 from __future__ import annotations
 
@@ -9,34 +9,36 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "grpo_cli"
 
-LAYERS = {
-    "cli": 6,
-    "launch": 5, "diagnose": 5, "eval": 5,
-    "train": 4,
-    "server": 3, "agent": 3,
-    "rollout": 2,
-    "algo": 1, "config": 1, "data": 1, "rewards": 1, "runtime": 1, "models": 1, "ui": 1,
+ALLOWED: dict[str, set[str]] = {
+    # the command line: parse, load the config, call one function; nothing imports cli
+    "cli": {"config", "diagnose", "eval", "launch", "models", "planner", "runtime", "server", "train", "ui"},
+    # commands: accelerate/torchrun, --rehearse, doctor; diagnose-mismatch; eval
+    "launch": {"config", "models", "rollout", "server", "train", "ui"},
+    "diagnose": {"algo", "config", "data", "models", "rollout", "runtime", "train"},
+    "eval": {"agent", "config", "data", "rewards", "rollout", "runtime", "train"},
+    # training: the loop, backends, weights, scoring, supervision (and the DeepSpeed JSON from planner/)
+    "train": {"agent", "algo", "config", "data", "models", "planner", "rewards", "rollout", "runtime"},
+    # `grpo serve-rollout` (never train; nothing in rollout imports it) and the agent loop
+    "server": {"config", "data", "models", "rewards", "rollout", "runtime"},
+    "agent": {"config", "rewards", "rollout", "runtime"},
+    # rollout engines; never train, server, eval or agent (the trainer hands down what it needs from above)
+    "rollout": {"config", "data", "models", "runtime"},
+    # `grpo plan`, `--dry-run`'s plan and DeepSpeed JSON: figures from the config alone
+    "planner": {"algo", "config"},
+    "data": {"config", "models"},
+    "rewards": {"config", "models", "runtime"},
+    "models": {"algo", "config"},
+    "runtime": {"config"},
+    "ui": {"config"},  # the only importer of rich
+    "config": set(),  # the pydantic models, presets, rules: no torch at module level either
+    "algo": set(),  # pure tensor math: torch and the standard library only
 }
-"""cli → commands (launch, diagnose, eval) → train → server, agent → rollout → algo/config/data/rewards/runtime/
-models/ui. A package may import its own layer or a lower one: no upward import at all (the trainer hands rollout/
-what it needs from above it, e.g. the agent loop a Ray actor wraps its engine in)."""
+"""{package: the grpo_cli packages it may import}; a package always imports its own modules."""
 
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _runtime_nodes(tree: ast.AST):
-    """Every node but those under `if TYPE_CHECKING:`."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
-            stack.extend(node.orelse)
-            continue
-        yield node
-        stack.extend(ast.iter_child_nodes(node))
 
 
 def _resolve(name: str, modules: set[str]) -> str | None:
@@ -52,7 +54,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in paths.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _runtime_nodes(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text())):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -125,12 +127,16 @@ def test_no_import_circle_between_modules():
     assert circles(import_graph()) == []
 
 
-def test_every_package_has_a_layer():
+def test_every_package_has_an_allow_list():
     packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert packages == set(LAYERS)
+    assert packages == set(ALLOWED)
 
 
-def test_no_package_imports_a_higher_layer():
-    upward = sorted(f"{a} → {b}" for a, targets in import_graph().items() for b in targets
-                    if _package(a) and _package(b) and LAYERS[_package(b)] > LAYERS[_package(a)])
-    assert upward == []
+def test_the_allow_lists_form_no_circle():
+    assert circles(ALLOWED) == []
+
+
+def test_each_package_imports_only_what_it_is_allowed():
+    pairs = {(_package(a), _package(b)) for a, targets in import_graph().items() for b in targets}
+    extra = sorted(f"{a} → {b}" for a, b in pairs if a and b and a != b and b not in ALLOWED[a])
+    assert extra == []

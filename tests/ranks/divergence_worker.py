@@ -36,6 +36,7 @@ from grpo_cli.train.step import optimizer_step
 BACKENDS = {
     "ddp": ["distributed.backend=ddp"],
     "fsdp2": ["distributed.backend=fsdp2"],
+    "hsdp": ["distributed.backend=fsdp2", "distributed.fsdp2.replicate=2"],  # 2 replicas of 1: the all-reduce pairs
     "zero2": ["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=2"],
     "zero3": ["distributed.backend=deepspeed", "distributed.deepspeed.zero_stage=3"],
     "megatron": ["distributed.backend=megatron"],

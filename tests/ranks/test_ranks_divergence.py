@@ -1,9 +1,10 @@
 """The rank-divergence suite (DESIGN.md 4c, docs/distributed.md "Rank agreement"): 2 gloo processes with a 1-minute
 collective timeout, each rank fed different conditions (divergence_worker.py, one launch): an empty micro-batch, all
-rows truncated under mask_truncated_completions, different token-budget micro-batch counts, on ddp, fsdp2, ZeRO-2/3
-and megatron; metric keys on one rank only, dynamic sampling drawing different rounds, a stop signal on one rank,
-`checkpoint.resume: auto` finding a checkpoint on one rank's disk only, a served teacher refusing one rank's request.
-Every case ends with both ranks at the same point, having run the same collectives."""
+rows truncated under mask_truncated_completions, different token-budget micro-batch counts, on ddp, fsdp2, HSDP
+(`fsdp2.replicate=2`), ZeRO-2/3 and megatron; metric keys on one rank only, dynamic sampling drawing different
+rounds, a stop signal on one rank, `checkpoint.resume: auto` finding a checkpoint on one rank's disk only, a served
+teacher refusing one rank's request. Every case ends with both ranks at the same point, having run the same
+collectives."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from dist_env import run_two_ranks
 
 WORKER = str(Path(__file__).with_name("divergence_worker.py"))
-BACKENDS = ["ddp", "fsdp2", "zero2", "zero3", "megatron"]
+BACKENDS = ["ddp", "fsdp2", "hsdp", "zero2", "zero3", "megatron"]
 
 
 @pytest.fixture(scope="module")

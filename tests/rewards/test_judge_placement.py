@@ -85,7 +85,7 @@ def test_without_a_colocated_engine_it_stays_on_its_device(judge_cfg, monkeypatc
 def test_grpo_plan_counts_a_local_judge(judge_cfg, tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
-    from grpo_cli.config.plan import host_plan, memory_plan, peak_bytes
+    from grpo_cli.planner.plan import host_plan, memory_plan, peak_bytes
 
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_checkpoint).parameters())
     on_gpu = judge_cfg("model.dtype=bfloat16", "rollout.engine=hf", device="cuda")

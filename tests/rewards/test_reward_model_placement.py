@@ -98,8 +98,8 @@ def test_on_cpu_the_move_is_made_and_changes_nothing(rm_path, monkeypatch):
 def test_grpo_plan_counts_the_reward_model(rm_path):
     from transformers import AutoModelForSequenceClassification
 
-    from grpo_cli.config.plan import host_plan, memory_plan, peak_bytes
-    from grpo_cli.config.plan_render import render_plan
+    from grpo_cli.planner.plan import host_plan, memory_plan, peak_bytes
+    from grpo_cli.planner.plan_render import render_plan
 
     params = sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(rm_path).parameters())
     gpu = _cfg(rm_path, "model.dtype=bfloat16", "rollout.engine=hf")

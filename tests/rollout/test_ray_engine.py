@@ -305,7 +305,7 @@ def test_async_presets_size_vllm_per_actor(name):
     the KV cache of that share at full length fits in what gpu_memory_utilization leaves after the weights on an
     80 GiB GPU (qwen-7b-async had 0.3: ~8 GiB for 17.5 GiB of KV, so vLLM preempted)."""
     from grpo_cli.config.load import build_config
-    from grpo_cli.config.plan import BYTES, model_shape
+    from grpo_cli.config.model_shape import BYTES, model_shape
     from grpo_cli.rollout.ray.actor import sequences_per_actor
 
     cfg = build_config(name)

@@ -146,8 +146,8 @@ def test_generation_is_split_over_servers_with_groups_whole(tiny_checkpoint):
         batch = eng.generate(prompts, SamplingParams(n=2, max_tokens=3, seed=0))
         assert len(batch.completion_ids) == 6
         assert calls["a"] == [prompts[:2]] and calls["b"] == [prompts[2:]]
-        eng.generate(prompts[:1], SamplingParams(n=2, max_tokens=3))  # next call starts at the other server
-        assert calls["b"][-1] == prompts[:1]
+        eng.generate(prompts[:1], SamplingParams(n=2, max_tokens=3))  # by load, not round-robin: both idle, the first
+        assert calls["a"][-1] == prompts[:1] and len(calls["b"]) == 1
         params = [(n, p.detach() * 1.0) for n, p in a.engine.model.named_parameters()]
         eng.update_weights(params, 1)
         assert eng.generate(prompts, SamplingParams(n=2, max_tokens=2)).weight_version == 1

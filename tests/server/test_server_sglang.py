@@ -322,7 +322,7 @@ def test_sglang_launch_command():
     assert sglang_command(opts, python="py") == [
         "py", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port", "30001",
         "--tp-size", "2", "--mem-fraction-static", "0.6", "--random-seed", "3", "--enable-deterministic-inference",
-        "--dtype", "bfloat16", "--context-length", "4096", "--enable-memory-saver"]
+        "--dtype", "bfloat16", "--context-length", "4097", "--enable-memory-saver"]  # 4096 + 1: test_served_lengths
 
 
 def test_serve_rollout_sglang_without_sglang_exits_2_with_a_message(tiny_checkpoint):

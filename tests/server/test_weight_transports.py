@@ -33,7 +33,7 @@ def serve_rollout(served, checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(nccl, "nccl_available", lambda: (True, ""))  # gloo stands in for NCCL on CPU
     monkeypatch.setattr(nccl, "GROUP_GRACE_S", 5.0)
     with app_in_thread(create_app(served, token=TOKEN)) as url:
-        yield url, {"keep_file": True}, lambda reply, version: reply["weight_version"] == version
+        yield url, {"keep_file": True, "relay": True}, lambda reply, version: reply["weight_version"] == version
 
 
 @contextmanager

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from grpo_cli.cli.main import app
 from grpo_cli.config.load import ConfigError
 from grpo_cli.config.load import build_config
-from grpo_cli.config.plan import BYTES, memory_plan, model_shape, resident_while_generating
+from grpo_cli.config.model_shape import BYTES, model_shape
+from grpo_cli.planner.plan import memory_plan, resident_while_generating
 from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.train.batch import TrainBatch
 from grpo_cli.train.distill import distill_phase, tokenizer_difference

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from grpo_cli.config.schema import OffloadConfig
+from grpo_cli.config.sections import OffloadConfig
 from grpo_cli.train.weights.offload import TrainingStateOffload
 
 

@@ -17,7 +17,8 @@ from dist_env import clean_env
 from offload_meter_worker import ZERO3_CPU_OPTIMIZER
 
 from grpo_cli.config.load import build_config
-from grpo_cli.config.plan import host_plan, memory_plan, model_shape
+from grpo_cli.config.model_shape import model_shape
+from grpo_cli.planner.plan import host_plan, memory_plan
 from grpo_cli.train.weights.offload import TrainingStateOffload
 from grpo_cli.train.weights.offload_meter import held_bytes, moved_bytes, snapshot
 

@@ -181,7 +181,7 @@ def test_micro_batch_size_is_not_checked_under_a_budget():
     """The budget cuts the micro-batches, so a micro_batch_size that divides nothing is no error there (it still is
     without the budget); the plan's rows are the budget's worst case: 64 // 28 = 2 rows of the longest sequence,
     4 micro-batches for the 8 sequences."""
-    from grpo_cli.config.plan import batch_plan
+    from grpo_cli.planner.plan import batch_plan
 
     with pytest.raises(ConfigError, match="micro_batch_size=3 does not divide"):
         build_config(overrides=[*BASE, "train.micro_batch_size=3"])
@@ -200,9 +200,9 @@ def test_the_cli_refuses_a_budget_below_the_longest_sequence():
 def test_plan_sizes_the_budget():
     """The activations row counts the budget's positions; the largest budget that fits is the last multiple of 256
     positions whose peak fits `--gpu-mem` less the headroom."""
-    from grpo_cli.config.plan import GPU_HEADROOM, GIB, memory_plan, peak_bytes
-    from grpo_cli.config.plan_render import render_plan
-    from grpo_cli.config.plan_tokens import GRANULE, activation_bytes_per_position
+    from grpo_cli.planner.plan import GPU_HEADROOM, GIB, memory_plan, peak_bytes
+    from grpo_cli.planner.plan_render import render_plan
+    from grpo_cli.planner.plan_tokens import GRANULE, activation_bytes_per_position
     from grpo_cli.config.model_shape import model_shape
 
     rows = build_config(overrides=BASE)

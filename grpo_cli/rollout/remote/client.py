@@ -13,6 +13,7 @@ from grpo_cli.rollout import images as wire_images
 from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.http_engine import HttpServerEngine, model_identity
 from grpo_cli.rollout.seeds import request_seed
+from grpo_cli.rollout.routing import runs
 from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, split_groups
 
 if TYPE_CHECKING:
@@ -36,9 +37,10 @@ class ServerEngine(HttpServerEngine):
 
     def __init__(self, urls: list[str], *, policy: Policy | None = None, token: str | None = None,
                  stop_token_ids: list[int] | None = None, expected: dict | None = None,
-                 chunk_mb: int = 128, transport: str = "http", shm_keep_file: bool = True,
+                 chunk_mb: int = 128, transport: str = "http", shm_keep_file: bool = True, relay: bool = True,
                  start_hint: str = "grpo serve-rollout --model PATH", connect: bool = True) -> None:
-        self._open(urls, token=token, policy=policy, transport=transport, offered={"keep_file": shm_keep_file})
+        self._open(urls, token=token, policy=policy, transport=transport,
+                   offered={"keep_file": shm_keep_file, "relay": relay})
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
         self.expected = expected or {}
         self.chunk_bytes = chunk_mb << 20
@@ -52,7 +54,7 @@ class ServerEngine(HttpServerEngine):
     def config_args(cls, cfg: GRPOConfig, ctx: EngineContext) -> dict:
         s = cfg.rollout.server
         return {"token": s.token, "expected": model_identity(ctx.model_path), "transport": cfg.rollout.transport,
-                "shm_keep_file": s.shm_keep_file,
+                "shm_keep_file": s.shm_keep_file, "relay": s.weight_fanout == "relay",
                 "start_hint": f"GRPO_ROLLOUT_TOKEN=... grpo serve-rollout --engine hf --model {ctx.model_path}"}
 
     # -- start-up ---------------------------------------------------------------------------------------
@@ -66,6 +68,8 @@ class ServerEngine(HttpServerEngine):
         for url in self.urls:
             info = self.http.call(url, "GET", "/info").json()
             self._check_identity(url, info)
+            self.check_served_length(url, info.get("max_model_len"), what="rollout server (grpo serve-rollout)",
+                                     flag="--max-model-len")
             self.info[url] = info
         self.dtype = next(iter(self.info.values())).get("dtype")  # what bounds the sync probe's tolerance
         self.accepts_images = all("images" in info.get("capabilities", ()) for info in self.info.values())
@@ -85,8 +89,7 @@ class ServerEngine(HttpServerEngine):
         URLs (`rollout/images.py`), not once per completion."""
         start = time.perf_counter()
         urls = wire_images.encode(images)
-        parts = split_groups(len(prompt_ids), len(self.urls), self._calls)
-        self._calls += 1
+        parts = runs(self._place(len(prompt_ids), sampling.n))  # whole groups per server (rollout/routing.py)
         futures = []
         for server, sl in parts:
             # one request per server slice: the server's engine derives each prompt's seed from this one
@@ -97,7 +100,8 @@ class ServerEngine(HttpServerEngine):
                                  "top_k": sampling.top_k, "seed": seed}}
             if urls is not None:
                 body["images"] = urls[sl]
-            futures.append(self._pool.submit(self._post, self.urls[server], "/generate", body))
+            futures.append(self._pool.submit(self._routed, server, sampling.n * (sl.stop - sl.start), self._post,
+                                             self.urls[server], "/generate", body))
         completions, reasons, logps = [], [], []
         for (server, _), fut in zip(parts, futures, strict=True):
             out = fut.result()
@@ -110,7 +114,7 @@ class ServerEngine(HttpServerEngine):
                                f"{len(prompt_ids)} prompts x n={sampling.n}")
         return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
                             finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
-                            timings={"generate": time.perf_counter() - start})
+                            timings={"generate": time.perf_counter() - start}, metrics=self.router.take_metrics())
 
     def score(self, sequences: list[list[int]], images=None) -> list[list[float]]:
         parts = split_groups(len(sequences), len(self.urls), self._calls)
@@ -138,6 +142,7 @@ class ServerEngine(HttpServerEngine):
 
     def _check_version(self, url: str, version) -> None:
         if version != self.weight_version:  # it restarted (or another trainer pushed): our weights are gone
+            self.router.forget(self.urls.index(url))
             raise RolloutServerDown(f"rollout server {url} answered with weights v{version}, but the trainer pushed "
                                     f"v{self.weight_version} (did it restart?): push the weights again "
                                     "(update_weights) and retry the step", url=url, recovered=True)

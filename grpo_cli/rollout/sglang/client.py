@@ -18,7 +18,8 @@ from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.http_engine import HttpServerEngine, model_identity
 from grpo_cli.rollout.seeds import child_seed
 from grpo_cli.rollout.sglang.vision import Placeholders
-from grpo_cli.rollout.transport.http_client import Policy, split_groups
+from grpo_cli.rollout.routing import runs
+from grpo_cli.rollout.transport.http_client import Policy
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +44,9 @@ class ServerFacts:
     """Data-parallel replicas (`--dp-size`)."""
     dp_attention: bool = False
     """`enable_dp_attention`: with it, older SGLang took tensor updates at dp_size > 1."""
+    context_length: int | None = None
+    """`--context-length` (None when not given: SGLang takes the model's); a request's prompt + max_new_tokens must
+    stay below it."""
 
 
 def parse_version(text: str | None) -> tuple[int, ...] | None:
@@ -94,7 +98,8 @@ class SGLangEngine(HttpServerEngine):
         self.http.wait_all_healthy(self.policy.connect_timeout_s, lambda url: hint)
         want = model_identity(self.model_path).get("architectures") if self.model_path else None
         for url in self.urls:
-            self._facts(url)
+            self.check_served_length(url, self._facts(url).context_length, what="SGLang server",
+                                     flag="--context-length", exclusive=True)
             info = self.model_info(url)
             got = info.get("architectures")
             if want and got and list(want) != list(got):
@@ -129,7 +134,8 @@ class SGLangEngine(HttpServerEngine):
                                f"{'.'.join(map(str, MIN_VERSION))} (per-request sampling seeds, memory tags, weight "
                                "versions): upgrade sglang on the server")
         facts = ServerFacts(version, int(info.get("tp_size") or 1), bool(info.get("enable_deterministic_inference")),
-                            int(info.get("dp_size") or 1), bool(info.get("enable_dp_attention")))
+                            int(info.get("dp_size") or 1), bool(info.get("enable_dp_attention")),
+                            info.get("context_length"))
         if self.weight_transport == "tensor" and facts.dp_size > 1 and not facts.dp_attention:
             # managers/tokenizer_control_mixin.py update_weights_from_tensor asserts dp_size == 1 (an HTTP 500)
             raise RolloutError(
@@ -165,8 +171,7 @@ class SGLangEngine(HttpServerEngine):
                                "generating: after release/resume SGLang holds garbage, not the old weights")
         self.wake_up()
         start = time.perf_counter()
-        parts = split_groups(len(prompt_ids), len(self.urls), self._calls)
-        self._calls += 1
+        parts = runs(self._place(len(prompt_ids), sampling.n))  # whole groups per server (rollout/routing.py)
         urls = wire_images.encode(images)
         futures = []
         for server, sl in parts:
@@ -181,7 +186,8 @@ class SGLangEngine(HttpServerEngine):
             body = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
             if urls is not None:
                 body["image_data"] = image_data
-            futures.append(self._pool.submit(self._generate_call, self.urls[server], body))
+            futures.append(self._pool.submit(self._routed, server, len(ids), self._generate_call, self.urls[server],
+                                             body))
         completions, reasons, logps = [], [], []
         for fut in futures:
             for out in fut.result():
@@ -191,7 +197,7 @@ class SGLangEngine(HttpServerEngine):
                 logps.append(lp)
         return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
                             finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
-                            timings={"generate": time.perf_counter() - start})
+                            timings={"generate": time.perf_counter() - start}, metrics=self.router.take_metrics())
 
     def _generate_call(self, url: str, body: dict) -> list[dict]:
         out = self.http.call(url, "POST", "/generate", json=body).json()

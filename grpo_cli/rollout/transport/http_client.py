@@ -44,6 +44,7 @@ class Policy:
     on_failure: str = "stop"
     wait_for_recovery_s: float = 300.0
     backoff_s: float = 0.5
+    sticky_max_excess: int = 16
 
     @classmethod
     def of(cls, server_config) -> Policy:

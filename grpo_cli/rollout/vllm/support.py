@@ -58,7 +58,7 @@ def tp_subgroup(device, tp: int, world_size: int, timeout_minutes: float | None)
 
     import torch.distributed as dist
 
-    from grpo_cli.config.schema import DistributedConfig
+    from grpo_cli.config.sections import DistributedConfig
     from grpo_cli.runtime.dist import init_process_group
 
     default = DistributedConfig.model_fields["timeout_minutes"].default

@@ -37,7 +37,7 @@ from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
 from grpo_cli.rollout.vllm_serve.stream import ABORT, Group, InFlightUpdates, request_salt, token_versions
 from grpo_cli.rollout.transport import base as transports
 from grpo_cli.rollout.transport.vllm_rl import reset_prefix_caches
-from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown, split_groups
+from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown
 
 if TYPE_CHECKING:
     import torch
@@ -162,6 +162,7 @@ class VLLMServeEngine(HttpServerEngine):
             resp = self.http.request(url, "GET", "/server_info", params={"config_format": "json"})
             self.facts[url] = ServerFacts.parse(resp.json())
             self.facts[url].check(url, self.transport, hint)
+            self.check_served_length(url, self.facts[url].max_model_len, what="vllm serve", flag="--max-model-len")
         self.dtype = next(iter(self.facts.values())).dtype
         self.in_flight.release_paused()  # a killed streaming trainer's kept requests would queue ours forever
         self.weight_version = 0  # what a server holds is not adopted: the run pushes its own first (`synced`)
@@ -196,10 +197,11 @@ class VLLMServeEngine(HttpServerEngine):
                   "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": 0, "detokenize": False,
                   "stop_token_ids": self.stop_token_ids}
         futures = []
-        for url, index in self._placement(len(prompt_ids)):
+        for server, index in self._placement(len(prompt_ids), sampling.n):
             seed = None if sampling.seed is None else request_seed(sampling.seed, rank=self.rank, prompt=index)
             body = {"token_ids": list(prompt_ids[index]), "sampling_params": {**params, "seed": seed}}
-            futures.append(self._pool.submit(self._post, url, self._salted(body)))
+            futures.append(self._pool.submit(self._routed, server, sampling.n, self._post, self.urls[server],
+                                             self._salted(body)))
         completions, reasons, logps = [], [], []
         for fut in futures:
             url, out = fut.result()
@@ -214,7 +216,8 @@ class VLLMServeEngine(HttpServerEngine):
                 logps.append([float(c["logprob"]) for c in content])
         batch = RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
                              finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
-                             timings={"generate": time.perf_counter() - start})
+                             timings={"generate": time.perf_counter() - start},
+                             metrics={**self.router.take_metrics(), **self._prefix_cache_metrics()})
         if len(completions) == len(prompt_ids) * sampling.n:
             return batch
         raise RolloutError(f"vllm serve returned {len(completions)} completions for {len(prompt_ids)} prompts x "
@@ -224,9 +227,9 @@ class VLLMServeEngine(HttpServerEngine):
         """Temperature-1 prompt logprobs of each sequence (vLLM computes them from the raw logits)."""
         self._require_synced()
         params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False, "seed": 0}
-        futures = [self._pool.submit(self._post, url, self._salted({"token_ids": list(sequences[i]),
-                                                                    "sampling_params": params}))
-                   for url, i in self._placement(len(sequences))]
+        futures = [self._pool.submit(self._routed, server, 1, self._post, self.urls[server],
+                                     self._salted({"token_ids": list(sequences[i]), "sampling_params": params}))
+                   for server, i in self._placement(len(sequences), 1)]
         out = []
         for seq, fut in zip(sequences, futures, strict=True):
             url, res = fut.result()
@@ -280,13 +283,9 @@ class VLLMServeEngine(HttpServerEngine):
         except Exception:  # noqa: BLE001 - the run is ending; the server may be gone
             pass
 
-    def _placement(self, count: int) -> Iterator[tuple[str, int]]:
-        """(server, prompt index) for each prompt in order: contiguous slices round-robin over the servers."""
-        parts = split_groups(count, len(self.urls), self._calls)
-        self._calls += 1
-        for server, sl in parts:
-            for index in range(sl.start, sl.stop):
-                yield self.urls[server], index
+    def _placement(self, count: int, weight: int) -> Iterator[tuple[int, int]]:
+        """(server, prompt index) for each prompt in order, by load or trajectory (`rollout/routing.py`)."""
+        yield from ((server, index) for index, server in enumerate(self._place(count, weight)))
 
     def _post(self, url: str, body: dict) -> tuple[str, dict]:
         return url, self.http.call(url, "POST", GENERATE, json=body, verify_after_recovery=self._holds_our_weights
@@ -301,6 +300,7 @@ class VLLMServeEngine(HttpServerEngine):
     def _check_version(self, url: str, spans: list[dict] | None) -> None:
         got = {parse_version(s.get("version")) for s in spans or []}
         if got and got != {self.weight_version}:  # it restarted (or another trainer pushed): our weights are gone
+            self.router.forget(self.urls.index(url))
             raise RolloutServerDown(f"vllm serve at {url} sampled with weights {sorted(map(str, got))}, but the "
                                     f"trainer pushed v{self.weight_version} (did it restart?): push the weights "
                                     "again and retry the step", url=url, recovered=True)

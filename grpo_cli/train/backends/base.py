@@ -116,6 +116,10 @@ class TrainingBackend:
         """`algorithm.distill` with a local teacher: the frozen teacher, loaded like `ref_model` (`load_teacher`)."""
         self.optimizer: torch.optim.Optimizer
         self.scheduler: torch.optim.lr_scheduler.LambdaLR
+        from grpo_cli.train.sequence_parallel import make_shard
+
+        self.sequence = make_shard(cfg, info)
+        """`distributed.sequence_parallel`: this rank's group (`models.sequence_attention.SequenceShard`), or None."""
 
     # ---- building ----------------------------------------------------------------------------------
     def build(self, model_path: str) -> None:
@@ -144,7 +148,7 @@ class TrainingBackend:
     def load_teacher(self, load: Callable[[str], torch.nn.Module]) -> None:
         """`algorithm.distill` with a local teacher: `teacher_model` = `load(folder)` (the backend's way of loading a
         frozen copy, the one its reference uses)."""
-        from grpo_cli.config.distill import local_teacher
+        from grpo_cli.train.distill import local_teacher
 
         if (path := local_teacher(self.cfg)) is not None:
             self.teacher_model = load(path)
@@ -162,8 +166,14 @@ class TrainingBackend:
                   else contextlib.nullcontext(self.model))
         with self.compute_context(), chosen as m:
             return batch_logprobs(m, batch, micro_batch_size=micro_batch_size, temperature=temperature,
-                                  micro_batch_tokens=self.cfg.train.micro_batch_tokens, agree=self.agree_count,
-                                  any_images=self.image_agreement())
+                                  micro_batch_tokens=self.micro_batch_tokens(), agree=self.agree_count,
+                                  any_images=self.image_agreement(), shard=self.sequence)
+
+    def micro_batch_tokens(self) -> int | None:
+        """`train.micro_batch_tokens`, the positions of a micro-batch per rank: a sequence-parallel group's
+        micro-batch holds `size` times as many, one shard on each of its ranks."""
+        tokens = self.cfg.train.micro_batch_tokens
+        return tokens if tokens is None or self.sequence is None else tokens * self.sequence.size
 
     def agree_count(self, count: int) -> int:
         """The largest micro-batch count of any rank (one all-reduce): under `train.micro_batch_tokens` each rank
@@ -207,10 +217,10 @@ class TrainingBackend:
         not finite (`agree_finite`): each rank still back-propagates every micro-batch (a non-finite loss times NaN),
         so the ranks' gradient reductions stay paired. Backends that cannot run a micro-batch at a time (pipeline
         parallel) override the whole of it."""
-        from grpo_cli.models.logprobs import completion_logprobs_entropy, packs_rows
-        from grpo_cli.train.batch import micro_batch_rows, take
+        from grpo_cli.models.logprobs import packs_rows
+        from grpo_cli.train.batch import forward_logprobs_entropy, micro_batch_rows, take
 
-        tokens = self.cfg.train.micro_batch_tokens
+        tokens = self.micro_batch_tokens()
         groups = micro_batch_rows(batch, micro_batch_size=micro_batch_size, micro_batch_tokens=tokens,
                                   agree=self.agree_count, packed=packs_rows(self.model, batch.vision))
         out, nonfinite = [], None
@@ -218,14 +228,15 @@ class TrainingBackend:
             mb = take(batch, rows, micro_batch_tokens=tokens, any_images=self.image_agreement())
             with self.accumulation_context(last=k == len(groups) - 1):
                 with self.compute_context():
-                    logprobs, entropy = completion_logprobs_entropy(
-                        self.model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.num_completion_tokens,
-                        temperature=temperature, entropy_grad=entropy_grad, vision=mb.vision)
+                    logprobs, entropy = forward_logprobs_entropy(self.model, mb, temperature=temperature,
+                                                                 entropy_grad=entropy_grad, shard=self.sequence)
                 loss, metrics = loss_fn(mb, logprobs, entropy)
                 if not torch.isfinite(loss):  # backward runs all the same: the other ranks' reductions wait for it
                     nonfinite = float(loss.detach()) if nonfinite is None else nonfinite
                     loss = loss * math.nan
-                self.backward(loss)
+                # a sequence-parallel group's ranks each hold the whole micro-batch loss (their parts summed with
+                # autograd), so each back-propagates 1/size of it: the group's gradients sum to the loss's
+                self.backward(loss if self.sequence is None else loss / self.sequence.size)
             out.append(metrics)
         self.agree_finite(nonfinite)
         return out

@@ -1,5 +1,5 @@
 """`deepspeed`: ZeRO stage 1/2/3 through `deepspeed.initialize` with grpo-cli's torch AdamW and the JSON of
-`config.deepspeed.deepspeed_config`. ZeRO-3 builds the model under `zero.Init` and each rank reads only its own
+`planner.deepspeed.deepspeed_config`. ZeRO-3 builds the model under `zero.Init` and each rank reads only its own
 partition (flat elements [r·n, (r+1)·n) of every tensor) from the safetensors files; bf16 runs keep fp32 masters."""
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class DeepSpeedBackend(TrainingBackend):
     def build(self, model_path: str) -> None:
         import deepspeed
 
-        from grpo_cli.config.deepspeed import deepspeed_config
+        from grpo_cli.planner.deepspeed import deepspeed_config
 
         cfg = self.cfg
         if self.device.type == "cpu":

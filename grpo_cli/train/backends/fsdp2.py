@@ -6,11 +6,13 @@ compute and `distributed.reduce_dtype` gradient reduction through `MixedPrecisio
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import torch
 
 from grpo_cli.runtime.accel import is_cuda
+from grpo_cli.config.hsdp import mesh_shape
 from grpo_cli.runtime.dist import ensure_process_group
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
 from grpo_cli.train.backends.activations import enable_checkpointing
@@ -18,9 +20,10 @@ from grpo_cli.train.backends.cpu_heap import SHARDED_THRESHOLD, return_large_fre
 from grpo_cli.models.checkpoint_files import weight_files
 from grpo_cli.models.vision import freeze_vision
 from grpo_cli.train.backends.hf_io import check_names, save_hf_folder
+from grpo_cli.train.backends.hsdp import hsdp_mesh
 from grpo_cli.train.checkpoint import CheckpointError
 from grpo_cli.train.weights.lora import apply_lora, checkpoint_name, init_adapter
-from grpo_cli.train.weights.shard_gather import shard_rows
+from grpo_cli.train.weights.shard_gather import local_rows
 
 DCP_DIR = "dcp"
 
@@ -64,9 +67,10 @@ def materialize(module: torch.nn.Module, device: torch.device, *, params_on: tor
 
 
 @torch.no_grad()
-def load_sharded(module: torch.nn.Module, folder: str, *, rank: int, world: int, peft: bool = False) -> None:
-    """Fill every DTensor parameter's local shard from the safetensors files, reading only this rank's rows. A
-    PEFT model's base weights are read under their checkpoint names; its adapter is left to `init_adapter`."""
+def load_sharded(module: torch.nn.Module, folder: str, *, peft: bool = False) -> None:
+    """Fill every DTensor parameter's local shard from the safetensors files, reading only this rank's rows (its
+    coordinate in the mesh's shard dimension: under HSDP every replica reads the same rows). A PEFT model's base
+    weights are read under their checkpoint names; its adapter is left to `init_adapter`."""
     from safetensors import safe_open
 
     files = weight_files(Path(folder))
@@ -85,7 +89,7 @@ def load_sharded(module: torch.nn.Module, folder: str, *, rank: int, world: int,
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
             local = param.to_local() if hasattr(param, "to_local") else param.data
-            start, stop = shard_rows(param, rank, world) if hasattr(param, "to_local") else (0, param.shape[0])
+            start, stop = local_rows(param)
             rows = handles[path].get_slice(source)[start:stop]
             local.copy_(rows.to(local.dtype))
 
@@ -136,13 +140,23 @@ class FSDP2Backend(TrainingBackend):
         micro-batches) in `distributed.reduce_dtype`; with `distributed.fsdp2.cpu_offload`, FSDP2's
         `CPUOffloadPolicy` (shards, gradients and optimizer state in host memory, pinned where a GPU copies them;
         the optimizer steps on the host: AdamW's plain loop, as for any DTensor, and the gradient norm's all-reduce
-        runs on the CPU backend of the group)."""
+        runs on the CPU backend of the group); under HSDP, its 2-D mesh (`_mesh`)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         d = self.cfg.distributed
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype(self.cfg), reduce_dtype=getattr(torch, d.reduce_dtype))
         offload = CPUOffloadPolicy(pin_memory=is_cuda(self.device)) if d.fsdp2.cpu_offload else OffloadPolicy()
-        return {"mp_policy": mp, "offload_policy": offload}
+        return {"mp_policy": mp, "offload_policy": offload, "mesh": self._mesh}
+
+    @functools.cached_property
+    def _mesh(self):
+        """HSDP's 2-D mesh under `distributed.fsdp2.replicate` > 1 (made once: the policy, reference and teacher share
+        its groups), else None (`fully_shard`'s 1-D mesh over every process)."""
+        replicas, shard = mesh_shape(self.cfg)
+        if replicas == 1:
+            return None
+        return hsdp_mesh(self.device, replicas=replicas, shard=shard,
+                         timeout_minutes=self.cfg.distributed.timeout_minutes)
 
     def _sharded(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -162,9 +176,9 @@ class FSDP2Backend(TrainingBackend):
         fully_shard(module, **policies)
         materialize(module, self.device,
                     params_on=torch.device("cpu") if cfg.distributed.fsdp2.cpu_offload else self.device)
-        load_sharded(module, model_path, rank=self.info.rank, world=self.info.world_size, peft=lora)
+        load_sharded(module, model_path, peft=lora)
         if lora:
-            init_adapter(module, seed=cfg.train.seed, rank=self.info.rank, world=self.info.world_size)
+            init_adapter(module, seed=cfg.train.seed)
         return module.train() if trainable else module.eval().requires_grad_(False)
 
     def build(self, model_path: str) -> None:

@@ -75,10 +75,11 @@ def merged_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> to
 
 
 @torch.no_grad()
-def init_adapter(model: torch.nn.Module, *, seed: int, rank: int, world: int) -> None:
+def init_adapter(model: torch.nn.Module, *, seed: int) -> None:
     """PEFT's initialisation (A: kaiming-uniform(a=√5), B: 0) from a generator seeded by `train.seed`, written
-    into this rank's rows of each (possibly `Shard(0)`) adapter parameter: for models built on the meta device."""
-    from grpo_cli.train.weights.shard_gather import shard_rows
+    into this rank's rows of each (possibly `Shard(0)`, on a 1-D or HSDP mesh) adapter parameter: for models built
+    on the meta device."""
+    from grpo_cli.train.weights.shard_gather import local_rows
 
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
@@ -89,7 +90,7 @@ def init_adapter(model: torch.nn.Module, *, seed: int, rank: int, world: int) ->
             bound = 1 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=√5) on a (r, in) matrix
             full.uniform_(-bound, bound, generator=gen)
         local = param.to_local() if hasattr(param, "to_local") else param.data
-        start, stop = shard_rows(param, rank, world) if hasattr(param, "to_local") else (0, param.shape[0])
+        start, stop = local_rows(param)
         local.copy_(full[start:stop].to(local.dtype))
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from grpo_cli.config.errors import UserError
+from grpo_cli.config.rules_megatron import context_parallel_refusal
 from grpo_cli.config.schema import GRPOConfig
 from grpo_cli.train.backends.base import compute_dtype, lr_lambda
 
@@ -17,18 +19,23 @@ def init_parallel_state(cfg: GRPOConfig, world_size: int, device: torch.device) 
 
     from grpo_cli.runtime.dist import ensure_process_group
 
+    if why := context_parallel_refusal(cfg):  # `grpo train` refuses it first; this guards every other caller
+        raise UserError(why)
+
     ensure_process_group(device, timeout_minutes=cfg.distributed.timeout_minutes,
                          before_destroy=mpu.destroy_model_parallel)
 
     m = cfg.distributed.megatron
-    if world_size % (m.tensor_parallel * m.pipeline_parallel):
+    if world_size % (m.tensor_parallel * m.pipeline_parallel * m.context_parallel_size):
         raise ValueError(f"distributed.megatron: tensor_parallel {m.tensor_parallel} × pipeline_parallel "
-                         f"{m.pipeline_parallel} does not divide the {world_size} processes")
+                         f"{m.pipeline_parallel} × context_parallel_size {m.context_parallel_size} does not divide "
+                         f"the {world_size} processes")
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=m.tensor_parallel, pipeline_model_parallel_size=m.pipeline_parallel,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline, expert_model_parallel_size=m.expert_parallel,
+        context_parallel_size=m.context_parallel_size,
         distributed_timeout_minutes=max(1, int(cfg.distributed.timeout_minutes)),
     )
 
@@ -54,7 +61,7 @@ def transformer_overrides(cfg: GRPOConfig) -> dict:
         "masked_softmax_fusion": False, "bias_activation_fusion": False, "bias_dropout_fusion": False,
         "apply_rope_fusion": False, "gradient_accumulation_fusion": False, "persist_layer_norm": False,
         "attention_dropout": 0.0, "hidden_dropout": 0.0, "variable_seq_lengths": True,
-        "moe_grouped_gemm": False,
+        "moe_grouped_gemm": False, "context_parallel_size": m.context_parallel_size,
     }
     if m.recompute != "none":
         out["recompute_granularity"] = m.recompute

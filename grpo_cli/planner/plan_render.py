@@ -1,22 +1,25 @@
 """`grpo plan`'s text: the batch plan, the per-GPU memory rows with what each holds, and the host rows per node,
-with the verdicts against `--gpu-mem` / `--host-mem` (the figures come from config/plan.py)."""
+with the verdicts against `--gpu-mem` / `--host-mem` (the figures come from planner/plan.py)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grpo_cli.config.plan import (GIB, GPU_HEADROOM, HOST_HEADROOM, async_plan, batch_plan, host_plan, memory_plan,
-                                  peak_bytes)
-from grpo_cli.config.plan_megatron import megatron_layout
-from grpo_cli.config.plan_tokens import token_budget_lines
+from grpo_cli.config.hsdp import layout_note, shard_ranks
+from grpo_cli.planner.plan_sequence import long_context_lines
 from grpo_cli.config.reward_models import parks_reward_models
+from grpo_cli.config.rules_megatron import megatron_layout
+from grpo_cli.planner.plan import (GIB, GPU_HEADROOM, HOST_HEADROOM, async_plan, batch_plan, host_plan, memory_plan,
+                                   peak_bytes, plan_device)
+from grpo_cli.planner.plan_deploy import deployment_lines, training_view
+from grpo_cli.planner.plan_tokens import token_budget_lines
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
 
 
 def _gpu_notes(cfg: GRPOConfig) -> dict[str, str]:
-    d, world = cfg.distributed, cfg.distributed.num_processes * cfg.distributed.num_machines
+    d, world = cfg.distributed, shard_ranks(cfg)
     if d.backend == "fsdp2":
         where = "; shards on the host (cpu_offload)" if d.fsdp2.cpu_offload else ""
         grads = (f"whole model, unsharded, {d.reduce_dtype}, between micro-batches (unsharded_grad_accumulation)"
@@ -31,7 +34,8 @@ def _gpu_notes(cfg: GRPOConfig) -> dict[str, str]:
         lay = megatron_layout(cfg)
         grid = f"tp {lay['tp']} x pp {lay['pp']}"
         experts = f"; experts 1/(ep {lay['ep']} x etp {lay['etp']} x pp {lay['pp']})"
-        opt = (f"dense 1/(tp x pp x dp {lay['dp']}), experts also 1/edp {lay['edp']} (distributed_optimizer)"
+        dp = f"dp {lay['dp']}" + (f" x cp {lay['cp']}" if lay["cp"] > 1 else "")
+        opt = (f"dense 1/(tp x pp x {dp}), experts also 1/edp {lay['edp']} (distributed_optimizer)"
                if d.megatron.distributed_optimizer else "whole on every data-parallel rank (no distributed_optimizer)")
         return {"weights": f"{cfg.model.dtype}, dense 1/({grid}){experts}",
                 "gradients": "float32 Megatron DDP buffers, same split as the weights",
@@ -56,6 +60,7 @@ def _render_memory(cfg: GRPOConfig, mem: dict[str, float], gpu_mem: float | None
     lines = [f"# memory per GPU (estimate; mode {cfg.rollout.mode}, engine {cfg.rollout.engine}, "
              f"backend {cfg.distributed.backend})"]
     notes = _gpu_notes(cfg)
+    lines += [f"  ({note})" for note in [layout_note(cfg)] if note]
     if "reward_model" in mem:
         notes["reward_model"] = "local reward model(s) and judge(s), one copy per process; " + (
             "on the GPU only while scoring" if parks_reward_models(cfg) else "resident for the whole run")
@@ -87,6 +92,7 @@ def _render_host(cfg: GRPOConfig, mem: dict[str, float], host_mem: float | None)
 
 
 def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None, host_mem: float | None = None) -> str:
+    cfg = training_view(cfg)  # under deployment: the figures of the job's real number of training nodes
     lines = ["# batch plan"]
     lines += [f"  {k:28s} {v}" for k, v in batch_plan(cfg).items()]
     if cfg.rollout.mode == "async":
@@ -95,4 +101,7 @@ def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None, host_mem: float | Non
     mem = memory_plan(cfg, gpu_mem)
     if cfg.distributed.backend != "megatron":
         lines += token_budget_lines(cfg, mem, gpu_mem and gpu_mem * (1 - GPU_HEADROOM), peak=peak_bytes)
-    return "\n".join(lines + _render_memory(cfg, mem, gpu_mem) + _render_host(cfg, mem, host_mem))
+    lines += long_context_lines(cfg, mem, batch_plan(cfg), gpu_mem and gpu_mem * (1 - GPU_HEADROOM),
+                                device=plan_device(cfg, gpu_mem), peak=peak_bytes)
+    return "\n".join(lines + _render_memory(cfg, mem, gpu_mem) + _render_host(cfg, mem, host_mem)
+                     + deployment_lines(cfg, gpu_mem))

@@ -8,13 +8,13 @@ import re
 
 from grpo_cli.algo.chunk_size import chunk_bytes
 from grpo_cli.config.errors import UserError
-from grpo_cli.config.model_shape import (  # noqa: F401  (re-exported: `grpo plan`'s callers import them here)
-    QWEN_VOCAB, ModelShape, local_model_config, model_shape, num_experts)
-from grpo_cli.config.plan_megatron import (  # noqa: F401
-    BYTES, megatron_activation_bytes, megatron_layout, megatron_state_bytes)
-from grpo_cli.config.plan_tokens import activation_bytes_per_position, micro_batch_positions
-from grpo_cli.config.distill import local_teacher_params
-from grpo_cli.config.reward_models import parks_reward_models, reward_model_bytes
+from grpo_cli.config.model_shape import BYTES, QWEN_VOCAB, ModelShape, model_shape
+from grpo_cli.config.reward_models import parks_reward_models
+from grpo_cli.planner.plan_megatron import megatron_activation_bytes, megatron_state_bytes
+from grpo_cli.planner.plan_rewards import reward_model_bytes
+from grpo_cli.planner.plan_tokens import activation_bytes_per_position, micro_batch_positions
+from grpo_cli.config.hsdp import shard_ranks
+from grpo_cli.planner.plan_sequence import sequence_shards, sharded_rows
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -102,14 +102,15 @@ def bucket_sizes(hidden: int, *, stage: int) -> dict[str, int]:
 
 
 def _reduce_bucket(cfg: GRPOConfig) -> float:
-    """Elements of DeepSpeed's gradient reduce bucket, as `config.deepspeed.deepspeed_config` sizes it."""
+    """Elements of DeepSpeed's gradient reduce bucket, as `planner.deepspeed.deepspeed_config` sizes it."""
     d = cfg.distributed
     return bucket_sizes(model_shape(cfg.model.name_or_path).hidden, stage=d.deepspeed.zero_stage)["reduce_bucket_size"]
 
 
 def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
     """Bytes one process holds on its GPU for the policy's weights, gradients (between micro-batches) and AdamW
-    state, by the backends' rules (train/backends). N = the process count, P = `params`.
+    state, by the backends' rules (train/backends). N = the processes one copy is sharded over (`hsdp.shard_ranks`:
+    every process, or world/R under fsdp2's HSDP `replicate: R`), P = `params`.
 
     - ddp: everything whole, in `model.master_weights` (float32 by default); AdamW keeps two moments.
     - fsdp2: weights, gradients and moments in the master dtype, 1/N each. Gradients are reduce-scattered every
@@ -124,7 +125,7 @@ def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
       `offload_params` moves the ZeRO-3 weight partitions to the host.
     - megatron: tensor × pipeline × expert parallel and the distributed optimizer (`megatron_state_bytes`).
     """
-    d, world = cfg.distributed, cfg.distributed.num_processes * cfg.distributed.num_machines
+    d = cfg.distributed
     if d.backend == "megatron":
         return megatron_state_bytes(cfg, _with_params(model_shape(cfg.model.name_or_path), params))
     compute, master, reduce = _widths(cfg)
@@ -133,7 +134,7 @@ def training_state_bytes(cfg: GRPOConfig, params: float) -> dict[str, float]:
     else:
         per = {"weights": master, "gradients": master, "optimizer": 2 * master}
     shard = sharding(cfg)
-    out = {name: params * b / (world if shard[name] else 1) for name, b in per.items()}
+    out = {name: params * b / (shard_ranks(cfg) if shard[name] else 1) for name, b in per.items()}
     if d.backend == "fsdp2":
         unsharded = params * reduce if d.fsdp2.unsharded_grad_accumulation else 0.0
         if d.fsdp2.cpu_offload:
@@ -184,6 +185,12 @@ def hf_generation_copy(cfg: GRPOConfig) -> bool:
             and cfg.model.dtype in ("bfloat16", "float16") and cfg.model.lora is None)
 
 
+def local_teacher_params(cfg: GRPOConfig) -> float:
+    """Parameters of a local distillation teacher (0 without one), from its config.json."""
+    d = cfg.algorithm.distill
+    return 0 if d is None or d.served else model_shape(d.teacher).params
+
+
 def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     """Bytes per GPU for each item of the training and generation phases (rough; activations are an estimate).
     With megatron, the hf engine holds a whole copy of the model in `rollout.dtype` on every rank
@@ -193,7 +200,7 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     out = training_state_bytes(cfg, p)
     out.update(gathered_bytes(cfg, shape))
     megatron = cfg.distributed.backend == "megatron"
-    split = cfg.distributed.num_processes * cfg.distributed.num_machines if sharding(cfg)["weights"] else 1
+    split = shard_ranks(cfg) if sharding(cfg)["weights"] else 1
     if cfg.algorithm.kl.beta > 0:  # the frozen copies (reference, a local distillation teacher) shard like the policy
         out["reference"] = out["weights"] if megatron else p * wbytes / split
     out.update({"teacher": teacher * wbytes / split} if (teacher := local_teacher_params(cfg)) else {})
@@ -203,12 +210,14 @@ def memory_plan(cfg: GRPOConfig, gpu_mem: float | None) -> dict[str, float]:
     else:
         out["activations"] = micro_batch_positions(cfg) * activation_bytes_per_position(cfg, shape)
         out["head_chunk"] = chunk_bytes(shape.vocab or QWEN_VOCAB, micro_batch_positions(cfg), device=device)
+    if sequence_shards(cfg) > 1:  # one sequence's positions split over sequence/context-parallel ranks
+        out.update(sharded_rows(cfg, shape, batch_plan(cfg), device=device))
     if megatron and cfg.rollout.layout.shares_policy_weights:
         out["hf_engine_copy"] = p * engine_bytes(cfg)
     if hf_generation_copy(cfg):
         out["hf_generation_copy"] = p * BYTES[cfg.model.dtype]
     if rm := reward_model_bytes(cfg, on_device=True):
-        out["reward_model"] = rm  # config.reward_models: parked in host memory except while scoring, or resident
+        out["reward_model"] = rm  # config/reward_models.py: parked in host memory except while scoring, or resident
     if cfg.rollout.colocated_vllm:
         tp = cfg.rollout.vllm.tensor_parallel_size
         budget = cfg.rollout.vllm.gpu_memory_utilization * (gpu_mem or 80 * GIB)
@@ -226,7 +235,7 @@ def state_between_steps(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, flo
     d = cfg.distributed
     grads = mem.get("gradients", 0.0)
     if d.backend == "fsdp2" and d.fsdp2.unsharded_grad_accumulation:
-        world = d.num_processes * d.num_machines
+        world = shard_ranks(cfg)
         grads = 0.0 if d.fsdp2.cpu_offload else model_shape(cfg.model.name_or_path).params * _widths(cfg)[1] / world
     return {"weights": mem.get("weights", 0.0), "gradients": grads, "optimizer": mem.get("optimizer", 0.0)}
 
@@ -275,8 +284,8 @@ def async_plan(cfg: GRPOConfig) -> dict[str, object]:
 
 def host_plan(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, tuple[float, str]]:
     """Host bytes per node (the `num_processes` training processes of one machine) by item, each with where it
-    comes from. N = the process count, P = parameters; pinned (page-locked) but for the shared-memory
-    copies (Ray, /dev/shm).
+    comes from. N = the processes one copy is sharded over (`hsdp.shard_ranks`), P = parameters; pinned
+    (page-locked) but for the shared-memory copies (Ray, /dev/shm).
 
     - deepspeed `offload_optimizer`: float32 masters + AdamW moments, 12·P/N per process, and the gradients the
       host AdamW reads: float32, 4·P/N, plus ZeRO-3's accumulation partitions in `reduce_dtype`
@@ -293,7 +302,7 @@ def host_plan(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, tuple[float, 
     """
     d, ds = cfg.distributed, cfg.distributed.deepspeed
     p = model_shape(cfg.model.name_or_path).params
-    world, local = d.num_processes * d.num_machines, d.num_processes
+    world, local = shard_ranks(cfg), d.num_processes
     compute, master, reduce = _widths(cfg)
     share = p / world * local
     rows: dict[str, tuple[float, str]] = {}

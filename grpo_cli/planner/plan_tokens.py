@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grpo_cli.config.model_shape import model_shape
-from grpo_cli.config.plan_megatron import BYTES
+from grpo_cli.config.model_shape import BYTES, model_shape
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -64,7 +63,8 @@ def token_budget_lines(cfg: GRPOConfig, mem: dict[str, float], limit: float | No
                        peak: Callable[[GRPOConfig, dict[str, float]], float]) -> list[str]:
     """`grpo plan`'s token-budget section; `limit` is the usable GPU memory (`--gpu-mem` less the headroom) and
     `peak(cfg, mem)` the plan's peak (`plan.peak_bytes`), evaluated with the activations of each budget tried."""
-    per = activation_bytes_per_position(cfg, model_shape(cfg.model.name_or_path))
+    # per GPU: the budget is per sequence-parallel group, each rank keeps 1/size of its positions (plan_sequence)
+    per = activation_bytes_per_position(cfg, model_shape(cfg.model.name_or_path)) / cfg.distributed.sequence_parallel.size
     fits = None if not limit else (lambda n: peak(cfg, mem | {"activations": n * per}) <= limit)
     rows = token_budget_plan(cfg, per, fits)
     return ["# token budget (train.micro_batch_tokens)"] + [f"  {k:28s} {v}" for k, v in rows.items()]

@@ -6,28 +6,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grpo_cli.algo.chunk_size import chunk_bytes
-from grpo_cli.config.model_shape import QWEN_VOCAB, ModelShape
+from grpo_cli.config.model_shape import BYTES, QWEN_VOCAB, ModelShape
+from grpo_cli.config.rules_megatron import megatron_layout
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import GRPOConfig
-
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per parameter of each `model.dtype`."""
-
-
-def megatron_layout(cfg: GRPOConfig) -> dict[str, int]:
-    """Megatron-core's process grid for `distributed.megatron` (what `initialize_model_parallel` builds): tp, pp,
-    ep; dp = world / (tp·pp) (the dense parameters' data-parallel ranks); etp = the expert tensor parallel size,
-    tensor_parallel (Megatron's default when `expert_tensor_parallel_size` is not given, as the backend does);
-    edp = world / (ep·etp·pp) (the expert parameters' data-parallel ranks). dp/edp are 0 where the grid does not
-    divide the world (the config rules refuse that)."""
-    d, m = cfg.distributed, cfg.distributed.megatron
-    world = d.num_processes * d.num_machines
-    tp, pp, ep = m.tensor_parallel, m.pipeline_parallel, m.expert_parallel
-    etp = tp
-    return {"world": world, "tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": world // (tp * pp),
-            "edp": world // (ep * etp * pp)}
-
 
 def megatron_state_bytes(cfg: GRPOConfig, shape: ModelShape) -> dict[str, float]:
     """Per-GPU bytes of the megatron backend's training state. P = parameters, X = routed-expert parameters
@@ -37,7 +20,8 @@ def megatron_state_bytes(cfg: GRPOConfig, shape: ModelShape) -> dict[str, float]
         gradients  = 4 · (D / (tp·pp) + X / (ep·etp·pp))           Megatron DDP's float32 grad buffers
         optimizer  = o · (D / (tp·pp·dp') + X / (ep·etp·pp·edp'))   o = 12 (fp32 master + 2 Adam moments), 8 when
                                                                     model.dtype is float32 (no separate master)
-        dp' = dp and edp' = edp with `distributed_optimizer` (ZeRO-1 over the data-parallel ranks), else 1.
+        dp' = dp·cp and edp' = edp with `distributed_optimizer` (ZeRO-1 over the data-parallel ranks, context
+        parallel ranks included), else 1.
 
     The same count as Megatron-LM's `compute_weight_and_optimizer_memory` (6 + 12/dp bytes per parameter on the
     most loaded shard, 6 + 12/edp for expert parameters) with bf16 weights. Approximated: the embedding and the
@@ -48,7 +32,7 @@ def megatron_state_bytes(cfg: GRPOConfig, shape: ModelShape) -> dict[str, float]
     dense, experts = shape.params - shape.expert_params, shape.expert_params
     held = dense / (lay["tp"] * lay["pp"]) + experts / (lay["ep"] * lay["etp"] * lay["pp"])
     shard = cfg.distributed.megatron.distributed_optimizer
-    dp, edp = (max(1, lay["dp"]), max(1, lay["edp"])) if shard else (1, 1)
+    dp, edp = (max(1, lay["dp"] * lay["cp"]), max(1, lay["edp"])) if shard else (1, 1)
     opt = (8 + (4 if compute != 4 else 0)) * (dense / (lay["tp"] * lay["pp"] * dp)
                                               + experts / (lay["ep"] * lay["etp"] * lay["pp"] * edp))
     return {"weights": held * compute, "gradients": held * 4, "optimizer": opt}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from grpo_cli.config.plan import batch_plan, bucket_sizes, model_shape
+from grpo_cli.config.model_shape import model_shape
+from grpo_cli.planner.plan import batch_plan, bucket_sizes
 from grpo_cli.config.schema import GRPOConfig
 
 
