@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from grpo_cli.config.engine_modes import MODES
 
 if TYPE_CHECKING:
-    from grpo_cli.config.schema import GRPOConfig
+    from grpo_cli.config.sections import GRPOSections
 
 
 def stream_engines() -> list[str]:
@@ -25,7 +25,7 @@ def refuse_engine(engine: str) -> None:
         "rollout.mode server or async with this engine.")
 
 
-def check_stream(cfg: GRPOConfig) -> None:
+def check_stream(cfg: GRPOSections) -> None:
     """What stream mode needs from the rest of the config."""
     r, t = cfg.rollout, cfg.train
     world = cfg.distributed.num_processes * cfg.distributed.num_machines
@@ -58,7 +58,7 @@ def check_stream(cfg: GRPOConfig) -> None:
             f"{t.prompts_per_step} or null (one step's worth).")
 
 
-def check_unused(cfg: GRPOConfig) -> None:
+def check_unused(cfg: GRPOSections) -> None:
     """`rollout.stream.*` set outside stream mode changes nothing: refused."""
     from grpo_cli.config.stream import StreamConfig
 

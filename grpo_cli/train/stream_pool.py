@@ -55,6 +55,7 @@ class StreamPipeline:
         self.error: BaseException | None = None
         self.dropped = 0
         self.clock = IdleClock(list(engine.urls))
+        engine.in_flight.count_requests = lambda: len(self.flight)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -97,6 +98,7 @@ class StreamPipeline:
             self.last_metrics = {
                 **batch_metrics(groups, version), "stream/dropped_groups": float(self.dropped - dropped_before),
                 "stream/buffer_depth": float(len(self.buffer)), "stream/in_flight": float(len(self.flight)),
+                "stream/in_flight_at_sync": float(self.engine.in_flight.requests_at_pause),
                 "stream/engine_idle_frac": self.clock.idle_fraction(self.engine.in_flight.paused_seconds)}
         return [p for _, p in taken], batch
 

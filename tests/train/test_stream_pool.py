@@ -31,7 +31,7 @@ class Recorder:
             self.release.set()
         self.live, self.peak, self.calls = 0, 0, []
         self.lock = threading.Lock()
-        self.in_flight = type("Paused", (), {"paused_seconds": 0.0})()
+        self.in_flight = type("Paused", (), {"paused_seconds": 0.0, "requests_at_pause": 0})()
         self.weight_version = 0
         self.aborted: list[str] = []
 

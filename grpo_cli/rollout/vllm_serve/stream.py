@@ -103,6 +103,10 @@ class InFlightUpdates:
         self.paused_seconds = 0.0
         """Total time the servers spent paused for weight updates (`stream/engine_idle_frac` counts it idle)."""
         self._paused_at = 0.0
+        self.count_requests = lambda: 0
+        """The client's requests in flight now (the stream pool sets it: its groups still generating)."""
+        self.requests_at_pause = 0
+        """Requests in flight when the last pause began: they continue under the new weights after the resume."""
 
     def _all(self, path: str, **kw) -> None:
         futures = [self.pool.submit(self.http.call, url, "POST", path, idempotent=False, **kw) for url in self.urls]
@@ -123,6 +127,7 @@ class InFlightUpdates:
 
     def pause(self) -> None:
         self._paused_at = time.perf_counter()
+        self.requests_at_pause = self.count_requests()
         self._all(PAUSE, params={"mode": "keep", "clear_cache": "true" if self.recompute_kv else "false"})
 
     def resume(self) -> None:
