@@ -2,8 +2,8 @@
 (layer 1): the config rules, `grpo plan` and `grpo train --rehearse` read the facts here, and the factory
 (`rollout/factory.make_engine`) imports the builder each row names, so nothing below rollout/ imports it.
 
-The rows (docs/rollout-modes.md shows them as a table): hf and vllm colocate, hf/vllm/sglang server, hf and vllm
-async.
+The rows (docs/rollout-modes.md shows them as a table): hf and vllm colocate, hf/vllm/sglang/vllm-serve server,
+hf and vllm async, vllm-serve stream.
 
 Adding an engine (e.g. a client of another server): write its class on `rollout.base.RolloutEngine` (in its own
 folder under rollout/), with a builder `fn(cfg, ctx, **extras)` (`extras`: the `build_args` it names, out of
@@ -20,7 +20,7 @@ from typing import Literal
 
 from grpo_cli.config.transports import names_for
 
-Mode = Literal["colocate", "server", "async"]
+Mode = Literal["colocate", "server", "async", "stream"]
 BUILD_ARGS = ("policy", "device", "broadcast", "wrap")
 """What the factory can hand a builder besides (cfg, ctx): the trainer's Hugging Face policy, the device, a
 function that shares rank 0's objects with the other ranks, and the wrapper `wrap(engine, cfg, tokenizer)` that
@@ -94,6 +94,9 @@ MODES: dict[tuple[str, str], EngineMode] = {row.key: row for row in (
     EngineMode("vllm-serve", "server", "grpo_cli.rollout.vllm_serve.client:VLLMServeEngine.from_config", remote=True,
                client="vllm-serve",
                about="a stock `vllm serve` in dev mode (vLLM's RL API; docs/server-mode.md gives its command)"),
+    EngineMode("vllm-serve", "stream", "grpo_cli.rollout.vllm_serve.client:VLLMServeEngine.from_config", remote=True,
+               client="vllm-serve",
+               about="`vllm serve` generating without stopping; weights land in flight (docs/streaming.md)"),
     EngineMode("hf", "async", _ASYNC, ("broadcast", "wrap"), transports=("ray",), images=True,
                actor_build="grpo_cli.rollout.ray.actor:hf_actor_engine",
                about="Ray actors, each with an hf copy, one step ahead"),

@@ -88,7 +88,7 @@ def transport_table() -> str:
              "|---|---|---|---|---|"]
     for t in TRANSPORTS:
         rows = [row for row in MODES.values() if row.client == t.client]
-        engines = ", ".join(row.engine for row in rows)
+        engines = ", ".join(dict.fromkeys(row.engine for row in rows))  # an engine with several modes, once
         default = " (default)" if rows and rows[0].transports[0] == t.name else ""
         lines.append(f"| `{t.name}`{default} | {engines} ({CLIENTS.get(t.client, t.client)}) | {t.topology} | "
                      f"{'yes (loopback URLs)' if t.same_host else 'no'} | {t.when} |")

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from grpo_cli.config.base import Section
 from grpo_cli.config.engine_modes import EngineMode, engine_mode, engines
+from grpo_cli.config.stream import StreamConfig
 from grpo_cli.config.transports import WeightTransportName
 
 
@@ -125,9 +126,11 @@ class RolloutConfig(Section):
     """`hf`: the policy itself samples (grpo-cli's KV-cached decode loop on transformers models); `vllm`: vLLM;
     `sglang`: an SGLang server; `vllm-serve`: a stock `vllm serve` started in dev mode (docs/server-mode.md gives
     its command). Each engine runs in the modes `config/engine_modes.MODES` declares for it."""
-    mode: Literal["colocate", "server", "async"] = "colocate"
+    mode: Literal["colocate", "server", "async", "stream"] = "colocate"
     """`colocate`: the engine runs inside the training processes; `server`: a separate HTTP rollout server;
-    `async`: rollouts for step k+1 are generated while step k trains (Ray actors)."""
+    `async`: rollouts for step k+1 are generated while step k trains (Ray actors); `stream`: `vllm serve` servers
+    generate without stopping, weights land in flight and each token carries the version that sampled it
+    (`rollout.stream`, docs/streaming.md)."""
     max_completion_length: int = Field(16, ge=1)
     """Most tokens generated per completion."""
     temperature: float = Field(1.0, gt=0)
@@ -162,7 +165,9 @@ class RolloutConfig(Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """vLLM engine settings."""
     server: ServerConfig = Field(default_factory=ServerConfig)
-    """Server mode settings."""
+    """Server mode settings (stream mode's servers too)."""
+    stream: StreamConfig = Field(default_factory=StreamConfig)
+    """Stream mode: the pool of groups generating, the buffer of finished ones, the per-token staleness bound."""
 
     @field_validator("engine")
     @classmethod

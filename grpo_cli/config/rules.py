@@ -10,6 +10,7 @@ from grpo_cli.config.rules_deployment import check_deployment
 from grpo_cli.config.rules_megatron import check_megatron, divisors
 from grpo_cli.config.rules_vision import check_vision
 from grpo_cli.config.rules_offload import check_offload
+from grpo_cli.config.rules_stream import check_stream, check_unused, refuse_engine
 from grpo_cli.config.rules_sequence import check_sequence_parallel
 from grpo_cli.config.transports import facts, is_loopback
 
@@ -66,6 +67,8 @@ def _check_layout(cfg: GRPOSections) -> None:
     r = cfg.rollout
     if engine_mode(r.engine, r.mode) is not None:
         return
+    if r.mode == "stream":
+        refuse_engine(r.engine)
     modes = modes_of(r.engine)
     if modes == ["server"]:
         raise ValueError(
@@ -81,7 +84,7 @@ def _check_rollout(cfg: GRPOSections) -> None:
     _check_layout(cfg)
     if r.layout.remote and not r.server.urls and not cfg.deployment.rollout_nodes:  # derived on each node
         raise ValueError(
-            "rollout.server.urls is empty but rollout.mode is 'server': give the rollout server's address, "
+            f"rollout.server.urls is empty but rollout.mode is '{r.mode}': give the rollout server's address, "
             "e.g. --set rollout.server.urls='[\"http://127.0.0.1:8000\"]' (start one with `grpo serve-rollout`)."
         )
     if not r.layout.remote and r.server.urls:
@@ -98,8 +101,11 @@ def _check_rollout(cfg: GRPOSections) -> None:
         )
     if r.mode == "async":
         _check_async(cfg)
+    if r.mode == "stream":
+        check_stream(cfg)
+    check_unused(cfg)
     _check_weight_transport(cfg)
-    if not r.server.shm_keep_file and not (r.mode == "server" and r.transport == "shm"):
+    if not r.server.shm_keep_file and not (r.layout.remote and r.transport == "shm"):
         raise ValueError(
             "rollout.server.shm_keep_file=false applies only to rollout.mode=server with "
             "rollout.server.weight_transport=shm (no /dev/shm file is written otherwise); remove it."
@@ -145,7 +151,7 @@ def _check_weight_transport(cfg: GRPOSections) -> None:
     if name is None:
         _check_same_host(cfg)
         return
-    if r.mode != "server":
+    if not r.layout.remote:
         raise ValueError(
             f"rollout.server.weight_transport={name} applies only to rollout.mode=server (in {r.mode} mode the "
             "engine gets its weights without a server transport); remove it or set rollout.mode=server.")

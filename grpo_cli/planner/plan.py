@@ -282,6 +282,26 @@ def async_plan(cfg: GRPOConfig) -> dict[str, object]:
     }
 
 
+def stream_plan(cfg: GRPOConfig) -> dict[str, object]:
+    """Stream mode's pool, buffer and lag bound (`train/stream_pool.py`). A group is started only if it can train
+    within the bound: groups train `prompts_per_step` a step in order, so at most prompts_per_step × (lag + 1) are
+    generating or buffered at once, whatever `max_in_flight` allows above that."""
+    s, per_step = cfg.rollout.stream, cfg.train.prompts_per_step
+    buffered = s.max_buffered_groups or per_step
+    reach = per_step * (s.max_version_lag + 1)
+    servers = len(cfg.rollout.server.urls) or "per rollout node"
+    return {
+        "rollout_servers": f"{servers} (`vllm serve`), each group to the one with the fewest in flight",
+        "groups_in_flight": f"up to {min(s.max_in_flight, reach)} (max_in_flight {s.max_in_flight}; the lag bound "
+                            f"admits {reach}: {per_step} a step × {s.max_version_lag + 1} versions)",
+        "buffer": f"up to {buffered} finished group(s); a step takes {per_step}, oldest first",
+        "version_lag": f"≤ {s.max_version_lag} per token; an older group is "
+                       + ("dropped" if s.on_stale == "drop" else "regenerated") + " (stream/dropped_groups)",
+        "weight_update": "in flight: pause (requests kept), push + verify, resume; KV "
+                         + ("re-prefilled" if s.recompute_kv else "kept") + " for resumed requests",
+    }
+
+
 def host_plan(cfg: GRPOConfig, mem: dict[str, float]) -> dict[str, tuple[float, str]]:
     """Host bytes per node (the `num_processes` training processes of one machine) by item, each with where it
     comes from. N = the processes one copy is sharded over (`hsdp.shard_ranks`), P = parameters; pinned

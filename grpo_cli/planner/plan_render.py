@@ -10,6 +10,7 @@ from grpo_cli.planner.plan_sequence import long_context_lines
 from grpo_cli.config.reward_models import parks_reward_models
 from grpo_cli.config.rules_megatron import megatron_layout
 from grpo_cli.planner.plan import (GIB, GPU_HEADROOM, HOST_HEADROOM, async_plan, batch_plan, host_plan, memory_plan,
+                              stream_plan,
                                    peak_bytes, plan_device)
 from grpo_cli.planner.plan_deploy import deployment_lines, training_view
 from grpo_cli.planner.plan_tokens import token_budget_lines
@@ -98,6 +99,9 @@ def render_plan(cfg: GRPOConfig, *, gpu_mem: float | None, host_mem: float | Non
     if cfg.rollout.mode == "async":
         lines.append("# async rollouts (Ray)")
         lines += [f"  {k:28s} {v}" for k, v in async_plan(cfg).items()]
+    if cfg.rollout.mode == "stream":
+        lines.append("# stream rollouts (pool, buffer, lag)")
+        lines += [f"  {k:28s} {v}" for k, v in stream_plan(cfg).items()]
     mem = memory_plan(cfg, gpu_mem)
     if cfg.distributed.backend != "megatron":
         lines += token_budget_lines(cfg, mem, gpu_mem and gpu_mem * (1 - GPU_HEADROOM), peak=peak_bytes)

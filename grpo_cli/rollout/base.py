@@ -54,6 +54,10 @@ class RolloutBatch:
     """Step metrics the rollout measured (`tools/*`)."""
     environment_rewards: list[float | None] | None = None
     """Multi-turn rollouts with `agent.environment`: each instance's `reward()` (None without one)."""
+    token_versions: list[list[int]] | None = None
+    """Stream mode: the weight version that sampled each completion token (from the server's `weight_versions`
+    spans, never guessed); a completion may span several. None where one version sampled the whole batch
+    (`weight_version`)."""
 
 
 class RolloutError(UserError, RuntimeError):

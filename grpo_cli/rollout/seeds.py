@@ -51,3 +51,9 @@ def request_seed(seed: int, *, rank: int, prompt: int) -> int:
 def child_seed(seed: int, *, rank: int, prompt: int, child: int) -> int:
     """Seed of completion `child` of prompt `prompt` (see `request_seed`)."""
     return request_seed(seed, rank=rank, prompt=prompt) + child
+
+
+def group_seed(train_seed: int, group: int) -> int:
+    """Stream mode: seed of prompt group `group` (its place in the pool's submission order), so a group regenerated
+    after a resume samples with the seed it had."""
+    return derive_seed("group", train_seed, group)

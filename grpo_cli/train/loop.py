@@ -24,6 +24,7 @@ from grpo_cli.train.scoring.dynamic_sampling import fill_step
 from grpo_cli.train.sequence_parallel import data_parallel_size, gather_batch
 from grpo_cli.train.loss import trained_mask
 from grpo_cli.train.pipeline import RolloutPipeline, take_step_prompts
+from grpo_cli.train.stream_pool import StreamPipeline
 from grpo_cli.train.policy import Policy
 from grpo_cli.train.scoring.rewards_phase import ScoredRollout, reward_step, score_rollout
 from grpo_cli.train.step import NonFiniteStep, optimizer_step
@@ -57,8 +58,8 @@ class Trainer:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     sync: Callable[[int], dict[str, float]] | None = None
     offload: object | None = None
-    pipeline: RolloutPipeline | None = None
-    """Async mode: batches generated ahead of the step that trains on them."""
+    pipeline: RolloutPipeline | StreamPipeline | None = None
+    """Async mode: batches generated ahead of the step that trains on them; stream mode: the pool of groups."""
     evaluate: Callable[[int], dict[str, float]] | None = None
     """`eval.every_steps`: held-out metrics after a step (empty when none is due)."""
     teacher: TeacherScore | None = None
@@ -236,8 +237,7 @@ def run_step(tr: Trainer, state: LoopState) -> tuple[dict[str, float], list[dict
     metrics["weight_version"] = float(state.weight_version)
     metrics["staleness"] = float(state.weight_version - 1 - rollout.weight_version)
     if tr.pipeline is not None:
-        metrics["async/actor_generate_s"] = rollout.timings.get("generate", 0.0)
-        metrics["async/in_flight"] = float(len(tr.pipeline.flight))
+        metrics.update(tr.pipeline.step_metrics(rollout))
     metrics.update(rollout.metrics)  # tools/* of a multi-turn rollout
     samples = [
         {"step": state.step, "prompt": prompts[j // cfg.train.generations_per_prompt].text,

@@ -77,6 +77,18 @@ class RolloutPipeline:
             )
         return item.prompts, batch
 
+    def step_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
+        """`async/*` of the step that trained on `rollout`."""
+        return {"async/actor_generate_s": rollout.timings.get("generate", 0.0),
+                "async/in_flight": float(len(self.flight))}
+
+    def close(self) -> None:
+        """Nothing of its own to stop (the actors belong to the engine)."""
+
+    def restored(self) -> str:
+        """What a resume restored, for its log line."""
+        return f"{len(self.flight)} rollout batch(es) in flight restored"
+
     # ---- checkpoints -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

@@ -23,6 +23,8 @@ from grpo_cli.train.supervise.alarms import StepAlarms
 from grpo_cli.train.distill import check_local_teacher, local_teacher, make_teacher
 from grpo_cli.train.loop import LoopState, Trainer, reward_rise, run_loop, step_seed
 from grpo_cli.train.pipeline import RolloutPipeline
+from grpo_cli.train.stream_pool import StreamPipeline
+from grpo_cli.rollout import seeds
 from grpo_cli.train.policy import eos_token_ids, load_policy
 from grpo_cli.train.supervise.run_dir import RunDir, default_output_dir
 from grpo_cli.train.supervise.signals import SignalFlag
@@ -102,7 +104,18 @@ def build_trainer(cfg: GRPOConfig, info: DistInfo, device, *, log=print) -> Trai
             prompts_per_step=cfg.train.prompts_per_step, rank=info.rank, world_size=info.world_size,
             sampling_for=lambda step: sampling_params(cfg, seed=step_seed(cfg, step)),
         )
+    if cfg.rollout.mode == "stream":
+        trainer.pipeline = stream_pipeline(cfg, engine, cursor)
     return trainer
+
+
+def stream_pipeline(cfg: GRPOConfig, engine, cursor: PromptCursor) -> StreamPipeline:
+    """Stream mode's pool over the `vllm serve` client (`rollout.stream`); group i samples with `group_seed(i)`."""
+    s, per_step = cfg.rollout.stream, cfg.train.prompts_per_step
+    return StreamPipeline(engine, cursor, prompts_per_step=per_step, max_in_flight=s.max_in_flight,
+                          max_buffered=s.max_buffered_groups or per_step, max_version_lag=s.max_version_lag,
+                          on_stale=s.on_stale,
+                          sampling_for=lambda i: sampling_params(cfg, seed=seeds.group_seed(cfg.train.seed, i)))
 
 
 def check_vision_run(cfg: GRPOConfig) -> None:
@@ -149,7 +162,7 @@ def _resume(tr: Trainer, path: Path, state: LoopState, log) -> None:
     if tr.pipeline is not None:
         tr.pipeline.load_state_dict(saved.get("rollouts_in_flight", []))
         tr.pipeline.start_at(state.step)
-        resynced += f"; {len(tr.pipeline.flight)} rollout batch(es) in flight restored"
+        resynced += f"; {tr.pipeline.restored()}"
     log(f"resumed from {path}: step {state.step}, optimizer + scheduler + RNG + data cursor (epoch "
         f"{tr.cursor.epoch}, index {tr.cursor.index}) restored; {resynced}")
 
@@ -204,7 +217,9 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
         _resume(trainer, resume, state, log)
     elif trainer.pipeline is not None:
         checks = trainer.sync(0, verify=cfg.rollout.vllm.verify_sync)
-        log(f"async: {len(trainer.engine.actors)} rollout actor(s) on Ray hold weight version 0"
+        held = (f"stream: {len(trainer.engine.urls)} vllm serve server(s)" if cfg.rollout.mode == "stream" else
+                f"async: {len(trainer.engine.actors)} rollout actor(s) on Ray")
+        log(f"{held} hold weight version 0"
             + (f" (verified: probe logprob diff {checks['sync/max_probe_diff']:.1e})" if "sync/max_probe_diff" in checks
                else ""))
     run_dir = RunDir(path, cfg) if info.is_main else None
@@ -244,6 +259,8 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
                     f"--set checkpoint.resume=auto --output-dir {path}")
     finally:
         close_trackers(trackers)
+        if trainer.pipeline is not None:
+            trainer.pipeline.close()
         trainer.engine.close()
         if run_dir is not None:
             run_dir.close()

@@ -31,6 +31,18 @@ def _async_text(metrics: dict[str, float]) -> str:
     return f" stale={fmt(metrics.get('staleness'), '.0f')} actor_gen={fmt(metrics.get('async/actor_generate_s'), '.2f')}s"
 
 
+def _stream_text(metrics: dict[str, float]) -> str:
+    """Stream mode: the pool (groups generating), the buffer (finished, waiting), the per-token version lag (mean and
+    max of this step's tokens), rows spanning versions, groups dropped and the engines' idle fraction."""
+    if "stream/in_flight" not in metrics:
+        return ""
+    return (f" pool={fmt(metrics.get('stream/in_flight'), '.0f')} buf={fmt(metrics.get('stream/buffer_depth'), '.0f')}"
+            f" lag={fmt(metrics.get('stream/version_lag_mean'), '.2f')}/{fmt(metrics.get('stream/version_lag_max'), '.0f')}"
+            f" mixed={fmt(metrics.get('stream/mixed_version_rows'), '.0f')}"
+            f" dropped={fmt(metrics.get('stream/dropped_groups'), '.0f')}"
+            f" idle={fmt(100 * metrics.get('stream/engine_idle_frac', float('nan')), '.0f')}%")
+
+
 def _sampling_text(metrics: dict[str, float]) -> str:
     """Dynamic sampling: groups dropped (identical rewards) and prompts drawn in extra rounds this step."""
     if "dynamic_sampling/dropped_groups" not in metrics:
@@ -44,7 +56,7 @@ def plain_line(step: int, total: int, metrics: dict[str, float], eta: float | No
     evals = f" eval={fmt(m[EVAL_KEY])}" if EVAL_KEY in m else ""
     return (f"step {step}/{total} reward={fmt(m.get('reward/mean'))} std={fmt(m.get('reward/std'))}{evals} "
             f"loss={fmt(m.get('loss'), '.4f')} kl={fmt(m.get('kl'), '.4f')} "
-            f"tok/s={fmt(m.get('tokens_per_second'), '.0f')} {_phase_text(m)}{_async_text(m)}{_sampling_text(m)}"
+            f"tok/s={fmt(m.get('tokens_per_second'), '.0f')} {_phase_text(m)}{_async_text(m)}{_stream_text(m)}{_sampling_text(m)}"
             f"{memory_plain(m)} eta={fmt(eta, '.0f')}s")
 
 
@@ -114,7 +126,7 @@ class ProgressView:
         parts.append(Text(f"{'':7}loss {fmt(m.get('loss'), '.4f')}  kl {fmt(m.get('kl'), '.4f')}  "
                           f"entropy {fmt(m.get('entropy'), '.3f')}  k3_kl {fmt(m.get('rollout_correction/k3_kl'), '.2e')}  "
                           f"length {fmt(m.get('completions/mean_length'), '.1f')}  "
-                          f"tok/s {fmt(m.get('tokens_per_second'), '.0f')}{_async_text(m)}{_sampling_text(m)}"))
+                          f"tok/s {fmt(m.get('tokens_per_second'), '.0f')}{_async_text(m)}{_stream_text(m)}{_sampling_text(m)}"))
         parts.append(phase_bar(m))
         if (memory := memory_line(m)) is not None:
             parts.append(memory)

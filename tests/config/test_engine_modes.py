@@ -50,7 +50,8 @@ def toy(monkeypatch):
 
 def test_the_default_table_has_every_mode_the_factory_builds():
     assert sorted(MODES) == [("hf", "async"), ("hf", "colocate"), ("hf", "server"), ("sglang", "server"),
-                             ("vllm", "async"), ("vllm", "colocate"), ("vllm", "server"), ("vllm-serve", "server")]
+                             ("vllm", "async"), ("vllm", "colocate"), ("vllm", "server"), ("vllm-serve", "server"),
+                             ("vllm-serve", "stream")]
     assert engines() == ["hf", "vllm", "sglang", "vllm-serve"]
     assert [k for k, row in MODES.items() if row.can_sleep] == [("vllm", "colocate")]
 

@@ -138,3 +138,13 @@ def test_memory_plan_zero3_shards_and_offload():
 @pytest.mark.parametrize("text,value", [("80GiB", 80 * 1024**3), ("24G", 24 * 1024**3), ("512MiB", 512 * 1024**2)])
 def test_parse_size(text, value):
     assert parse_size(text) == value
+
+
+def test_stream_plan_shows_pool_buffer_and_the_lag_bound_that_applies():
+    text = render_plan(build_config("tiny-cpu-stream"), gpu_mem=None)
+    assert "# stream rollouts (pool, buffer, lag)" in text
+    assert "up to 12 (max_in_flight 12; the lag bound admits 16: 8 a step × 2 versions)" in text
+    assert "up to 8 finished group(s)" in text and "≤ 1 per token" in text and "KV kept" in text
+    wide = render_plan(build_config("tiny-cpu-stream", None, ["rollout.stream.max_in_flight=40",
+                                                             "rollout.stream.on_stale=regenerate"]), gpu_mem=None)
+    assert "up to 16 (max_in_flight 40" in wide and "regenerated" in wide

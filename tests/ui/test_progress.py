@@ -100,3 +100,20 @@ def test_fast_phases_show_milliseconds_not_zero(tmp_path):
     line = console.file.getvalue()
     assert "generate=12ms reward=0.4ms" in line and "train=31ms sync=0s" in line and "0.00s" not in line
     assert "generate 12ms  reward 0.4ms" in text and "train 31ms" in text and "0.00s" not in text
+
+
+def test_stream_mode_shows_pool_buffer_and_lag(tmp_path):
+    """Stream mode's metrics (docs/streaming.md) in both views; other modes' lines carry none of them."""
+    stream = {"stream/in_flight": 5.0, "stream/buffer_depth": 3.0, "stream/version_lag_mean": 0.25,
+              "stream/version_lag_max": 1.0, "stream/mixed_version_rows": 4.0, "stream/dropped_groups": 1.0,
+              "stream/engine_idle_frac": 0.07}
+    console = Console(file=io.StringIO(), width=300, color_system=None, force_terminal=True)
+    with ProgressView(3, mode="rich", console=console, log_path=tmp_path / "train.log") as view:
+        view.update(1, {**_metrics(1), **stream}, [])
+        text = _text(view)
+    expect = "pool=5 buf=3 lag=0.25/1 mixed=4 dropped=1 idle=7%"
+    assert expect in text and expect in (tmp_path / "train.log").read_text()
+    console = Console(file=io.StringIO(), width=300, color_system=None)
+    with ProgressView(3, mode="plain", console=console, log_path=tmp_path / "plain.log") as view:
+        view.update(1, _metrics(1), [])
+    assert "pool=" not in console.file.getvalue()

@@ -48,6 +48,10 @@ class RLRoutes:
         self.http, self.urls, self.pool = link.http, link.urls, link.pool
         self.unsure = True
         """Whether a round may be open on a server (none finished by this transport yet, or the last one failed)."""
+        self.reset_prefix_cache = True
+        """Whether a round ends with `/reset_prefix_cache`. A streaming client (`vllm_serve/stream.py`) turns it off:
+        its paused requests hold KV blocks (the reset cannot succeed) and each of its requests has its own cache
+        salt, so none reuses another's prefix KV."""
 
     def post_all(self, path: str, bodies: list[dict | None] | dict | None = None) -> list[dict]:
         """POST `path` to every server at once (one body each, or the same body), not retried: an update step
@@ -100,7 +104,8 @@ class RLRoutes:
             raise
         self.post_all("/finish_weight_update", {"weight_version": str(version)})
         self.unsure = False
-        reset_prefix_caches(self.http, self.urls)
+        if self.reset_prefix_cache:
+            reset_prefix_caches(self.http, self.urls)
 
 
 def reset_prefix_caches(http, urls: list[str], *, tries: int = RESET_TRIES, backoff_s: float = RESET_BACKOFF_S) -> None:

@@ -17,6 +17,9 @@
   generate kills vLLM's engine). `generate` then raises RolloutServerDown(recovered=True), on which the trainer
   pushes its weights and retries the step (`train.weights.sync_ranks.generate_with_resync`); the transport closes an
   open round first. The same holds for a generation vLLM aborted (`finish_reason: "abort"`, e.g. a `/pause`).
+- stream mode (`streaming`): `generate_group` submits one prompt group for the trainer's pool
+  (`train/stream_pool.py`) and reads each token's weight version from the spans; `update_weights` lands in flight
+  (`/pause?mode=keep` → the round → `/resume`, `stream.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.http_engine import HttpServerEngine
 from grpo_cli.rollout.seeds import request_seed
 from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
+from grpo_cli.rollout.vllm_serve.stream import ABORT, Group, InFlightUpdates, request_salt, token_versions
 from grpo_cli.rollout.transport import base as transports
 from grpo_cli.rollout.transport.vllm_rl import reset_prefix_caches
 from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown
@@ -117,7 +121,8 @@ class VLLMServeEngine(HttpServerEngine):
 
     def __init__(self, urls: list[str], *, model: str, policy: Policy | None = None, token: str | None = None,
                  stop_token_ids: list[int] | None = None, chunk_mb: int = 128, transport: str = "shm",
-                 verify: bool = True, connect: bool = True) -> None:
+                 verify: bool = True, connect: bool = True, streaming: bool = False, recompute_kv: bool = False
+                 ) -> None:
         transports.entry(transport, CLIENT)  # an unknown name is refused before any server is reached
         self._open(urls, token=token, policy=policy, transport=transport, workers=MAX_REQUESTS_IN_FLIGHT,
                    offered={"world_size": self._world_size})
@@ -130,13 +135,21 @@ class VLLMServeEngine(HttpServerEngine):
         self.synced = False
         """Whether a full weight round of this run has finished on every server since connecting (and none failed
         since): until then nothing is sampled."""
+        self.streaming = streaming
+        """Stream mode: weights land in flight (pause, round, resume) and every request has its own cache salt."""
+        self.in_flight = InFlightUpdates(self.http, self.urls, self._pool, recompute_kv=recompute_kv)
+        self.first_pushed: int | None = None
+        """The first version this client pushed: a span's version outside first_pushed..weight_version is not ours."""
+        if streaming:
+            self._weights.routes.reset_prefix_cache = False
         if connect:
             self.connect()
 
     @classmethod
     def config_args(cls, cfg: GRPOConfig, ctx: EngineContext) -> dict:
         return {"model": ctx.model_path, "token": cfg.rollout.server.token, "transport": cfg.rollout.transport,
-                "verify": cfg.rollout.vllm.verify_sync}
+                "verify": cfg.rollout.vllm.verify_sync, "streaming": cfg.rollout.mode == "stream",
+                "recompute_kv": cfg.rollout.stream.recompute_kv}
 
     # -- start-up ---------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -151,6 +164,7 @@ class VLLMServeEngine(HttpServerEngine):
             self.facts[url].check(url, self.transport, hint)
             self.check_served_length(url, self.facts[url].max_model_len, what="vllm serve", flag="--max-model-len")
         self.dtype = next(iter(self.facts.values())).dtype
+        self.in_flight.release_paused()  # a killed streaming trainer's kept requests would queue ours forever
         self.weight_version = 0  # what a server holds is not adopted: the run pushes its own first (`synced`)
 
     def _require_dev_mode(self, url: str, hint: str) -> None:
@@ -186,7 +200,8 @@ class VLLMServeEngine(HttpServerEngine):
         for server, index in self._placement(len(prompt_ids), sampling.n):
             seed = None if sampling.seed is None else request_seed(sampling.seed, rank=self.rank, prompt=index)
             body = {"token_ids": list(prompt_ids[index]), "sampling_params": {**params, "seed": seed}}
-            futures.append(self._pool.submit(self._routed, server, sampling.n, self._post, self.urls[server], body))
+            futures.append(self._pool.submit(self._routed, server, sampling.n, self._post, self.urls[server],
+                                             self._salted(body)))
         completions, reasons, logps = [], [], []
         for fut in futures:
             url, out = fut.result()
@@ -213,7 +228,7 @@ class VLLMServeEngine(HttpServerEngine):
         self._require_synced()
         params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False, "seed": 0}
         futures = [self._pool.submit(self._routed, server, 1, self._post, self.urls[server],
-                                     {"token_ids": list(sequences[i]), "sampling_params": params})
+                                     self._salted({"token_ids": list(sequences[i]), "sampling_params": params}))
                    for server, i in self._placement(len(sequences), 1)]
         out = []
         for seq, fut in zip(sequences, futures, strict=True):
@@ -223,6 +238,50 @@ class VLLMServeEngine(HttpServerEngine):
             rows = res.get("prompt_logprobs") or []
             out.append([float(rows[t][str(seq[t])]["logprob"]) for t in range(1, len(seq))])
         return out
+
+    def _salted(self, body: dict) -> dict:
+        """Stream mode: the request's own `cache_salt` (no prefix-cache reset follows an in-flight update)."""
+        return {**body, "cache_salt": request_salt()} if self.streaming else body
+
+    def sampling_body(self, sampling: SamplingParams) -> dict:
+        return {"n": sampling.n, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": 0, "detokenize": False,
+                "stop_token_ids": self.stop_token_ids, "seed": sampling.seed}
+
+    def generate_group(self, url: str, prompt_ids: list[int], sampling: SamplingParams, *, index: int,
+                       request_id: str) -> Group:
+        """Stream mode: one prompt group (`sampling.n` samples, `sampling.seed`) on `url`, blocking; each token's
+        weight version from the server's spans. Called from the pool's threads (`train/stream_pool.py`)."""
+        start, submitted = time.perf_counter(), self.weight_version
+        if self.first_pushed is None:  # later, a group may start during a round: it queues on the paused server
+            self._require_synced()
+        self.facts[url].check_length(len(prompt_ids), sampling.max_tokens)
+        body = {"token_ids": list(prompt_ids), "sampling_params": self.sampling_body(sampling),
+                "request_id": request_id}
+        _, out = self._post(url, self._salted(body))
+        pushed = range(self.first_pushed if self.first_pushed is not None else submitted, self.weight_version + 1)
+        group = Group(index, list(prompt_ids), [], [], [], [], submitted, url)
+        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+            ids = list(choice["token_ids"])
+            content = (choice.get("logprobs") or {}).get("content") or []
+            if len(content) != len(ids):
+                raise RolloutError(f"vllm serve at {url} returned {len(content)} logprobs for {len(ids)} tokens")
+            group.token_versions.append(token_versions(url, choice.get("weight_versions"), len(ids), pushed=pushed))
+            group.finish_reasons.append(finish_reason(url, choice))
+            group.completion_ids.append(ids)
+            group.sampler_logprobs.append([float(c["logprob"]) for c in content])
+        if len(group.completion_ids) != sampling.n:
+            raise RolloutError(f"vllm serve returned {len(group.completion_ids)} completions for n={sampling.n}")
+        group.seconds = time.perf_counter() - start
+        return group
+
+    def abort(self, url: str, request_ids: list[str]) -> None:
+        """Stream mode, at the end: vLLM's `/abort_requests` of the pool's requests (best effort: a server that is
+        gone has nothing left to abort)."""
+        try:
+            self.http.request(url, "POST", ABORT, json={"request_ids": request_ids}, timeout=10.0)
+        except Exception:  # noqa: BLE001 - the run is ending; the server may be gone
+            pass
 
     def _placement(self, count: int, weight: int) -> Iterator[tuple[int, int]]:
         """(server, prompt index) for each prompt in order, by load or trajectory (`rollout/routing.py`)."""
@@ -262,9 +321,14 @@ class VLLMServeEngine(HttpServerEngine):
                 yield name, t
 
         self.synced = False
+        if self.streaming:  # requests in flight stay where they are; a failed round leaves the servers paused
+            self.in_flight.pause()
         sent = self._weights.send(tapped(), version, chunk_bytes=self.chunk_bytes)
         self.weight_version = version
+        self.first_pushed = version if self.first_pushed is None else self.first_pushed
         self.synced = True
+        if self.streaming:
+            self.in_flight.resume()
         if self.verify:
             self._verify(version, digests)
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent.bytes}
