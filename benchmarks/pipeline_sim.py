@@ -149,7 +149,10 @@ class StreamSchedule:
     buffer holds fewer than max_buffered. The trainer takes prompts_per_step groups as soon as the buffer has them,
     dropping a group with a token more than max_version_lag versions behind; at the sync the engines pause with
     their requests kept (sync_s), then continue under the new weights. A group in flight that already holds a token
-    too old for the new weights is aborted at once (it could only be dropped later) and counted as dropped."""
+    too old for the new weights is aborted at once (it could only be dropped later) and counted as dropped. As the
+    pool does (`train/stream_pool.StreamPipeline._room`), a group starts only if it can train within the lag bound:
+    behind `ahead` pending groups it trains at the next take's version + ahead // prompts_per_step, and its first
+    token is at least the version pushed now."""
 
     name = "stream"
 
@@ -163,7 +166,8 @@ class StreamSchedule:
         self._fill(sim)
 
     def _fill(self, sim: Sim) -> None:
-        while len(self.in_flight) < sim.w.max_in_flight and len(self.buffer) < self.cap and not sim.done:
+        while (len(self.in_flight) < sim.w.max_in_flight and len(self.buffer) < self.cap and not sim.done
+               and self._admits(sim)):
             g = sim.new_group()
             i = min(range(len(sim.engines)), key=lambda k: (self.per_engine[k], k))
             g.tag = i
@@ -181,6 +185,11 @@ class StreamSchedule:
             self.buffer.append(g)
             self._maybe_train(sim)
             self._fill(sim)
+
+    def _admits(self, sim: Sim) -> bool:
+        next_take = sim.version + 1 if self.training else sim.version
+        ahead = len(self.buffer) + len(self.in_flight)
+        return next_take + ahead // sim.w.prompts_per_step - sim.version <= sim.w.max_version_lag
 
     @staticmethod
     def _first_version(e: Engine, s: Seq) -> float:
