@@ -17,7 +17,7 @@ class StreamConfig(Section):
     over-provisions: groups still running when a step's are complete keep generating and feed a later step."""
     max_buffered_groups: int | None = Field(None, ge=1)
     """Finished groups the buffer may hold before the pool stops starting new ones (finished groups wait there for a
-    step to take them, oldest first). None: `train.prompts_per_step` (one step's worth ready)."""
+    step to take them, those with the oldest tokens first). None: `train.prompts_per_step` (one step's worth ready)."""
     max_version_lag: int = Field(1, ge=0)
     """Most weight versions a sampled token may be behind the weights that train on it. A group with an older token
     is dropped (or regenerated, `on_stale`) and counted in `stream/dropped_groups`."""

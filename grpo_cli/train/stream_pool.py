@@ -3,8 +3,8 @@
 
 A background thread keeps up to `rollout.stream.max_in_flight` prompt groups (one request of G samples each)
 generating on the `vllm serve` servers, each sent to the server with the fewest in flight, while the buffer holds
-fewer than `max_buffered_groups` finished ones. A step takes the oldest finished groups; a group with a token more
-than `max_version_lag` versions behind the weights that train on it is dropped (or regenerated) and counted. Groups
+fewer than `max_buffered_groups` finished ones. A step takes the finished groups with the oldest tokens; a group
+with a token more than `max_version_lag` versions behind the weights that train on it is dropped (or regenerated) and counted. Groups
 still generating when a step's are complete stay in the pool and feed a later step (partial rollouts, APRIL).
 Weight updates land in flight (the client pauses every server with its requests kept, pushes, resumes)."""
 
@@ -88,7 +88,7 @@ class StreamPipeline:
                 self.taking = version
                 self._drop_stale(version)
                 if len(self.buffer) >= self.per_step:
-                    taken = [self.buffer.popleft() for _ in range(self.per_step)]
+                    taken = self._oldest(self.per_step)
                     self.taking, self.last_take = None, version
                     break
                 self._cond.wait(WAIT_S)
@@ -131,6 +131,16 @@ class StreamPipeline:
         if len(kept) < len(self.buffer):
             self._cond.notify_all()  # room in the buffer (and groups to sample again): wake the pool
         self.buffer = kept
+
+    def _oldest(self, count: int) -> list[tuple[Group, Prompt]]:
+        """Remove and return the `count` buffered groups whose oldest token is oldest (in finish order among equals).
+        A long group finishes late but holds early tokens: taken first, it trains before it passes the lag bound;
+        taken in finish order it would be the one dropped, a bias against long completions."""
+        order = sorted(range(len(self.buffer)), key=lambda i: _oldest_version(self.buffer[i][0]))[:count]
+        taken = [self.buffer[i] for i in order]
+        chosen = set(order)
+        self.buffer = deque(item for i, item in enumerate(self.buffer) if i not in chosen)
+        return taken
 
     def _room(self) -> bool:
         """Whether to start a group now: below `max_in_flight` and `max_buffered`, and only if it can train within
@@ -238,6 +248,12 @@ class StreamPipeline:
     def _prompt_at(self, cursor_before: dict) -> Prompt:
         self.cursor.load_state_dict(cursor_before)
         return self.cursor.take(1)[0]
+
+
+def _oldest_version(group: Group) -> float:
+    """The version of the group's oldest token (a group without tokens sorts last)."""
+    oldest = group.oldest()
+    return float("inf") if oldest is None else oldest
 
 
 def request_id(index: int) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import pytest
 
@@ -122,6 +123,23 @@ def test_the_pool_starts_only_groups_that_can_train_within_the_lag_bound():
     _wait(lambda: len(engine.calls) == 6)
     time.sleep(0.3)
     assert len(engine.calls) == 6
+    pool.close()
+
+
+def test_a_step_takes_the_groups_with_the_oldest_tokens_first():
+    """Group 1 holds a v2 token (a long group that finished last): the step at v3 takes it before the groups that
+    finished earlier with v3 tokens only, so it trains within the bound instead of being dropped a step later."""
+    engine = Recorder(versions=lambda i: [[2, 3], [3, 3]] if i == 1 else [[3, 3], [3, 3]], gate=True)
+    pool = _pool(engine, max_in_flight=3, max_buffered=3)
+    pool.top_up(0)
+    _wait(lambda: engine.live == 3)
+    engine.release.set()
+    _wait(lambda: len(pool.buffer) >= 3)
+    with pool._cond:  # group 1 finished last
+        pool.buffer = deque(sorted(pool.buffer, key=lambda item: item[0].index == 1))
+    assert pool.buffer[-1][0].index == 1
+    prompts, batch = pool.take(0, version=3)
+    assert [101] in [p.ids for p in prompts] and batch.token_versions[0] == [2, 3]
     pool.close()
 
 
