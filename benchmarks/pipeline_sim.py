@@ -49,19 +49,10 @@ class SyncSchedule:
             sim.at(sim.now + seconds, lambda: self._sync(sim))
 
     def _sync(self, sim: Sim) -> None:
-        for e in sim.engines:
-            e.pause(sim.now, sim.hw.sync_s)
-        sim.at(sim.now + sim.hw.sync_s, lambda: self._synced(sim))
+        sim.pause_for_sync(lambda: self._synced(sim))
 
     def _synced(self, sim: Sim) -> None:
-        sim.version += 1
-        for e in sim.engines:
-            e.set_version(sim.version)
-        sim.step_ends.append(sim.now)
-        sim.trained_steps += 1
-        if sim.trained_steps == sim.w.steps:
-            sim.done = True
-        else:
+        if not sim.finish_step():
             self.start(sim)
 
 
@@ -220,19 +211,11 @@ class StreamSchedule:
         self._fill(sim)
 
     def _sync(self, sim: Sim) -> None:
-        for e in sim.engines:
-            e.pause(sim.now, sim.hw.sync_s)
-        sim.at(sim.now + sim.hw.sync_s, lambda: self._synced(sim))
+        sim.pause_for_sync(lambda: self._synced(sim))
 
     def _synced(self, sim: Sim) -> None:
-        sim.version += 1
-        for e in sim.engines:
-            e.set_version(sim.version)
-        sim.step_ends.append(sim.now)
-        sim.trained_steps += 1
         self.training = False
-        if sim.trained_steps == sim.w.steps:
-            sim.done = True
+        if sim.finish_step():
             return
         for g in list(self.in_flight):
             e = sim.engines[g.tag]

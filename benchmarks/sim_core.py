@@ -293,6 +293,23 @@ class Sim:
         self._n += 1
         heapq.heappush(self.timers, (t, self._n, fn))
 
+    def pause_for_sync(self, then) -> None:
+        """Every engine pauses `sync_s` (its requests kept) for the weight load; `then()` runs when it is in."""
+        for e in self.engines:
+            e.pause(self.now, self.hw.sync_s)
+        self.at(self.now + self.hw.sync_s, then)
+
+    def finish_step(self) -> bool:
+        """The new weights are in: every engine samples with the next version, one more step is trained. Returns
+        whether that was the last step."""
+        self.version += 1
+        for e in self.engines:
+            e.set_version(self.version)
+        self.step_ends.append(self.now)
+        self.trained_steps += 1
+        self.done = self.trained_steps == self.w.steps
+        return self.done
+
     def train_seconds(self, groups: list[Group]) -> float:
         tokens = sum(g.tokens + len(g.seqs) * self.w.prompt_len for g in groups)
         return self.hw.train_fixed_s + tokens * self.hw.train_s_per_token / self.hw.train_gpus
