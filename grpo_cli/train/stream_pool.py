@@ -3,9 +3,10 @@
 
 A background thread keeps up to `rollout.stream.max_in_flight` prompt groups (one request of G samples each)
 generating on the `vllm serve` servers, each sent to the server with the fewest in flight, while the buffer holds
-fewer than `max_buffered_groups` finished ones. A step takes the finished groups with the oldest tokens; a group
-with a token more than `max_version_lag` versions behind the weights that train on it is dropped (or regenerated) and counted. Groups
-still generating when a step's are complete stay in the pool and feed a later step (partial rollouts, APRIL).
+fewer than `max_buffered_groups` finished ones, and only groups that can train within the lag bound. A step takes
+the finished groups with the oldest tokens; a group with a token more than `max_version_lag` versions behind the
+weights that train on it is dropped (or regenerated) and counted. Groups still generating when a step's are complete
+stay in the pool and feed a later step (partial rollouts, APRIL).
 Weight updates land in flight (the client pauses every server with its requests kept, pushes, resumes)."""
 
 from __future__ import annotations
