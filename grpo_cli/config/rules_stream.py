@@ -66,5 +66,6 @@ def check_unused(cfg: GRPOSections) -> None:
     given = [name for name in type(s).model_fields if getattr(s, name) != getattr(default, name)]
     if cfg.rollout.mode != "stream" and given:
         raise ValueError(
-            f"rollout.stream.{given[0]} is set (to {getattr(s, given[0])!r}) but rollout.mode is '{cfg.rollout.mode}': rollout.stream applies to "
-            "rollout.mode stream only; remove it or set rollout.mode=stream.")
+            f"rollout.stream.{given[0]} is set (to {getattr(s, given[0])!r}) but rollout.mode is "
+            f"'{cfg.rollout.mode}': rollout.stream applies to rollout.mode stream only; remove it or set "
+            "rollout.mode=stream.")

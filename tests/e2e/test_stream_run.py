@@ -103,7 +103,8 @@ def test_a_sync_verified_mid_generation_continues_the_requests_in_flight(setup):
                 time.sleep(delay)
                 with torch.no_grad():
                     trainer.model.norm.weight.mul_(1.01)
-                eng.update_weights(trainer.named_parameters(), version + 1)  # pause (kept) → push → resume → verify
+                # pause (requests kept) → push → resume → verify
+                eng.update_weights(trainer.named_parameters(), version + 1)
                 at_pause = eng.in_flight.requests_at_pause
                 prompts, batch = pool.take(0, version=version + 1)
                 metrics = pool.step_metrics(batch)
