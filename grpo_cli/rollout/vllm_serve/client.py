@@ -71,6 +71,16 @@ def checksum_names(checksums: dict[str, str]) -> dict[str, dict[int, set[str]]]:
     return out
 
 
+def read_choice(url: str, choice: dict) -> tuple[list[int], str, list[float]]:
+    """One choice of vLLM's token-in/token-out reply: its token ids, finish reason and sampler logprobs (one per
+    token, else a RolloutError)."""
+    ids = list(choice["token_ids"])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(ids):
+        raise RolloutError(f"vllm serve at {url} returned {len(content)} logprobs for {len(ids)} tokens")
+    return ids, finish_reason(url, choice), [float(c["logprob"]) for c in content]
+
+
 def finish_reason(url: str, choice: dict) -> str:
     """A choice's finish reason as the batch records it ("stop" or "length"); an aborted one (a `/pause` or
     `/abort_requests` while it ran: its tokens are cut, maybe none) is never trained on: RolloutServerDown with
@@ -193,9 +203,7 @@ class VLLMServeEngine(HttpServerEngine):
         self._require_synced()
         for facts in self.facts.values():
             facts.check_length(max(map(len, prompt_ids), default=0), sampling.max_tokens)
-        params = {"n": sampling.n, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-                  "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": 0, "detokenize": False,
-                  "stop_token_ids": self.stop_token_ids}
+        params = self.sampling_body(sampling)
         futures = []
         for server, index in self._placement(len(prompt_ids), sampling.n):
             seed = None if sampling.seed is None else request_seed(sampling.seed, rank=self.rank, prompt=index)
@@ -207,13 +215,10 @@ class VLLMServeEngine(HttpServerEngine):
             url, out = fut.result()
             for choice in sorted(out["choices"], key=lambda c: c["index"]):
                 self._check_version(url, choice.get("weight_versions"))
-                ids = list(choice["token_ids"])
-                content = (choice.get("logprobs") or {}).get("content") or []
-                if len(content) != len(ids):
-                    raise RolloutError(f"vllm serve at {url} returned {len(content)} logprobs for {len(ids)} tokens")
+                ids, reason, lps = read_choice(url, choice)
                 completions.append(ids)
-                reasons.append(finish_reason(url, choice))
-                logps.append([float(c["logprob"]) for c in content])
+                reasons.append(reason)
+                logps.append(lps)
         batch = RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
                              finish_reasons=reasons, sampler_logprobs=logps, weight_version=self.weight_version,
                              timings={"generate": time.perf_counter() - start},
@@ -244,6 +249,7 @@ class VLLMServeEngine(HttpServerEngine):
         return {**body, "cache_salt": request_salt()} if self.streaming else body
 
     def sampling_body(self, sampling: SamplingParams) -> dict:
+        """vLLM's `sampling_params` for `sampling` (`generate` replaces the seed with each prompt's own)."""
         return {"n": sampling.n, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
                 "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": 0, "detokenize": False,
                 "stop_token_ids": self.stop_token_ids, "seed": sampling.seed}
@@ -262,14 +268,11 @@ class VLLMServeEngine(HttpServerEngine):
         pushed = range(self.first_pushed if self.first_pushed is not None else submitted, self.weight_version + 1)
         group = Group(index, list(prompt_ids), [], [], [], [], submitted, url)
         for choice in sorted(out["choices"], key=lambda c: c["index"]):
-            ids = list(choice["token_ids"])
-            content = (choice.get("logprobs") or {}).get("content") or []
-            if len(content) != len(ids):
-                raise RolloutError(f"vllm serve at {url} returned {len(content)} logprobs for {len(ids)} tokens")
+            ids, reason, lps = read_choice(url, choice)
             group.token_versions.append(token_versions(url, choice.get("weight_versions"), len(ids), pushed=pushed))
-            group.finish_reasons.append(finish_reason(url, choice))
+            group.finish_reasons.append(reason)
             group.completion_ids.append(ids)
-            group.sampler_logprobs.append([float(c["logprob"]) for c in content])
+            group.sampler_logprobs.append(lps)
         if len(group.completion_ids) != sampling.n:
             raise RolloutError(f"vllm serve returned {len(group.completion_ids)} completions for n={sampling.n}")
         group.seconds = time.perf_counter() - start
