@@ -158,9 +158,16 @@ class RolloutEngine:
         return flag
 
     def probe_when_awake(self, check: Callable[[], dict]) -> bool:
-        """Whether the engine runs the sync probe `check` itself at its next wake-up (a sleeping colocated vLLM
-        engine), its figures then going to `last_probe`; default False: the caller probes now."""
+        """Whether the engine runs the sync probe `check` itself later: at its next wake-up (a sleeping colocated
+        vLLM engine; its figures then go to `last_probe`), or in the background until `settle_checks` (stream mode's
+        `vllm serve` client); default False: the caller probes now."""
         return False
+
+    def settle_checks(self) -> dict[str, float]:
+        """Wait for the sync checks the engine runs in the background (stream mode: `stream.DeferredChecks`) and
+        return their figures, or raise their failure; default: none run, {}. Callers go through
+        `weight_sync.settle_deferred`, which makes every rank agree."""
+        return {}
 
     def keeping_weights(self) -> AbstractContextManager[None]:
         """A block after which the engine must still hold its weights (no weight sync follows: evaluation)."""
@@ -269,6 +276,9 @@ class EngineWrapper(RolloutEngine):
 
     def probe_when_awake(self, check: Callable[[], dict]) -> bool:
         return self.engine.probe_when_awake(check)
+
+    def settle_checks(self) -> dict[str, float]:
+        return self.engine.settle_checks()
 
     def agree_any(self, flag: bool) -> bool:
         return self.engine.agree_any(flag)

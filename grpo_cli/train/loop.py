@@ -29,6 +29,7 @@ from grpo_cli.train.policy import Policy
 from grpo_cli.train.scoring.rewards_phase import ScoredRollout, reward_step, score_rollout
 from grpo_cli.train.step import NonFiniteStep, optimizer_step
 from grpo_cli.train.weights.sync_ranks import generate_with_resync
+from grpo_cli.train.weights.weight_sync import settle_deferred
 from grpo_cli.train.supervise.timing import PhaseTimer, peak_rss_mb
 
 StepCallback = Callable[[int, dict[str, float], list[dict]], None]
@@ -259,11 +260,15 @@ def run_loop(tr: Trainer, state: LoopState, on_step: StepCallback, on_checkpoint
         metrics, samples = run_step(tr, state)
         state.reward_history.append(metrics["reward/mean"])
         state.step += 1
+        due = on_checkpoint is not None and every and state.step % every == 0 and state.step < tr.cfg.train.steps
+        if due or state.step >= tr.cfg.train.steps:  # a checkpoint holds only steps whose syncs passed their checks
+            metrics.update(settle_deferred(tr.engine, tr.dist))
         if tr.evaluate is not None:
             metrics.update(tr.evaluate(state.step))
         on_step(state.step, metrics, samples)
-        if on_checkpoint is not None and every and state.step % every == 0 and state.step < tr.cfg.train.steps:
+        if due:
             on_checkpoint(state)
+    settle_deferred(tr.engine, tr.dist)  # stopped by a signal: the save that follows holds verified steps only
     return state
 
 

@@ -44,6 +44,14 @@ def documented_flags(model: str, port: int) -> list[str]:
     return words[words.index(model) + 1:]
 
 
+def own_core(core: int | None) -> list[str]:
+    """`taskset -c core`, the prefix that runs a command on that core alone, on a machine with another core left
+    for the rest; [] otherwise (or for None). docs/streaming.md: a server and a trainer sharing two cores unpinned
+    fight over both (vLLM's CPU threads spin), and the trainer's steps took 5-10x longer here."""
+    cores = os.sched_getaffinity(0)
+    return ["taskset", "-c", str(core)] if core is not None and core in cores and len(cores) >= 2 else []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,13 +63,15 @@ class VLLMServe:
     end the whole group); with `api_key`, vLLM's `--api-key` (generation then needs it as a bearer token)."""
 
     def __init__(self, model: str, shim: Path, log: Path, *, api_key: str | None = None,
-                 extra: tuple[str, ...] = (), timeout_s: float = 600.0) -> None:
+                 extra: tuple[str, ...] = (), timeout_s: float = 600.0, core: int | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join([str(shim), str(ROOT), os.environ.get("PYTHONPATH", "")]))
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the tests' in-process setting; a user's server has none
-        cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
+        if own_core(core):  # vLLM's CPU worker binds its OpenMP threads (which spin) to this core alone
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        cmd = [*own_core(core), sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
                *documented_flags(model, self.port), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
                *(["--api-key", api_key] if api_key else []), *extra]
         self.log = log
@@ -145,7 +155,7 @@ class VLLMServe:
             Path(f).unlink(missing_ok=True)
 
 
-def tiny_server(tmp_path_factory, name: str, *, api_key: str):
+def tiny_server(tmp_path_factory, name: str, *, api_key: str, core: int | None = None):
     """A module fixture's body: `vllm serve` of `builtin:tiny` with the `grpo_shm` plugin and `api_key`; yields
     {root, model, shim, server}, then stops the server cleanly (its /dev/shm freed)."""
     import pytest
@@ -156,7 +166,7 @@ def tiny_server(tmp_path_factory, name: str, *, api_key: str):
     root = tmp_path_factory.mktemp(name)
     model = resolve_model_path("builtin:tiny")  # the trainer resolves builtin:tiny to this same folder
     shim = write_plugin_shim(root / "shim")
-    server = VLLMServe(model, shim, root / "server-1.log", api_key=api_key)
+    server = VLLMServe(model, shim, root / "server-1.log", api_key=api_key, core=core)
     try:
         yield {"root": root, "model": model, "shim": shim, "server": server}
     finally:

@@ -20,8 +20,9 @@ from grpo_cli.runtime.dist import DistInfo
 from grpo_cli.rollout.base import RolloutError
 from grpo_cli.rollout.hf.engine import HFEngine
 from grpo_cli.rollout.transport.http_client import RolloutServerDown
+from grpo_cli.rollout.vllm_serve.stream import DeferredChecks
 from grpo_cli.train.weights.sync_ranks import generate_with_resync
-from grpo_cli.train.weights.weight_sync import sync_weights
+from grpo_cli.train.weights.weight_sync import settle_deferred, sync_weights
 
 PROBE = [[3, 4, 6, 7, 8, 5]]
 
@@ -67,6 +68,23 @@ class Following(Counting):
         self.weight_version = version
 
 
+class Deferring(Counting):
+    """Stream mode's `vllm serve` client's way: the probe runs on a background thread until settled (no read-back,
+    so a lossy push shows in the probe alone)."""
+
+    reads_weights = False
+
+    def __init__(self, model, lossy: bool = False) -> None:
+        super().__init__(model, lossy=lossy)
+        self.deferred = DeferredChecks()
+
+    def probe_when_awake(self, check) -> bool:
+        return self.deferred.defer(check)
+
+    def settle_checks(self) -> dict:
+        return self.deferred.settle()
+
+
 def failure(fn) -> dict | None:
     try:
         fn()
@@ -108,9 +126,26 @@ def main(ckpt: str, out: Path) -> None:
                                                        probe=PROBE, info=info))
 
     res["resync"] = resync_case(Counting(model), info)
+    res["deferred"] = deferred_case(model, info)
     (out / f"rank{info.rank}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def deferred_case(model, info: DistInfo) -> dict:
+    """Probes deferred to rank 0's background thread: each sync returns the last one's figures; a lossy push
+    passes its sync and fails when settled, on every rank."""
+    engine = Deferring(model)
+    first = sync_weights(engine, model, version=8, bucket_mb=1, verify=True, probe=PROBE, info=info)
+    second = sync_weights(engine, model, version=9, bucket_mb=1, verify=True, probe=PROBE, info=info)
+    settled = settle_deferred(engine, info)
+    lossy = Deferring(model, lossy=True)
+    with torch.no_grad():
+        for p in lossy.model.parameters():
+            p.add_(0.05)
+    passed = sync_weights(lossy, model, version=10, bucket_mb=1, verify=True, probe=PROBE, info=info)
+    return {"first": first, "second": second, "settled": settled, "calls": engine.calls, "lossy_sync": passed,
+            "lossy_settle": failure(lambda: settle_deferred(lossy, info)), "after": settle_deferred(lossy, info)}
 
 
 def resync_case(engine, info: DistInfo) -> dict:

@@ -54,6 +54,22 @@ def test_a_server_lost_by_one_rank_resyncs_every_rank(ranks):
     assert [r["resync"]["generated"] for r in ranks] == [1, 2]  # only the rank that lost its answer retries
 
 
+def test_a_deferred_probe_reports_one_sync_late_and_fails_every_rank_when_settled(ranks):
+    """Stream mode: rank 0 runs the probe in the background; the next sync (or a checkpoint's settle) returns its
+    figures on every rank, and a probe that fails raises on every rank then, not at the sync that started it."""
+    zero, one = ranks[0]["deferred"], ranks[1]["deferred"]
+    for key in ("first", "second", "settled", "lossy_sync", "lossy_settle", "after"):
+        assert (zero[key] or {}).keys() == (one[key] or {}).keys(), key  # same keys: mean_metrics
+    assert zero["first"]["sync/probe_deferred"] == 1.0 and "sync/max_probe_diff" not in zero["first"]
+    assert one["second"]["sync/max_probe_diff"] == zero["second"]["sync/max_probe_diff"] < 1e-5  # v8's, via rank 0
+    assert one["settled"]["sync/max_probe_diff"] == zero["settled"]["sync/max_probe_diff"] < 1e-5  # v9's
+    assert zero["calls"]["score"] == 2 and one["calls"]["score"] == 0
+    assert zero["lossy_sync"]["sync/probe_deferred"] == 1.0  # the sync itself passed: its probe had not run
+    assert "probe logprobs differ" in zero["lossy_settle"]["message"]
+    assert one["lossy_settle"]["message"] == "rank 0: " + zero["lossy_settle"]["message"]
+    assert zero["after"] == one["after"] == {}  # settled once: nothing left
+
+
 class _Engine(RolloutEngine):
     push_from_main_only = True
     weight_version = 2

@@ -34,7 +34,8 @@ from grpo_cli.rollout.base import RolloutBatch, RolloutError, SamplingParams
 from grpo_cli.rollout.http_engine import HttpServerEngine
 from grpo_cli.rollout.seeds import request_seed
 from grpo_cli.rollout.vllm_serve.server_facts import ServerFacts, serve_command
-from grpo_cli.rollout.vllm_serve.stream import ABORT, Group, InFlightUpdates, request_salt, token_versions
+from grpo_cli.rollout.vllm_serve.stream import (ABORT, DeferredChecks, Group, InFlightUpdates, request_salt,
+                                                token_versions)
 from grpo_cli.rollout.transport import base as transports
 from grpo_cli.rollout.transport.vllm_rl import reset_prefix_caches
 from grpo_cli.rollout.transport.http_client import Policy, RolloutServerDown
@@ -148,6 +149,8 @@ class VLLMServeEngine(HttpServerEngine):
         self.streaming = streaming
         """Stream mode: weights land in flight (pause, round, resume) and every request has its own cache salt."""
         self.in_flight = InFlightUpdates(self.http, self.urls, self._pool, recompute_kv=recompute_kv)
+        self.deferred = DeferredChecks()
+        """Stream mode: a round's checks, run while the trainer trains on (`stream.DeferredChecks`)."""
         self.first_pushed: int | None = None
         """The first version this client pushed: a span's version outside first_pushed..weight_version is not ours."""
         if streaming:
@@ -323,6 +326,7 @@ class VLLMServeEngine(HttpServerEngine):
                     digests[name] = TensorDigests.of(t, max(f.tensor_parallel_size for f in self.facts.values()))
                 yield name, t
 
+        self.settle_checks()  # the last round's checks (stream mode) pass before this one begins
         self.synced = False
         if self.streaming:  # requests in flight stay where they are; a failed round leaves the servers paused
             self.in_flight.pause()
@@ -332,9 +336,19 @@ class VLLMServeEngine(HttpServerEngine):
         self.synced = True
         if self.streaming:
             self.in_flight.resume()
-        if self.verify:
+        if self.verify and self.streaming:
+            self.deferred.submit(lambda: self._verify(version, digests))
+        elif self.verify:
             self._verify(version, digests)
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent.bytes}
+
+    def probe_when_awake(self, check) -> bool:
+        """Stream mode: the sync probe runs after the round's own checks on their thread (`DeferredChecks`), while
+        the trainer trains on; False otherwise (and for the check itself): the caller probes now."""
+        return self.streaming and self.deferred.defer(check)
+
+    def settle_checks(self) -> dict[str, float]:
+        return self.deferred.settle()
 
     def follow_update(self, version: int) -> None:
         """A rank that did not push: rank 0's round on every server succeeded (`sync_ranks`), so this rank samples."""
@@ -371,3 +385,7 @@ class VLLMServeEngine(HttpServerEngine):
 
     def reset_prefix_cache(self) -> None:
         reset_prefix_caches(self.http, self.urls)
+
+    def close(self) -> None:
+        self.deferred.close()
+        super().close()

@@ -11,13 +11,22 @@ trainer left there and resumes it (`release_paused`). `clear_cache=false`
 keeps the KV the running requests computed under the old weights (the round's prefix-cache reset then cannot
 succeed: those requests hold blocks); `clear_cache=true` (`rollout.stream.recompute_kv`) preempts them at the pause
 and vLLM re-prefills prompt + tokens so far when they resume, under the new weights. Every request carries its own
-`cache_salt`, so no request ever reuses the prefix KV of another (which may be older weights')."""
+`cache_salt`, so no request ever reuses the prefix KV of another (which may be older weights').
+
+A round's checks (the version each server reports, the checksums, the logprob probe) run after `/resume` on one
+background thread while the trainer trains its next step (`DeferredChecks`): with the servers busy, a probe waits
+behind every request in flight, and the trainer waiting for it was half a step on this machine. The next sync
+settles them before it pauses anything (`weight_sync.settle_deferred`), as does every checkpoint and the run's end,
+so a failed check stops the run before a checkpoint holds a step trained on tokens of unverified weights."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from grpo_cli.rollout.base import RolloutError
@@ -133,3 +142,40 @@ class InFlightUpdates:
     def resume(self) -> None:
         self._all(RESUME)
         self.paused_seconds += time.perf_counter() - self._paused_at
+
+
+class DeferredChecks:
+    """A weight round's checks, run in submission order on one background thread; `settle()` waits for them all."""
+
+    THREAD = "grpo-sync-check"
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.THREAD)
+        self._pending: list[Future] = []
+
+    @classmethod
+    def inside(cls) -> bool:
+        """Whether the caller is one of the checks (a check asked to defer itself runs now instead)."""
+        return threading.current_thread().name.startswith(cls.THREAD)
+
+    def submit(self, check: Callable[[], dict | None]) -> None:
+        self._pending.append(self._pool.submit(check))
+
+    def defer(self, check: Callable[[], dict | None]) -> bool:
+        """An engine's `probe_when_awake`: `check` submitted (True), or False inside a check (it runs now)."""
+        if self.inside():
+            return False
+        self.submit(check)
+        return True
+
+    def settle(self) -> dict[str, float]:
+        """Wait for every check submitted; the figures they returned (merged in order), or the first failure raised
+        (the later ones are dropped: the run stops)."""
+        pending, self._pending = self._pending, []
+        figures: dict[str, float] = {}
+        for future in pending:
+            figures.update(future.result() or {})
+        return figures
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

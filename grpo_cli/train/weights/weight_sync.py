@@ -35,6 +35,7 @@ def sync_weights(
     An engine with `push_from_main_only` (server mode, SGLang, async) gets the tensors on rank 0 only
     (`sync_ranks`): the other ranks drain the stream (taking part in the gathers), then follow rank 0
     (`sync_ranks.follow`); every rank returns rank 0's metrics, and a failure on any rank raises on all."""
+    settled = settle_deferred(engine, info)  # the last round's background checks pass before this one begins
     start = time.perf_counter()
     source = as_source(model)
     main_only = pushes_from_main(engine, info)
@@ -76,7 +77,20 @@ def sync_weights(
                                    sent_rows=stats["rows"], info=info, probe_images=probe_images,
                                    probe_vision=probe_vision))
         metrics["sync/verify_seconds"] = time.perf_counter() - verify_start
+    metrics.update(settled)
     return agree(metrics, error, info) if main_only else metrics
+
+
+def settle_deferred(engine, info: DistInfo = DistInfo()) -> dict[str, float]:
+    """The figures of the sync checks `engine` ran in the background (`settle_checks`: stream mode's probe, one
+    sync late), or their failure raised on every rank. Every rank calls it at the same point (each sync, each
+    checkpoint, the run's end): an engine with `push_from_main_only` ran them on rank 0, whose outcome every rank
+    takes."""
+    main_only = pushes_from_main(engine, info)
+    if not main_only:
+        return engine.settle_checks()
+    figures, error = attempt(engine.settle_checks) if info.is_main else ({}, None)
+    return agree(figures, error, info)
 
 
 class FrozenVision:
