@@ -16,7 +16,9 @@ Arms (each a fresh `grpo train` subprocess, alternated sync async stream, once p
           refuses the mode (not merged yet), the arm is skipped with a note
 Reported per arm: median over seeds of trained completion tokens/s (steps after `--skip`), engine idle fraction
 (sync: 1 − generate/step; async: 1 − the actor's generate/step; stream: `stream/engine_idle_frac`), step time and
-the reward per step. Then the decode cost (timed on the server: requests of c sequences × T tokens, EOS ignored),
+the reward per step. Then the decode cost (timed on the server as the arms ask: requests of G samples with their
+logprobs on the token-in/token-out route, c sequences × T tokens in all, EOS ignored; the async arm's in-process
+vllm.LLM has no HTTP server and is not what it times),
 the train time per token and the sync time measured here go into `benchmarks/pipeline_sim.py`, whose predicted step
 times are printed beside the measured ones (goal: within 15%). The calibration runs before and after the arms (the
 mean of both fits is used; both are kept), since a shared machine's speed drifts.
@@ -35,8 +37,8 @@ import time
 from pathlib import Path
 
 from benchmarks.compare import RESULTS_DIR, fmt_table, machine_info
-from benchmarks.stream_mode_parts import (calibrate_decode, pinned, prompt_ids, run_arm, stream_accepted,
-                                          summarise_arm, workload_checkpoint)
+from benchmarks.stream_mode_parts import (calibrate_decode, calibrate_in_process, pinned, prompt_ids, run_arm,
+                                          server_ceiling, stream_accepted, summarise_arm, workload_checkpoint)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +64,8 @@ def common_args(a, ckpt: str, seed: int) -> list[str]:
 
 
 def sim_check(calib: dict, summary: dict, a, prompt_len: int) -> dict:
-    """The simulator on the measured rates: decode cost from `calib` (timed on the server), train seconds per token
+    """The simulator on the measured rates: decode cost from `calib` (timed on the server; for the async arm, its
+    in-process engine timed alike, `calib["in_process"]`, where measured), train seconds per token
     and sync seconds from each arm's own phases, lengths geometric with the sync arm's mean; predicted against
     measured step time and tokens/s."""
     from benchmarks.pipeline_sim import Hardware, Workload, simulate
@@ -74,8 +77,9 @@ def sim_check(calib: dict, summary: dict, a, prompt_len: int) -> dict:
     for name, m in summary.items():
         if "error" in m:
             continue
-        hw = Hardware(rollout_engines=1, train_gpus=1, decode_fixed_s=calib["fixed_s"],
-                      decode_per_seq_s=calib["per_seq_s"], decode_per_ctx_s=calib["per_ctx_s"],
+        fit = (calib.get("in_process") or calib) if name == "async" else calib
+        hw = Hardware(rollout_engines=1, train_gpus=1, decode_fixed_s=fit["fixed_s"],
+                      decode_per_seq_s=fit["per_seq_s"], decode_per_ctx_s=fit["per_ctx_s"],
                       train_s_per_token=m["train_s_per_token"], sync_s=m["sync_s"])
         w = Workload(steps=a.steps, prompts_per_step=a.prompts, generations=a.G, prompt_len=prompt_len,
                      lengths={"kind": "geometric", "mean": base["mean_length"], "max": 512}, seed=0,
@@ -84,7 +88,8 @@ def sim_check(calib: dict, summary: dict, a, prompt_len: int) -> dict:
         out[name] = {"measured_step_s": m["step_s"], "predicted_step_s": r["step_s_median"],
                      "measured_engine_idle": m["engine_idle_frac"], "predicted_engine_idle": r["engine_idle_frac"],
                      "measured_tokens_per_s": m["tokens_per_s"], "predicted_tokens_per_s": r["tokens_per_s"],
-                     "step_error": r["step_s_median"] / m["step_s"] - 1, "predicted": r}
+                     "step_error": r["step_s_median"] / m["step_s"] - 1, "predicted": r,
+                     "decode_timed_on": fit.get("engine", "vllm serve")}
     return out
 
 
@@ -117,11 +122,14 @@ def measure(a, ckpt: str, prompt: list[int], runs: dict) -> dict:
     from vllm_serve_harness import VLLMServe, write_plugin_shim
 
     cache = Path(ckpt).parent
+    in_process = calibrate_in_process(ckpt, prompt, a.G, core=0) if "async" in runs else None
+    if in_process:
+        show(in_process, "the async arm's in-process engine")
     with pinned({0}, VLLM_CPU_OMP_THREADS_BIND="0"):
         server = VLLMServe(ckpt, write_plugin_shim(cache / "shim"), cache / "stream-server.log",
                            extra=("--max-model-len", "1024"), timeout_s=1800)
     try:
-        fits = [calibrate_decode(server.url, ckpt, prompt)]
+        fits = [calibrate_decode(server.url, ckpt, prompt, a.G)]
         show(fits[-1], "before the runs")
         for seed in a.seeds:
             for name in runs:
@@ -129,8 +137,12 @@ def measure(a, ckpt: str, prompt: list[int], runs: dict) -> dict:
                               actor_core=0 if name == "async" else None)
                 print(f"seed {seed} {name}: " + (res.get("error") or f"{res['wall_s']:.0f}s wall"), flush=True)
                 runs[name].append(res)
-        fits.append(calibrate_decode(server.url, ckpt, prompt))  # again: a shared machine's speed drifts
+        fits.append(calibrate_decode(server.url, ckpt, prompt, a.G))  # again: a shared machine's speed drifts
         show(fits[-1], "after the runs")
+        ceiling = {f"logprobs={lp}": server_ceiling(server.url, prompt, a.G, a.max_in_flight, logprobs=lp)
+                   for lp in (True, False)}
+        print(f"server alone, {a.max_in_flight} groups always in flight: " + ", ".join(
+            f"{k} {v:.0f} tokens/s" for k, v in ceiling.items()), flush=True)
     finally:
         server.stop()
     calib = {k: (fits[0][k] + fits[-1][k]) / 2 for k in ("overhead_s", "fixed_s", "per_seq_s", "per_ctx_s")}
@@ -139,7 +151,7 @@ def measure(a, ckpt: str, prompt: list[int], runs: dict) -> dict:
     if drift > 0.15:
         print(f"WARNING: the decode step changed by {drift:.0%} between the calibrations (other load on the machine):"
               " the simulator check below is not meaningful; rerun on a quiet machine", flush=True)
-    return {**calib, "fits": fits, "drift": drift}
+    return {**calib, "fits": fits, "drift": drift, "in_process": in_process, "server_ceiling": ceiling}
 
 
 def compare(summary: dict) -> dict:

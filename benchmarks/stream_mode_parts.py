@@ -4,6 +4,7 @@ pinning, the decode-cost calibration against the running `vllm serve`, one arm's
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,31 +80,127 @@ def pinned(cpus: set[int], **env: str):
                 os.environ[k] = v
 
 
-def calibrate_decode(url: str, model: str, prompt: list[int], repeats: int = 2) -> dict:
-    """Time requests of c samples × T tokens (EOS ignored, so exactly T) and fit
+def calibrate_decode(url: str, model: str, prompt: list[int], group: int, repeats: int = 2) -> dict:
+    """Time c samples × T tokens (EOS ignored, so exactly T) as the arms ask for them: requests of `group` samples
+    (one prompt group each; all at once) on the token-in/token-out route with the sampled tokens' logprobs (which
+    cost ~50% more per token at 320 sequences than none, on this machine), and fit
     t = d + a·T + b·c·T + k·c·(p·T + T²/2): the simulator's decode_fixed_s (a), decode_per_seq_s (b) and
     decode_per_ctx_s (k), plus a per-request overhead d (HTTP, prefill)."""
     import httpx
+
+    def ask(n: int, tokens: int, seed: int) -> None:
+        httpx.post(f"{url}/inference/v1/generate", timeout=600, json={
+            "token_ids": prompt, "request_id": f"calibrate-{time.time_ns()}-{seed}", "cache_salt": f"c{seed}",
+            "sampling_params": {"n": n, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
+                                "temperature": 1.0, "seed": seed, "logprobs": 0, "detokenize": False},
+        }).raise_for_status()
+
+    times = []
+    for c, n in CALIBRATION:
+        sizes = split(c, group)
+        with ThreadPoolExecutor(len(sizes)) as pool:
+            times.append(min(timed(lambda: list(pool.map(ask, sizes, [n] * len(sizes), range(len(sizes)))))
+                             for _ in range(repeats)))
+    return {**fit_decode(times, len(prompt)), "group": group, "engine": "vllm serve"}
+
+
+def server_ceiling(url: str, prompt: list[int], group: int, groups: int, *, logprobs: bool,
+                   seconds: float = 15.0) -> float:
+    """Generated tokens/s of the server alone with `groups` requests of `group` samples always in flight (natural
+    lengths up to 512, a new request as soon as one returns, no pause, no trainer): what stream mode could reach
+    on it at that pool size, with or without the sampled tokens' logprobs (which stream mode needs)."""
+    import httpx
+
+    stop, tokens, lock = time.perf_counter() + seconds, [0], threading.Lock()
+    with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=groups + 4)) as client:
+        def keep_one(slot: int) -> None:
+            for i in itertools.count():
+                if time.perf_counter() >= stop:
+                    return
+                sampling = {"n": group, "max_tokens": 512, "temperature": 1.0, "seed": i, "detokenize": False,
+                            **({"logprobs": 0} if logprobs else {})}
+                r = client.post(f"{url}/inference/v1/generate", json={
+                    "token_ids": prompt, "sampling_params": sampling, "request_id": f"ceiling-{slot}-{i}-{logprobs}",
+                    "cache_salt": f"ceiling-{slot}-{i}"})
+                r.raise_for_status()
+                with lock:
+                    tokens[0] += sum(len(c["token_ids"]) for c in r.json()["choices"])
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(groups) as pool:
+            list(pool.map(keep_one, range(groups)))
+    return tokens[0] / (time.perf_counter() - start)
+
+
+def split(c: int, group: int) -> list[int]:
+    """c samples as requests of `group` samples (the last one smaller)."""
+    return [min(group, c - i) for i in range(0, c, group)]
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def fit_decode(times: list[float], p: int) -> dict:
+    """Least squares of t = d + a·T + b·c·T + k·c·(p·T + T²/2) over the CALIBRATION points (c, T) and their
+    `times`, prompt length `p`."""
     import numpy as np
 
-    p, rows, times = len(prompt), [], []
-    for c, n in CALIBRATION:
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            r = httpx.post(f"{url}/v1/completions", timeout=600, json={
-                "model": model, "prompt": prompt, "n": c, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
-                "temperature": 1.0, "seed": 0})
-            r.raise_for_status()
-            best = min(best, time.perf_counter() - start)
-        rows.append([1.0, n, c * n, c * (p * n + n * n / 2)])
-        times.append(best)
+    rows = [[1.0, n, c * n, c * (p * n + n * n / 2)] for c, n in CALIBRATION]
     coef = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)[0]
     if coef[3] < 0:  # noise: refit without the context term
         coef = [*np.linalg.lstsq(np.array(rows)[:, :3], np.array(times), rcond=None)[0], 0.0]
     d, a, b, k = (max(0.0, float(x)) for x in coef)
     return {"overhead_s": d, "fixed_s": a, "per_seq_s": b, "per_ctx_s": k, "prompt_len": p,
             "points": [{"seqs": c, "tokens": n, "seconds": t} for (c, n), t in zip(CALIBRATION, times)]}
+
+
+def calibrate_in_process(ckpt: str, prompt: list[int], group: int, core: int) -> dict:
+    """The async arm's engine timed as `calibrate_decode` times the server: the `vllm.LLM` its Ray actor runs in
+    process (no HTTP server; the arguments `rollout/vllm/support.llm_kwargs` gives the tiny-cpu-async preset, room
+    for the largest c), in a subprocess on `core` alone."""
+    taskset = ["taskset", "-c", str(core)] if core in os.sched_getaffinity(0) else []
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=str(core),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [*taskset, sys.executable, "-m", "benchmarks.stream_mode_parts", ckpt, json.dumps(prompt), str(group)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, check=False)
+    if done.returncode:
+        raise RuntimeError(f"in-process calibration failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _llm_calibration(ckpt: str, prompt: list[int], group: int, repeats: int = 2) -> dict:
+    import vllm
+
+    from grpo_cli.config.load import build_config
+    from grpo_cli.rollout.vllm.support import llm_kwargs
+    from grpo_cli.rollout.base import engine_dtype
+
+    cfg = build_config("tiny-cpu-async", overrides=[f"model.name_or_path={ckpt}", "rollout.engine=vllm",
+                                                    "rollout.vllm.max_model_len=1024"])
+    v = cfg.rollout.vllm
+    llm = vllm.LLM(**llm_kwargs(
+        ckpt, dtype=engine_dtype(cfg), tensor_parallel_size=1, gpu_memory_utilization=v.gpu_memory_utilization,
+        max_model_len=1024, max_num_seqs=max(c for c, _ in CALIBRATION), enforce_eager=v.enforce_eager, seed=0,
+        sleep=False, kv_cache_space_gib=v.kv_cache_space_gib, distributed=False, block_size=v.block_size,
+        multi_turn=False, cpu=True))
+
+    def ask(c: int, n: int) -> None:
+        sizes = split(c, group)
+        llm.generate([{"prompt_token_ids": prompt}] * len(sizes), [vllm.SamplingParams(
+            n=k, max_tokens=n, min_tokens=n, ignore_eos=True, temperature=1.0, seed=i, logprobs=0,
+            detokenize=False) for i, k in enumerate(sizes)], use_tqdm=False)
+
+    ask(1, 4)  # warm-up
+    times = [min(timed(lambda c=c, n=n: ask(c, n)) for _ in range(repeats)) for c, n in CALIBRATION]
+    return {**fit_decode(times, len(prompt)), "group": group, "engine": "in-process vllm.LLM"}
+
+
+if __name__ == "__main__":  # calibrate_in_process's subprocess: CKPT PROMPT_JSON GROUP
+    print(json.dumps(_llm_calibration(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]))), flush=True)
 
 
 def stream_accepted(args: list[str]) -> bool:

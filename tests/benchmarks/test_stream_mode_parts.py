@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks` is not installed
 
-from benchmarks.stream_mode_parts import summarise_arm, workload_checkpoint  # noqa: E402
+from benchmarks.stream_mode_parts import CALIBRATION, fit_decode, split, summarise_arm, workload_checkpoint  # noqa: E402
 
 
 def test_workload_checkpoint_samples_uniformly_over_a_long_context(tmp_path):
@@ -41,3 +41,13 @@ def test_summary_counts_trained_tokens_and_each_modes_idle_time():
     stream = summarise_arm([{"rows": rows(2.0, 0.2, [10, 20], **{"stream/engine_idle_frac": 0.04})}], 0, 4, 5)
     assert stream["engine_idle_frac"] == pytest.approx(0.04)
     assert summarise_arm([{"error": "exit 2: refused"}], 0, 4, 5) == {"error": "exit 2: refused"}
+
+
+def test_the_decode_fit_recovers_the_costs_it_was_timed_with_and_requests_are_whole_groups():
+    d, a, b, k, p = 0.05, 0.003, 6e-5, 4e-8, 8
+    times = [d + a * n + b * c * n + k * c * (p * n + n * n / 2) for c, n in CALIBRATION]
+    fit = fit_decode(times, p)
+    assert fit["overhead_s"] == pytest.approx(d) and fit["fixed_s"] == pytest.approx(a)
+    assert fit["per_seq_s"] == pytest.approx(b) and fit["per_ctx_s"] == pytest.approx(k, rel=1e-6)
+    assert [pt["seconds"] for pt in fit["points"]] == times
+    assert split(1, 8) == [1] and split(32, 8) == [8] * 4 and split(20, 8) == [8, 8, 4]
