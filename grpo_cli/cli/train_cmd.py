@@ -53,6 +53,7 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
               write_script: Path | None = None) -> int:
     """Exit code of the training command."""
     cmd = launch_command(cfg, argv)
+    FaultPlan.from_env()  # a malformed GRPO_INJECT_FAULT fails here (exit 2), before any worker starts or a dry run
     if dry_run:
         typer.echo("# resolved config\n" + dump_config(cfg))
         typer.echo(render_plan(cfg, gpu_mem=None))
@@ -69,7 +70,6 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
     check_gpus(cfg)
     if why := context_parallel_refusal(cfg):  # not a config rule: `grpo plan`/`--rehearse`/`--dry-run` model it
         raise UserError(why)
-    FaultPlan.from_env()  # a malformed GRPO_INJECT_FAULT fails here (exit 2), before any worker starts
     if cmd and not worker:
         typer.echo("launching: " + " ".join(cmd))
         return subprocess.call(cmd)

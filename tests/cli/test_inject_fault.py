@@ -40,12 +40,13 @@ def test_malformed_values_name_the_variable_and_the_forms(value, why):
     assert f"{ENV}='{value}' is malformed: {why}" in str(err.value) and FORMS in str(err.value)
 
 
-def test_grpo_train_refuses_a_malformed_value_before_launching(tmp_path):
-    out = runner.invoke(app, ["train", "--nproc", "2", "--output-dir", str(tmp_path / "run")],
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+def test_grpo_train_refuses_a_malformed_value_before_launching(tmp_path, flags):
+    out = runner.invoke(app, ["train", "--nproc", "2", "--output-dir", str(tmp_path / "run"), *flags],
                         env={ENV: "nonfinite_loss:rank=1:step=two"})
     assert out.exit_code == 2, out.output
     assert f"{ENV}='nonfinite_loss:rank=1:step=two' is malformed" in out.output and "launching" not in out.output
-    assert "Traceback" not in out.output and not (tmp_path / "run").exists()
+    assert "Traceback" not in out.output and not (tmp_path / "run").exists() and "# resolved config" not in out.output
 
 
 def test_serve_rollout_refuses_a_malformed_value(tmp_path):
