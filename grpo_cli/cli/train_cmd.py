@@ -62,7 +62,8 @@ def run_train(cfg: GRPOConfig, *, output_dir: Path | None, dry_run: bool, worker
         typer.echo("\n# launch command\n" + (" ".join(cmd) if cmd else "(single process: runs in this process)"))
         _deployment_script(cfg, write_script)
         return 0
-    if cfg.deployment.rollout_nodes and not cfg.rollout.server.urls and not worker:
+    joined = cfg.rollout.server.urls or (cfg.rollout.mode == "async" and cfg.rollout.ray.address)
+    if cfg.deployment.rollout_nodes and not joined and not worker:  # the script derives the URLs / starts Ray
         raise UserError(
             f"deployment.rollout_nodes={cfg.deployment.rollout_nodes}: this config is a multi-node job; print its "
             f"{cfg.deployment.scheduler} script with `grpo train ... --dry-run` and submit that (it starts the "

@@ -218,7 +218,8 @@ def run_training(cfg: GRPOConfig, *, output_dir: str | None = None, reporter=Non
     elif trainer.pipeline is not None:
         checks = trainer.sync(0, verify=cfg.rollout.vllm.verify_sync)
         held = (f"stream: {len(trainer.engine.urls)} vllm serve server(s)" if cfg.rollout.mode == "stream" else
-                f"async: {len(trainer.engine.actors)} rollout actor(s) on Ray")
+                f"async: {len(trainer.engine.actors)} rollout actor(s) on Ray node "
+                + ", ".join(sorted(set(trainer.engine.nodes))))
         log(f"{held} hold weight version 0"
             + (f" (verified: probe logprob diff {checks['sync/max_probe_diff']:.1e})" if "sync/max_probe_diff" in checks
                else ""))

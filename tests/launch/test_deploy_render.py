@@ -61,9 +61,12 @@ def test_ray_bootstrap_shows_ray_only_the_rollout_gpus(tmp_path):
     disagg = render_ray(build_config("tiny-cpu-async", None, [*base, "deployment.rollout_nodes=1"]))
     assert '--num-gpus=8 --block' in disagg and 'CUDA_VISIBLE_DEVICES="" ray start --head --port=6379 --num-gpus=0' \
         in disagg and "--set rollout.ray.address=auto" in disagg
+    assert disagg.count("--num-cpus=0") == 2  # neither the head nor another training node offers cores
+    assert 'RAY_AUTH_TOKEN_PATH="$GRPO_SHARED_DIR/ray/auth_token"' in disagg and "export RAY_AUTH_MODE=token" in disagg
     shared = render_ray(build_config("tiny-cpu-async", None, [
         *base, "distributed.num_processes=2", "rollout.ray.num_actors=2", "distributed.rollout_gpus=2"]))
     assert 'CUDA_VISIBLE_DEVICES="2,3" ray start --head --port=6379 --num-gpus=2' in shared
+    assert "--num-cpus" not in shared  # no rollout nodes: the actors take the training node's cores
     for script in (disagg, shared):
         _parses(script, tmp_path)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 from grpo_cli.config.load import build_config
 from grpo_cli.launch.deploy_slurm import render_slurm
 from dist_env import clean_env, free_port
+from netns import drop_namespaces, make_namespaces
 
 _SRUN = r"""#!/usr/bin/env bash
 # srun stand-in: the step's command once per node of --nodelist, in that node's namespace, with a task's SLURM_* vars.
@@ -40,41 +40,9 @@ exit "$code"
 """
 
 
-def _run(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
-
-
-def _make_namespaces(tag: str) -> tuple[list[str], list[str]] | None:
-    """Two namespaces joined by a veth pair: ([addresses], [namespace names]); None where they cannot be made."""
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        return None
-    names, addrs = [f"grpo{tag}n0", f"grpo{tag}n1"], ["10.231.7.1", "10.231.7.2"]
-    try:
-        for ns in names:
-            _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", f"vg{tag}a", "type", "veth", "peer", "name", f"vg{tag}b")
-        for ns, dev, addr in zip(names, (f"vg{tag}a", f"vg{tag}b"), addrs):
-            _run("ip", "link", "set", dev, "netns", ns)
-            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-    except (subprocess.CalledProcessError, OSError):
-        _drop_namespaces(names)
-        return None
-    return addrs, names
-
-
-def _drop_namespaces(names: list[str]) -> None:
-    for ns in names:
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-        for pid in pids:  # only processes this test started can live in a namespace it made
-            os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
 def test_rendered_slurm_script_trains_three_steps_across_two_nodes(tmp_path: Path) -> None:
     tag = str(os.getpid() % 10000)
-    made = _make_namespaces(tag)
+    made = make_namespaces(tag)
     hosts, namespaces = made if made else (["127.0.0.1", "127.0.0.2"], [])
     shared = tmp_path / "shared"
     cfg = build_config("tiny-cpu", None, [
@@ -106,7 +74,7 @@ def test_rendered_slurm_script_trains_three_steps_across_two_nodes(tmp_path: Pat
                                     "tx_bytes"], capture_output=True, text=True).stdout or 0)] if namespaces else []
         leftover = [p for ns in namespaces for p in
                     subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
-        _drop_namespaces(namespaces)
+        drop_namespaces(namespaces)
     assert proc.returncode == 0, out[-6000:]
     assert leftover == [], "the rollout servers outlived the job"
     if namespaces:  # every weight push (3 steps, the model's float32 bytes each) left node 0 through its veth

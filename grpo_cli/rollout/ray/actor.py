@@ -87,9 +87,12 @@ class RolloutActor:
         self.engine = build_actor_engine(cfg_dump, ctx_fields, wrap)
 
     def ready(self) -> dict:
-        """The process id and the GPUs Ray gave it (`CUDA_VISIBLE_DEVICES`), once the engine is built (the manager
-        waits on it with a timeout)."""
-        return {"pid": os.getpid(), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        """The process id, the GPUs Ray gave it (`CUDA_VISIBLE_DEVICES`) and its node's address, once the engine is
+        built (the manager waits on it with a timeout)."""
+        import ray
+
+        return {"pid": os.getpid(), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "node": ray.util.get_node_ip_address()}
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  rows: list[dict] | None = None, images: list[list] | None = None) -> RolloutBatch:

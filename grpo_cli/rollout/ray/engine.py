@@ -236,6 +236,7 @@ class AsyncRolloutEngine(RolloutEngine):
                                "model.name_or_path and the engine settings (the actor's log is above).") from exc
         self.pids = [r["pid"] for r in ready]
         self.gpu_ids = [r["gpus"] for r in ready]  # each actor's CUDA_VISIBLE_DEVICES as Ray set it ('' or None: none)
+        self.nodes = [r["node"] for r in ready]  # the address of each actor's Ray node
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig, ctx: EngineContext, *, broadcast=None, wrap=None) -> AsyncRolloutEngine:
