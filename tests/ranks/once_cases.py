@@ -69,7 +69,10 @@ def stop_case(info: DistInfo) -> dict:
     from grpo_cli.runtime.faults import FaultPlan
     from grpo_cli.train.run import stopped_by_signal
 
-    tr = SimpleNamespace(cfg=build_config(overrides=["train.steps=4"]), dist=info, evaluate=None, faults=FaultPlan())
+    settled = []  # rank 0's engine (stream mode's way) settles its background checks; the ranks agree on them
+    engine = SimpleNamespace(push_from_main_only=True, settle_checks=lambda: settled.append(state.step) or {"x": 1.0})
+    tr = SimpleNamespace(cfg=build_config(overrides=["train.steps=4"]), dist=info, evaluate=None, faults=FaultPlan(),
+                         engine=engine)
     state = loop.LoopState()
     real, loop.run_step = loop.run_step, run_step
     try:
@@ -78,7 +81,7 @@ def stop_case(info: DistInfo) -> dict:
         loop.run_step = real
     # after the loop, run.py exports the final model (collective) only where no rank was stopped
     stopped = stopped_by_signal(SimpleNamespace(signum=15 if info.rank == 0 else None), info)
-    return {"steps": state.step, "collectives": steps, "stopped": stopped}
+    return {"steps": state.step, "collectives": steps, "stopped": stopped, "settled": settled}
 
 
 def teacher_case(ckpt: str, url: str, info: DistInfo, cfg) -> dict:

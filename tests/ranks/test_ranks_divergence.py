@@ -57,6 +57,7 @@ def test_a_stop_signal_on_one_rank_stops_every_rank_at_the_same_step(ranks):
     zero, one = ranks[0]["once"]["stop"], ranks[1]["once"]["stop"]
     assert zero["steps"] == one["steps"] == 1 and zero["collectives"] == one["collectives"] == [2.0]
     assert zero["stopped"] is one["stopped"] is True  # neither rank goes on to export the final model alone
+    assert zero["settled"] == [zero["steps"]] and one["settled"] == []  # after the loop, on rank 0, both ranks there
 
 
 def test_a_teacher_failing_for_one_rank_fails_every_rank(ranks):
