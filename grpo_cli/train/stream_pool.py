@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 
 from grpo_cli.data.prompts import Prompt, PromptCursor
 from grpo_cli.rollout.base import RolloutBatch, RolloutError
-from grpo_cli.rollout.vllm_serve.stream import Group, least_in_flight
+from grpo_cli.rollout.routing import least_loaded
+from grpo_cli.rollout.vllm_serve.stream import Group
 from grpo_cli.train.stream_metrics import IdleClock, batch_metrics
 
 WAIT_S = 1.0
@@ -166,7 +167,8 @@ class StreamPipeline:
                 if self._closed or self.error is not None:
                     return
                 flight = self._next_flight()
-                flight.url = least_in_flight(self._counts(), list(self.engine.urls))
+                counts = list(self._counts().values())  # in the engine's URL order
+                flight.url = self.engine.urls[least_loaded(counts)]  # the fewest groups in flight: never round-robin
                 self.flight[flight.index] = flight
                 self.peak_in_flight = max(self.peak_in_flight, len(self.flight))
                 self.clock.set(flight.url, self._counts()[flight.url])

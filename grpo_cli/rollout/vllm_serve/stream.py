@@ -1,7 +1,7 @@
 """Stream mode's side of the `vllm serve` client (docs/streaming.md): one prompt group per request, the weight
-version of every sampled token read from vLLM's `weight_versions` spans (never guessed), the server with the fewest
-groups in flight, and the in-flight weight update: `/pause?mode=keep` on every server, the verified RL round, then
-`/resume`, so that requests in flight continue under the new weights.
+version of every sampled token read from vLLM's `weight_versions` spans (never guessed), and the in-flight weight
+update: `/pause?mode=keep` on every server, the verified RL round, then `/resume`, so that requests in flight
+continue under the new weights. The pool places each group by `rollout/routing.least_loaded`.
 
 vLLM 0.32's pause with `mode=keep` freezes every request where it is (`PauseState.PAUSED_ALL`) and queues new ones;
 nothing runs until `/resume`: a server left paused (a trainer killed between pause and resume) queues every later
@@ -71,11 +71,6 @@ def token_versions(url: str, spans: list[dict] | None, count: int, *, pushed: ra
     if len(out) != count:
         raise RolloutError(f"vllm serve at {url}: weight_versions spans {spans} cover {len(out)} of {count} tokens")
     return out
-
-
-def least_in_flight(in_flight: dict[str, int], urls: list[str]) -> str:
-    """The server with the fewest groups in flight (the first of `urls` among equals): load, never round-robin."""
-    return min(urls, key=lambda u: (in_flight.get(u, 0), urls.index(u)))
 
 
 @dataclass
