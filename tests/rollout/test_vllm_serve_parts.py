@@ -284,3 +284,42 @@ def test_nccl_push_waits_for_the_servers_before_the_stream_and_a_silent_one_rais
         release.set()
         pool.shutdown(wait=True)
     assert "synchronize" not in order and "broadcast" in order and "abort" in order and push.comm is None
+
+
+def test_shm_push_writes_its_file_before_the_servers_pause_and_load_it():
+    """Stream mode pauses the servers at the transport's `before_load`: `ShmPush` calls it once its /dev/shm file
+    holds every frame, before any RL call (the servers generate while the trainer writes); a transport that loads
+    while it sends (`stages_first` False) is paused before it starts (`send`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpo_cli.rollout.transport.base import Link, WeightTransport
+    from grpo_cli.rollout.transport.vllm_rl import NcclPush, ShmPush
+
+    events: list = []
+
+    class Http:
+        def call(self, url, method, path, **kw):
+            events.append(path)
+            return type("Reply", (), {"json": lambda self: {}})()
+
+    push = ShmPush(Link(Http(), ["u"], ThreadPoolExecutor(1)))
+    push.routes.unsure = push.routes.reset_prefix_cache = False
+    push.before_load = lambda: events.extend(["pause", push.file.path.stat().st_size])
+    try:
+        push.send(iter([("a.weight", torch.randn(64, 64))]), 1, chunk_bytes=1 << 20)
+    finally:
+        push.close()
+    assert events[0] == "pause" and events[1] > 64 * 64 * 4  # the whole tensor was in the file at the pause
+    assert events[2:] == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+    assert ShmPush.stages_first and not NcclPush.stages_first
+
+    class Loading(WeightTransport):
+        def _send(self, named_tensors, version, chunk_bytes):
+            events.append("load")
+            return []
+
+    loading = Loading(Link(Http(), ["u"], ThreadPoolExecutor(1)))
+    loading.before_load = lambda: events.append("pause")
+    events.clear()
+    loading.send(iter([]), 1, chunk_bytes=1)
+    assert events == ["pause", "load"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -64,9 +64,18 @@ class WeightTransport(ABC):
 
     name: str = ""
     takes: tuple[str, ...] = ()
+    stages_first: bool = False
+    """Whether `_send` first writes the weights where no server reads them yet (a same-host file) and calls
+    `before_load` itself once they are written, right before the servers load them; else `send` calls it first."""
 
     def __init__(self, link: Link) -> None:
         self.link = link
+        self.before_load: Callable[[], None] | None = None
+        """Called once per send before any server takes the weights (stream mode pauses the servers there)."""
+
+    def _loading(self) -> None:
+        if self.before_load is not None:
+            self.before_load()
 
     @abstractmethod
     def _send(self, named_tensors: NamedTensors, version: int, chunk_bytes: int) -> list[dict]:
@@ -82,6 +91,8 @@ class WeightTransport(ABC):
                 yield name, tensor
 
         start = time.perf_counter()
+        if not self.stages_first:
+            self._loading()
         replies = self._send(counted(), version, chunk_bytes)
         return Sent(size, time.perf_counter() - start, replies)
 

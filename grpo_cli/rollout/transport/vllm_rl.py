@@ -130,6 +130,7 @@ class ShmPush(WeightTransport):
     engine, which checks each frame's checksum, version and the end frame's counts."""
 
     name = "shm"
+    stages_first = True
 
     def __init__(self, link: Link) -> None:
         super().__init__(link)
@@ -146,6 +147,7 @@ class ShmPush(WeightTransport):
         size = write_stream(out, named_tensors, chunk_bytes=chunk_bytes, version=version)
         out.truncate(size)
         info = {"name": self.file.path.name, "bytes": size, "version": version}
+        self._loading()  # written while the servers generate: stream mode pauses them only for the load
         self.routes.round(lambda: self.routes.post_all("/update_weights", {"update_info": info}), version)
         return []
 

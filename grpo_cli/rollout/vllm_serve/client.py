@@ -155,6 +155,7 @@ class VLLMServeEngine(HttpServerEngine):
         """The first version this client pushed: a span's version outside first_pushed..weight_version is not ours."""
         if streaming:
             self._weights.routes.reset_prefix_cache = False
+            self._weights.before_load = self.in_flight.pause  # requests kept; shm pauses after writing its file
         if connect:
             self.connect()
 
@@ -327,9 +328,7 @@ class VLLMServeEngine(HttpServerEngine):
                 yield name, t
 
         self.settle_checks()  # the last round's checks (stream mode) pass before this one begins
-        self.synced = False
-        if self.streaming:  # requests in flight stay where they are; a failed round leaves the servers paused
-            self.in_flight.pause()
+        self.synced = False  # stream mode: the transport pauses (`before_load`); a failed round leaves them paused
         sent = self._weights.send(tapped(), version, chunk_bytes=self.chunk_bytes)
         self.weight_version = version
         self.first_pushed = version if self.first_pushed is None else self.first_pushed
