@@ -16,8 +16,9 @@ and vLLM re-prefills prompt + tokens so far when they resume, under the new weig
 A round's checks (the version each server reports, the checksums, the logprob probe) run after `/resume` on one
 background thread while the trainer trains its next step (`DeferredChecks`): with the servers busy, a probe waits
 behind every request in flight, and the trainer waiting for it was half a step on this machine. The next sync
-settles them before it pauses anything (`weight_sync.settle_deferred`), as does every checkpoint and the run's end,
-so a failed check stops the run before a checkpoint holds a step trained on tokens of unverified weights."""
+settles them before it pauses anything (`weight_sync.sync_weights`), as does every checkpoint and the run's end
+(`weight_sync.settle_deferred`), so a failed check stops the run before a checkpoint holds a step trained on tokens
+of unverified weights."""
 
 from __future__ import annotations
 

@@ -35,7 +35,6 @@ def sync_weights(
     An engine with `push_from_main_only` (server mode, SGLang, async) gets the tensors on rank 0 only
     (`sync_ranks`): the other ranks drain the stream (taking part in the gathers), then follow rank 0
     (`sync_ranks.follow`); every rank returns rank 0's metrics, and a failure on any rank raises on all."""
-    settled = settle_deferred(engine, info)  # the last round's background checks pass before this one begins
     start = time.perf_counter()
     source = as_source(model)
     main_only = pushes_from_main(engine, info)
@@ -57,8 +56,14 @@ def sync_weights(
                 continue
             yield name, tensor
 
+    settled: dict[str, float] = {}
+
+    def push() -> None:  # the last round's background checks pass first; a failure is the push's, agreed below
+        settled.update(engine.settle_checks())
+        engine.update_weights(sent(), version)
+
     if pushes:
-        _, error = attempt(lambda: engine.update_weights(sent(), version))
+        _, error = attempt(push)
     for _ in stream:  # what the engine left unread (all of it on a rank that does not push): collective gathers
         pass
     if main_only:
@@ -77,15 +82,15 @@ def sync_weights(
                                    sent_rows=stats["rows"], info=info, probe_images=probe_images,
                                    probe_vision=probe_vision))
         metrics["sync/verify_seconds"] = time.perf_counter() - verify_start
-    metrics.update(settled)
+    metrics.update(settled)  # on rank 0 alone under main_only: the agree hands its metrics to every rank
     return agree(metrics, error, info) if main_only else metrics
 
 
 def settle_deferred(engine, info: DistInfo = DistInfo()) -> dict[str, float]:
     """The figures of the sync checks `engine` ran in the background (`settle_checks`: stream mode's probe, one
-    sync late), or their failure raised on every rank. Every rank calls it at the same point (each sync, each
-    checkpoint, the run's end): an engine with `push_from_main_only` ran them on rank 0, whose outcome every rank
-    takes."""
+    sync late), or their failure raised on every rank. Every rank calls it at the same point (each checkpoint, the
+    run's end; `sync_weights` settles inside its push, agreed with it): an engine with `push_from_main_only` ran them
+    on rank 0, whose outcome every rank takes."""
     main_only = pushes_from_main(engine, info)
     if not main_only:
         return engine.settle_checks()
