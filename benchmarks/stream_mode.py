@@ -32,12 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 from benchmarks.compare import RESULTS_DIR, fmt_table, machine_info
-from benchmarks.stream_mode_parts import (calibrate_decode, calibrate_in_process, pinned, prompt_ids, run_arm,
+from benchmarks.stream_mode_parts import (calibrate_decode, calibrate_in_process, prompt_ids, run_arm,
                                           server_ceiling, stream_accepted, summarise_arm, workload_checkpoint)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,18 +117,16 @@ def parse_args():
 def measure(a, ckpt: str, prompt: list[int], runs: dict) -> dict:
     """Start the server on core 0, calibrate its decode, run every arm once per seed (alternated), calibrate again,
     stop the server; `runs` fills with each arm's runs, the mean of the two fits is returned."""
-    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
     from vllm_serve_harness import VLLMServe, write_plugin_shim
 
     cache = Path(ckpt).parent
     in_process = calibrate_in_process(ckpt, prompt, a.G, core=0) if "async" in runs else None
     if in_process:
         show(in_process, "the async arm's in-process engine")
-    with pinned({0}, VLLM_CPU_OMP_THREADS_BIND="0"):
-        server = VLLMServe(ckpt, write_plugin_shim(cache / "shim"), cache / "stream-server.log",
-                           extra=("--max-model-len", "1024"), timeout_s=1800)
+    server = VLLMServe(ckpt, write_plugin_shim(cache / "shim"), cache / "stream-server.log",
+                       extra=("--max-model-len", "1024"), timeout_s=1800, core=0)
     try:
-        fits = [calibrate_decode(server.url, ckpt, prompt, a.G)]
+        fits = [calibrate_decode(server.url, prompt, a.G)]
         show(fits[-1], "before the runs")
         for seed in a.seeds:
             for name in runs:
@@ -137,7 +134,7 @@ def measure(a, ckpt: str, prompt: list[int], runs: dict) -> dict:
                               actor_core=0 if name == "async" else None)
                 print(f"seed {seed} {name}: " + (res.get("error") or f"{res['wall_s']:.0f}s wall"), flush=True)
                 runs[name].append(res)
-        fits.append(calibrate_decode(server.url, ckpt, prompt, a.G))  # again: a shared machine's speed drifts
+        fits.append(calibrate_decode(server.url, prompt, a.G))  # again: a shared machine's speed drifts
         show(fits[-1], "after the runs")
         ceiling = {f"logprobs={lp}": server_ceiling(server.url, prompt, a.G, a.max_in_flight, logprobs=lp)
                    for lp in (True, False)}

@@ -19,6 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # the `vllm serve` harness the tests start servers with
+
+from vllm_serve_harness import own_core  # noqa: E402
 CALIBRATION = [(1, 64), (1, 384), (32, 64), (32, 384), (96, 64), (96, 384)]
 """(sequences, tokens each) of the timed decode requests."""
 WORKLOAD_VERSION = 1
@@ -62,25 +65,7 @@ def prompt_length(ckpt: str) -> int:
     return len(prompt_ids(ckpt))
 
 
-@contextlib.contextmanager
-def pinned(cpus: set[int], **env: str):
-    """This process (and what it starts meanwhile) on `cpus`, with `env` set; both restored after."""
-    before, saved = os.sched_getaffinity(0), {k: os.environ.get(k) for k in env}
-    usable = cpus & before or before  # a machine without those cores: run unpinned
-    os.sched_setaffinity(0, usable)
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def calibrate_decode(url: str, model: str, prompt: list[int], group: int, repeats: int = 2) -> dict:
+def calibrate_decode(url: str, prompt: list[int], group: int, repeats: int = 2) -> dict:
     """Time c samples × T tokens (EOS ignored, so exactly T) as the arms ask for them: requests of `group` samples
     (one prompt group each; all at once) on the token-in/token-out route with the sampled tokens' logprobs (which
     cost ~50% more per token at 320 sequences than none, on this machine), and fit
@@ -161,7 +146,7 @@ def calibrate_in_process(ckpt: str, prompt: list[int], group: int, core: int) ->
     """The async arm's engine timed as `calibrate_decode` times the server: the `vllm.LLM` its Ray actor runs in
     process (no HTTP server; the arguments `rollout/vllm/support.llm_kwargs` gives the tiny-cpu-async preset, room
     for the largest c), in a subprocess on `core` alone."""
-    taskset = ["taskset", "-c", str(core)] if core in os.sched_getaffinity(0) else []
+    taskset = own_core(core)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=str(core),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -235,7 +220,7 @@ def _pin_actors(pid: int, core: int, stop: threading.Event) -> None:
 def run_arm(args: list[str], timeout: float, *, actor_core: int | None = None, trainer_core: int = 1) -> dict:
     """One `grpo train` subprocess on `trainer_core`; per-step rows of its metrics.jsonl."""
     out = Path(tempfile.mkdtemp(prefix="bench-stream-"))
-    taskset = ["taskset", "-c", str(trainer_core)] if trainer_core in os.sched_getaffinity(0) else []
+    taskset = own_core(trainer_core)
     cmd = [*taskset, sys.executable, "-m", "grpo_cli", "train", *args, "--output-dir", str(out / "run")]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
                VLLM_CPU_OMP_THREADS_BIND=str(actor_core if actor_core is not None else trainer_core),
