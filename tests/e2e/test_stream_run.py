@@ -31,8 +31,8 @@ def setup(tmp_path_factory):
 
 
 def _train(cwd, run, url: str, *extra: str) -> subprocess.Popen:
-    args = [*own_core(1), sys.executable, "-m", "grpo_cli", "train", "--preset", "tiny-cpu-stream", "--output-dir", str(run),
-            "--set", f'rollout.server.urls=["{url}"]', "--set", "eval.every_steps=0", *extra]
+    args = [*own_core(1), sys.executable, "-m", "grpo_cli", "train", "--preset", "tiny-cpu-stream",
+            "--output-dir", str(run), "--set", f'rollout.server.urls=["{url}"]', "--set", "eval.every_steps=0", *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1", GRPO_ROLLOUT_TOKEN=KEY, OMP_NUM_THREADS="1")
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
                             start_new_session=True)

@@ -139,13 +139,21 @@ def deferred_case(model, info: DistInfo) -> dict:
     first = sync_weights(engine, model, version=8, bucket_mb=1, verify=True, probe=PROBE, info=info)
     second = sync_weights(engine, model, version=9, bucket_mb=1, verify=True, probe=PROBE, info=info)
     settled = settle_deferred(engine, info)
-    lossy = Deferring(model, lossy=True)
-    with torch.no_grad():
-        for p in lossy.model.parameters():
-            p.add_(0.05)
+    lossy, again = stale(Deferring(model, lossy=True)), stale(Deferring(model, lossy=True))
     passed = sync_weights(lossy, model, version=10, bucket_mb=1, verify=True, probe=PROBE, info=info)
+    sync_weights(again, model, version=11, bucket_mb=1, verify=True, probe=PROBE, info=info)
     return {"first": first, "second": second, "settled": settled, "calls": engine.calls, "lossy_sync": passed,
-            "lossy_settle": failure(lambda: settle_deferred(lossy, info)), "after": settle_deferred(lossy, info)}
+            "lossy_settle": failure(lambda: settle_deferred(lossy, info)), "after": settle_deferred(lossy, info),
+            "next_sync": failure(lambda: sync_weights(again, model, version=12, bucket_mb=1, verify=True,
+                                                      probe=PROBE, info=info))}
+
+
+def stale(engine: Deferring) -> Deferring:
+    """`engine` with weights the trainer never had, which its lossy pushes leave in place."""
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(0.05)
+    return engine
 
 
 def resync_case(engine, info: DistInfo) -> dict:

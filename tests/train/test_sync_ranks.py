@@ -58,7 +58,7 @@ def test_a_deferred_probe_reports_one_sync_late_and_fails_every_rank_when_settle
     """Stream mode: rank 0 runs the probe in the background; the next sync (or a checkpoint's settle) returns its
     figures on every rank, and a probe that fails raises on every rank then, not at the sync that started it."""
     zero, one = ranks[0]["deferred"], ranks[1]["deferred"]
-    for key in ("first", "second", "settled", "lossy_sync", "lossy_settle", "after"):
+    for key in ("first", "second", "settled", "lossy_sync", "lossy_settle", "after", "next_sync"):
         assert (zero[key] or {}).keys() == (one[key] or {}).keys(), key  # same keys: mean_metrics
     assert zero["first"]["sync/probe_deferred"] == 1.0 and "sync/max_probe_diff" not in zero["first"]
     assert one["second"]["sync/max_probe_diff"] == zero["second"]["sync/max_probe_diff"] < 1e-5  # v8's, via rank 0
@@ -68,6 +68,8 @@ def test_a_deferred_probe_reports_one_sync_late_and_fails_every_rank_when_settle
     assert "probe logprobs differ" in zero["lossy_settle"]["message"]
     assert one["lossy_settle"]["message"] == "rank 0: " + zero["lossy_settle"]["message"]
     assert zero["after"] == one["after"] == {}  # settled once: nothing left
+    next_zero, next_one = zero["next_sync"], one["next_sync"]  # the next sync settles first: it fails alike
+    assert "probe logprobs differ" in next_zero["message"] and next_one["message"] == "rank 0: " + next_zero["message"]
 
 
 class _Engine(RolloutEngine):
