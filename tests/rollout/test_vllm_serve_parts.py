@@ -323,3 +323,36 @@ def test_shm_push_writes_its_file_before_the_servers_pause_and_load_it():
     events.clear()
     loading.send(iter([]), 1, chunk_bytes=1)
     assert events == ["pause", "load"]
+
+
+def test_paused_time_counts_from_the_engines_pause_not_from_the_request():
+    """`/pause` waits for the engine step running (the engine still generating), then vLLM sleeps PAUSE_SETTLE_S
+    and answers: the servers' paused time runs from `answered - PAUSE_SETTLE_S` (never before the request) to the
+    `/resume` answer, per server, averaged over the servers."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpo_cli.rollout.vllm_serve.stream import PAUSE_SETTLE_S, InFlightUpdates, paused_since
+
+    assert paused_since(10.0, 10.5) == pytest.approx(10.5 - PAUSE_SETTLE_S)
+    assert paused_since(10.0, 10.01) == 10.0  # an answer faster than the settle: paused since the request
+
+    class Http:
+        step = {"a": 0.30, "b": 0.10}  # each server's running step before its pause takes effect
+
+        def call(self, url, method, path, **kw):
+            if path == "/pause":
+                time.sleep(self.step[url] + PAUSE_SETTLE_S)
+            return None
+
+    updates = InFlightUpdates(Http(), ["a", "b"], ThreadPoolExecutor(2), recompute_kv=False)
+    updates.pause()
+    time.sleep(0.2)  # the weight round
+    updates.resume()
+    # `a` paused 0.2 s + the settle; `b` also the 0.2 s `a`'s step ran (the round waits for every server): mean
+    # 0.32 s, where counting from the request would say 0.52 s
+    assert updates.paused_seconds == pytest.approx(0.32, abs=0.04)
+    first = updates.paused_seconds
+    updates.pause()
+    updates.resume()
+    assert updates.paused_seconds - first == pytest.approx(0.12, abs=0.04)  # summed over rounds

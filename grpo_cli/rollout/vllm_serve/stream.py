@@ -37,6 +37,11 @@ RESUME = "/resume"
 IS_PAUSED = "/is_paused"
 ABORT = "/abort_requests"
 _salts = itertools.count()
+PAUSE_SETTLE_S = 0.02
+"""What vLLM 0.32's `/pause` waits after the engine has paused, before it answers (`AsyncLLM.pause_generation`,
+vllm/v1/engine/async_llm.py: `await asyncio.sleep(0.02)` after `pause_scheduler_async`). The engine core pauses
+between two of its steps, so `/pause` first waits for the step running (the engine generating); the engine is idle
+from about `answered - PAUSE_SETTLE_S`, not from when the pause was sent."""
 
 
 def request_salt() -> str:
@@ -106,17 +111,22 @@ class InFlightUpdates:
     def __init__(self, http, urls: list[str], pool, *, recompute_kv: bool) -> None:
         self.http, self.urls, self.pool, self.recompute_kv = http, urls, pool, recompute_kv
         self.paused_seconds = 0.0
-        """Total time the servers spent paused for weight updates (`stream/engine_idle_frac` counts it idle)."""
-        self._paused_at = 0.0
+        """Time the servers spent paused for weight updates, per server (the mean over them), summed over rounds:
+        from each server's pause (`paused_since`) to its `/resume` answer (`stream/engine_idle_frac` counts it)."""
+        self._paused_at: dict[str, float] = {}
         self.count_requests = lambda: 0
         """The client's requests in flight now (the stream pool sets it: its groups still generating)."""
         self.requests_at_pause = 0
         """Requests in flight when the last pause began: they continue under the new weights after the resume."""
 
-    def _all(self, path: str, **kw) -> None:
-        futures = [self.pool.submit(self.http.call, url, "POST", path, idempotent=False, **kw) for url in self.urls]
-        for f in futures:
-            f.result()
+    def _all(self, path: str, **kw) -> dict[str, float]:
+        """POST `path` to every server at once; when each answered (`time.perf_counter()`)."""
+        def one(url: str) -> float:
+            self.http.call(url, "POST", path, idempotent=False, **kw)
+            return time.perf_counter()
+
+        futures = {url: self.pool.submit(one, url) for url in self.urls}
+        return {url: f.result() for url, f in futures.items()}
 
     def paused_servers(self) -> list[str]:
         return [u for u in self.urls if self.http.request(u, "GET", IS_PAUSED).json().get("is_paused") is True]
@@ -131,13 +141,20 @@ class InFlightUpdates:
         return found
 
     def pause(self) -> None:
-        self._paused_at = time.perf_counter()
+        sent = time.perf_counter()
         self.requests_at_pause = self.count_requests()
-        self._all(PAUSE, params={"mode": "keep", "clear_cache": "true" if self.recompute_kv else "false"})
+        answered = self._all(PAUSE, params={"mode": "keep", "clear_cache": "true" if self.recompute_kv else "false"})
+        self._paused_at = {url: paused_since(sent, at) for url, at in answered.items()}
 
     def resume(self) -> None:
-        self._all(RESUME)
-        self.paused_seconds += time.perf_counter() - self._paused_at
+        answered = self._all(RESUME)
+        self.paused_seconds += sum(at - self._paused_at[url] for url, at in answered.items()) / len(answered)
+
+
+def paused_since(sent: float, answered: float) -> float:
+    """When a server's engine stopped generating, for a `/pause` sent at `sent` and answered at `answered`:
+    `answered - PAUSE_SETTLE_S`, never before it was sent."""
+    return max(sent, answered - PAUSE_SETTLE_S)
 
 
 class DeferredChecks:
