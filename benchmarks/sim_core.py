@@ -273,6 +273,8 @@ class Sim:
         self.trained_steps = 0
         self.train_busy = 0.0
         self.trained_completion = 0
+        self.step_tokens: list[int] = []
+        """Trained completion tokens of each step, in order."""
         self.generated = 0
         self.step_ends: list[float] = []
         self.lags: dict[int, float] = {}
@@ -316,6 +318,7 @@ class Sim:
 
     def account(self, groups: list[Group], version: int) -> None:
         """Per-token lag of a trained step against the weights it trains (`version`)."""
+        self.step_tokens.append(sum(s.length for g in groups for s in g.seqs))
         for g in groups:
             for s in g.seqs:
                 self.trained_completion += s.length
@@ -363,4 +366,15 @@ class Sim:
             "version_lag_mean": sum(k * n for k, n in self.lags.items()) / lag_tokens if lag_tokens else 0.0,
             "version_lag_max": max((k for k, n in self.lags.items() if n > 1e-9), default=0),
             "mixed_version_rows": self.mixed_rows, "dropped_groups": self.dropped,
+            "step_seconds": steps, "step_tokens": list(self.step_tokens),
         }
+
+
+def after_warmup(report: dict, skip: int) -> dict[str, float]:
+    """A report's trained completion tokens/s and step time (median, mean) over the steps after the first `skip`, as a
+    benchmark measures a run (its first steps fill the pipeline); all steps when there are no more than `skip`."""
+    seconds, tokens = report["step_seconds"][skip:], report["step_tokens"][skip:]
+    seconds = seconds or report["step_seconds"]
+    tokens = tokens or report["step_tokens"]
+    return {"tokens_per_s": sum(tokens) / sum(seconds), "step_s_median": statistics.median(seconds),
+            "step_s_mean": sum(seconds) / len(seconds)}

@@ -251,8 +251,9 @@ def run_arm(args: list[str], timeout: float, *, actor_core: int | None = None, t
 
 
 def summarise_arm(runs: list[dict], skip: int, batch: int, prompt_len: int) -> dict:
-    """Medians over the arm's runs (seeds) of: trained completion tokens/s and step time over the steps after
-    `skip`, engine idle fraction, train seconds per token, sync seconds; the reward of every step per run."""
+    """Medians over the arm's runs (seeds) of: trained completion tokens/s and step time (median and mean) over the
+    steps after `skip`, engine idle fraction, train seconds per token, sync seconds; the reward of every step per
+    run."""
     ok = [r for r in runs if "rows" in r and len(r["rows"]) > skip]
     if not ok:
         return {"error": next((r["error"] for r in runs if "error" in r), "no runs")}
@@ -270,6 +271,7 @@ def summarise_arm(runs: list[dict], skip: int, batch: int, prompt_len: int) -> d
         trainer = [(x["time/step"] - x.get("time/generate", 0.0) - x.get("time/sync", 0.0))
                    / (batch * (x["completions/mean_length"] + prompt_len)) for x in rows]
         per.append({"tokens_per_s": tokens / step, "step_s": statistics.median(x["time/step"] for x in rows),
+                    "step_mean_s": step / len(rows),
                     "engine_idle_frac": idle, "train_s_per_token": statistics.median(trainer),
                     "sync_s": statistics.median(x.get("time/sync", 0.0) for x in rows),
                     "mean_length": statistics.fmean(x["completions/mean_length"] for x in rows),

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks` is not installed
 
 from benchmarks.pipeline_sim import Hardware, Workload, simulate  # noqa: E402
-from benchmarks.sim_core import Groups  # noqa: E402
+from benchmarks.sim_core import Groups, after_warmup  # noqa: E402
 
 HW = Hardware(rollout_engines=1, train_gpus=1, decode_fixed_s=0.005, decode_per_seq_s=0.0002,
               train_s_per_token=2e-5, sync_s=0.05)
@@ -52,6 +52,21 @@ def test_sync_adds_train_and_sync_time_and_engines_split_the_batch():
     two = simulate(replace(HW, decode_per_seq_s=0.0, rollout_engines=2), fixed, ["sync"])["sync"]
     assert two["step_s_median"] == pytest.approx(one["step_s_median"])  # the step time is set by decode steps
     assert two["tokens_per_s_per_gpu"] == pytest.approx(two["tokens_per_s"] / 3)
+
+
+def test_rates_after_the_warmup_leave_out_the_first_steps_as_a_benchmark_does():
+    """`after_warmup`: tokens/s and step times over the steps after `skip` (the per-step tokens and seconds add up to
+    the run's); the first step of a stream run fills the pool, so leaving it out raises the rate."""
+    r = simulate(HW, W, ["stream"])["stream"]
+    assert len(r["step_seconds"]) == len(r["step_tokens"]) == W.steps
+    assert sum(r["step_tokens"]) == r["trained_completion_tokens"]
+    assert sum(r["step_seconds"]) == pytest.approx(r["seconds"])
+    assert after_warmup(r, 0)["tokens_per_s"] == pytest.approx(r["tokens_per_s"])
+    late = after_warmup(r, 2)
+    assert late["tokens_per_s"] == pytest.approx(sum(r["step_tokens"][2:]) / sum(r["step_seconds"][2:]))
+    assert late["step_s_mean"] == pytest.approx(sum(r["step_seconds"][2:]) / (W.steps - 2))
+    assert late["tokens_per_s"] > r["tokens_per_s"]
+    assert after_warmup(r, W.steps)["tokens_per_s"] == pytest.approx(r["tokens_per_s"])  # nothing left: all steps
 
 
 def test_async_overlaps_generation_with_training_at_lag_one():
