@@ -148,7 +148,7 @@ class InFlightUpdates:
 
     def resume(self) -> None:
         answered = self._all(RESUME)
-        self.paused_seconds += sum(at - self._paused_at[url] for url, at in answered.items()) / len(answered)
+        self.paused_seconds += sum(at - self._paused_at.get(url, at) for url, at in answered.items()) / len(answered)
 
 
 def paused_since(sent: float, answered: float) -> float:
