@@ -41,8 +41,6 @@ from benchmarks.compare import RESULTS_DIR, fmt_table, machine_info
 from benchmarks.stream_mode_parts import (calibrate_decode, calibrate_in_process, prompt_ids, run_arm,
                                           server_ceiling, stream_accepted, summarise_arm, workload_checkpoint)
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def arm_args(name: str, url: str, a) -> list[str] | None:
     """The arm's preset and its own settings; None when this grpo-cli has no such mode."""
