@@ -1,7 +1,11 @@
 """Ring attention: each rank's queries meet every shard's keys and values as the K/V blocks pass around the
 sequence-parallel group, merged by their log-sum-exp (online softmax); the backward passes the blocks around again
 with their gradients, which arrive back at the rank that owns them after `size` hops (FlashAttention's backward
-per block: P = exp(S − lse), dS = P ∘ (dP − rowsum(dO ∘ O)))."""
+per block: P = exp(S − lse), dS = P ∘ (dP − rowsum(dO ∘ O)), with the merged O and lse of the whole row).
+
+Each block runs through PyTorch's fused CPU flash-attention kernel where the tensors are on the CPU (`FUSED`), which
+returns the block's log-sum-exp and whose backward takes the merged one; elsewhere the scores are computed by hand,
+a query chunk at a time (`_forward_block`, `_backward_block`)."""
 
 from __future__ import annotations
 
@@ -45,6 +49,16 @@ def _pass_on(tensors: list[torch.Tensor], shard) -> list[torch.Tensor]:
     return out
 
 
+FUSED = True
+"""Whether CPU blocks use `aten._scaled_dot_product_flash_attention_for_cpu` and its backward (the tests also run the
+hand-written path on the CPU by setting this False). The CUDA kernels' log-sum-exp layouts differ by kernel and
+version; CUDA keeps the hand-written path."""
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return FUSED and q.device.type == "cpu"
+
+
 SCORES = 1 << 24
 """Score elements (float32: 64 MiB) one query chunk × key block computes at a time: ring attention holds no
 (n × n × heads) score tensor whole, in the forward or the backward."""
@@ -76,10 +90,62 @@ def _forward_block(qf, kb, vb, acc, lse, row, src, scale) -> None:
         top = s.amax(dim=-1, keepdim=True).clamp_(min=FLOOR)  # a row with no allowed key: exp(−inf) = 0 below
         total = s.sub_(top).exp_().sum(dim=-1, keepdim=True)
         out_b = (s @ ve[:, :, :keys]).div_(total.clamp(min=torch.finfo(s.dtype).tiny))
-        lse_b = (top + total.log()).clamp_(min=FLOOR)
-        merged = torch.logaddexp(lse[:, :, c], lse_b)
-        acc[:, :, c] = acc[:, :, c] * torch.exp(lse[:, :, c] - merged) + out_b * torch.exp(lse_b - merged)
-        lse[:, :, c] = merged
+        _merge(acc, lse, c, out_b, (top + total.log()).clamp_(min=FLOOR))
+
+
+def _merge(acc, lse, c: slice, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """(acc, lse)[c] ← the softmax over both key sets: lse' = logaddexp(lse, lse_b), acc' = acc·e^(lse − lse') +
+    out_b·e^(lse_b − lse'), in place (lse, lse_b: (R, H, n, 1))."""
+    merged = torch.logaddexp(lse[:, :, c], lse_b)
+    acc[:, :, c] = acc[:, :, c] * torch.exp(lse[:, :, c] - merged) + out_b * torch.exp(lse_b - merged)
+    lse[:, :, c] = merged
+
+
+def _pieces(qf: torch.Tensor, keys_in_block: int, row, src: int):
+    """The fused kernel's calls for key block `src`: (query slice, keys, causal, additive mask or None, which query
+    rows see a key (R, 1, q) or None). A one-sequence row (`row.causal`) needs no mask: the blocks before this rank's
+    are whole, its own is causal, those after it unseen. Any other row: `_chunks` of queries with their float mask
+    (0 allowed, −inf not), skipping chunks that see nothing."""
+    shard = row.shard
+    if row.causal:
+        if src <= shard.rank:
+            yield slice(0, qf.shape[2]), keys_in_block, src == shard.rank, None, None
+        return
+    for c in _chunks(qf, keys_in_block):
+        keys = _keys(c, src, shard, keys_in_block)
+        allowed = row.allowed(shard.rank, src, c, keys)
+        if bool(allowed.any()):
+            mask = torch.zeros(allowed.shape, dtype=qf.dtype, device=qf.device).masked_fill_(~allowed, float("-inf"))
+            yield c, keys, False, mask, allowed.any(-1)
+
+
+def _fused_forward_block(qf, kb, vb, acc, lse, row, src, scale) -> None:
+    """`_forward_block` through the fused kernel: each call returns the block's output and log-sum-exp (0, not −inf,
+    for a query row that sees no key: set to FLOOR so the merge gives it no weight)."""
+    heads = qf.shape[1]
+    ke, ve = _expand(kb, heads), _expand(vb, heads)
+    for c, keys, causal, mask, seen in _pieces(qf, kb.shape[2], row, src):
+        out_b, lse_b = _FLASH(qf[:, :, c].contiguous(), ke[:, :, :keys].contiguous(), ve[:, :, :keys].contiguous(),
+                              0.0, causal, attn_mask=mask, scale=scale)
+        lse_b = lse_b.unsqueeze(-1)
+        if seen is not None:
+            lse_b = lse_b.masked_fill(~seen[..., None], FLOOR)
+        _merge(acc, lse, c, out_b, lse_b)
+
+
+def _fused_backward_block(qf, go, out, lse, kb, vb, grads, row, src, scale) -> None:
+    """`_backward_block` through the fused kernel's backward, given the merged output and log-sum-exp (so its
+    P = exp(S − lse) is the block's share of the whole row's softmax)."""
+    heads, kv = qf.shape[1], kb.shape[1]
+    ke, ve = _expand(kb, heads), _expand(vb, heads)
+    dq, dk, dv = grads
+    for c, keys, causal, mask, _ in _pieces(qf, kb.shape[2], row, src):
+        gq, gk, gv = _FLASH_BACKWARD(go[:, :, c].contiguous(), qf[:, :, c].contiguous(), ke[:, :, :keys].contiguous(),
+                                     ve[:, :, :keys].contiguous(), out[:, :, c].contiguous(),
+                                     lse[:, :, c, 0].contiguous(), 0.0, causal, attn_mask=mask, scale=scale)
+        dq[:, :, c] += gq
+        dk[:, :, :keys] += _fold(gk, kv)
+        dv[:, :, :keys] += _fold(gv, kv)
 
 
 def _backward_block(qf, go, lse, delta, kb, vb, grads, row, src, scale) -> None:
@@ -100,6 +166,10 @@ def _backward_block(qf, go, lse, delta, kb, vb, grads, row, src, scale) -> None:
         dv[:, :, :keys] += _fold(p.transpose(-1, -2) @ g, kv)
 
 
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, row, scale):
@@ -108,8 +178,9 @@ class _Ring(torch.autograd.Function):
             acc = torch.zeros_like(qf)
             lse = torch.full((*q.shape[:3], 1), FLOOR, dtype=torch.float32, device=q.device)
             kb, vb = k.float(), v.float()
+            block = _fused_forward_block if _fused(qf) else _forward_block
             for step in range(shard.size):
-                _forward_block(qf, kb, vb, acc, lse, row, (shard.rank - step) % shard.size, scale)
+                block(qf, kb, vb, acc, lse, row, (shard.rank - step) % shard.size, scale)
                 if step < shard.size - 1:
                     kb, vb = _pass_on([kb, vb], shard)
         ctx.save_for_backward(q, k, v, acc, lse)
@@ -126,8 +197,11 @@ class _Ring(torch.autograd.Function):
             kb, vb = k.float(), v.float()
             dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kb), torch.zeros_like(vb)
             for step in range(shard.size):
-                _backward_block(qf, go, lse, delta, kb, vb, [dq, dk, dv], row, (shard.rank - step) % shard.size,
-                                ctx.scale)
+                src = (shard.rank - step) % shard.size
+                if _fused(qf):
+                    _fused_backward_block(qf, go, out, lse, kb, vb, [dq, dk, dv], row, src, ctx.scale)
+                else:
+                    _backward_block(qf, go, lse, delta, kb, vb, [dq, dk, dv], row, src, ctx.scale)
                 if shard.size > 1:  # after `size` hops each block's gradient is back at its owner
                     kb, vb, dk, dv = _pass_on([kb, vb, dk, dv], shard)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

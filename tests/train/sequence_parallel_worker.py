@@ -1,6 +1,6 @@
 """Worker for test_sequence_parallel: one rank of a 2-process gloo job. On a tiny Qwen3 (tied embeddings, one K/V head
 for two query heads: Ulysses repeats it) it computes, for each combination of style (Ulysses with the packed layout,
-Ulysses with causal chunks, ring), loss (grpo with KL, dapo with an entropy bonus, gspo, cispo), LoRA and one
+Ulysses with causal chunks, ring with the fused CPU blocks and with the hand-written ones), loss (grpo with KL, dapo with an entropy bonus, gspo, cispo), LoRA and one
 sequence, the logprobs, entropy, loss and gradients of one micro-batch whole (one process's computation, no
 collective) and cut across the 2 ranks (`models.sequence_logprobs`), and writes the largest differences. Then one
 optimizer step's reduced gradients through the ddp and fsdp2 backends at sequence_parallel.size=2 (ddp with
@@ -205,15 +205,17 @@ def main(llama: str, out: str) -> None:
 
     ring_attention.SCORES = 2 * 23 * 5  # ring's query chunks of 5 rows (2 heads x 23 keys): several per block
     layout_pays = sequence_logprobs.layout_pays
-    for style in ("ulysses", "ulysses-chunks", "ring"):
+    for style in ("ulysses", "ulysses-chunks", "ring", "ring-math"):
         shard = SequenceShard(group, 2, info.rank, style.split("-")[0], (0, 1))
         if style == "ulysses-chunks":  # Ulysses' other inner attention, queries 7 at a time (46 positions)
             sequence_logprobs.layout_pays, sequence_attention.MASK = (lambda packing: False), 46 * 7
+        ring_attention.FUSED = style != "ring-math"  # ring's hand-written blocks (CUDA's path) on the CPU too
         for loss_name in LOSSES:
             res[f"{style}/{loss_name}"] = combination(ckpt, shard, loss_name, lora=False)
         res[f"{style}/dapo+lora"] = combination(ckpt, shard, "dapo", lora=True)
         res[f"{style}/one-sequence"] = combination(ckpt, shard, "dapo", lora=False, batch_of=one_sequence)
         sequence_logprobs.layout_pays = layout_pays
+    ring_attention.FUSED = True
     for backend, style in (("ddp", "ulysses"), ("fsdp2", "ring")):  # llama: untied head, K/V heads split by Ulysses
         res[f"backend/{backend}"] = backend_step(llama, backend, style, info, batch_of=uneven_batch)
     res["backend/ddp-empty-shard"] = backend_step(llama, "ddp", "ulysses", info, batch_of=short_batch, rows="2",

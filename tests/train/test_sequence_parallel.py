@@ -1,8 +1,8 @@
 """`distributed.sequence_parallel` at size 2 on two real gloo processes (sequence_parallel_worker.py, one launch):
 logprobs, entropy, loss and gradients of a micro-batch cut across the ranks equal the whole micro-batch's, for
-Ulysses (each inner attention: the packed layout, causal query chunks, plain causal) and ring, grpo (with KL), dapo
-(with an entropy bonus), gspo, cispo and LoRA, on a packed row of two prompt groups whose length is odd and on one
-sequence; and one optimizer step through ddp and fsdp2 (the ranks' batches gathered, token-budget micro-batches, KL
+Ulysses (each inner attention: the packed layout, causal query chunks, plain causal) and ring (the CPU's fused
+flash-attention blocks, and the hand-written ones CUDA runs), grpo (with KL), dapo (with an entropy bonus), gspo,
+cispo and LoRA, on a packed row of two prompt groups whose length is odd and on one sequence; and one optimizer step through ddp and fsdp2 (the ranks' batches gathered, token-budget micro-batches, KL
 to the reference) reduces the whole batch's gradient, and the no-grad passes (old policy, reference) give the whole
 batch's logprobs."""
 
@@ -22,7 +22,7 @@ def ranks(tiny_checkpoint, tmp_path_factory) -> list[dict]:
     return run_two_ranks(WORKER, [tiny_checkpoint], tmp_path_factory.mktemp("sequence-parallel"), timeout=240)
 
 
-@pytest.mark.parametrize("style", ["ulysses", "ulysses-chunks", "ring"])
+@pytest.mark.parametrize("style", ["ulysses", "ulysses-chunks", "ring", "ring-math"])
 @pytest.mark.parametrize("case", ["grpo", "dapo", "gspo", "cispo", "dapo+lora", "one-sequence"])
 def test_sharded_micro_batch_equals_the_whole(ranks, style, case):
     for rank in ranks:
