@@ -1,7 +1,8 @@
 """The chunked output layer's hand-written backward (`algo.chunked_logprobs._LinearHead`) against float64 math: the
 chunk follows the device (larger on CUDA, a pure function a CPU test drives), the weight gradient of bf16 weights is
 summed over chunks in float32 (as close to the float64 gradient as one bf16 GEMM), and an input that needs no
-gradient (LoRA's frozen head) gets neither a (V, H) buffer nor a GEMM, leaving the other gradient unchanged."""
+gradient (LoRA's frozen head) gets neither a (V, H) buffer nor a GEMM, leaving the other gradient unchanged, and
+without an entropy gradient each chunk's backward allocates one (n, V) buffer."""
 
 from __future__ import annotations
 
@@ -99,3 +100,19 @@ def test_a_frozen_head_gets_no_weight_gradient():
     trunk = gemms_and_big_allocations(h, w, ids, loss_w, chunk=8, weight_grad=True, hidden_grad=False)
     assert trunk[:2] == (5, 0) and trunk[3] is None
     assert torch.equal(trunk[4], both[4])
+
+
+def test_without_an_entropy_gradient_the_backward_allocates_one_logits_buffer_per_chunk():
+    """The gradient of the logits (−g·p, then + g at the target) is written over the chunk's recomputed logits: each
+    chunk of the backward allocates one (n, V) float32 buffer (the logits), and its exp is taken in place (at CUDA's
+    chunk of 2^28 logits, a second buffer is 1 GiB)."""
+    chunk, vocab = 8, 512
+    h, w, ids, loss_w, ref = problem(40, vocab, 16, dtype=torch.float32)
+    h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, _ = chunked_logprobs(h, ids, project=None, weight=w, temperature=1.0, chunk=chunk, with_entropy=False,
+                             entropy_grad=False, shard=None)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        (lp * loss_w).sum().backward()
+    logits_sized = [e.name for e in prof.events() if chunk * vocab * 4 <= e.self_cpu_memory_usage < vocab * 16 * 4]
+    assert sorted(set(logits_sized)) == ["aten::mm"] and len(logits_sized) == 40 // chunk, logits_sized
+    assert rel_err(w.grad, ref["weight"]) < 1e-6 and rel_err(h.grad, ref["hidden"]) < 1e-6
