@@ -82,10 +82,11 @@ def _lse_and_picked(z: Tensor, ids: Tensor, shard: VocabShard | None) -> tuple[T
 
 
 def _entropy_of(z: Tensor, lse: Tensor) -> Tensor:
-    """−Σ p log p of one chunk's logits z (n, V), overwriting z: 0·log 0 = 0, so banned logits add no NaN."""
-    logp = z.sub_(lse[:, None])
-    p = logp.exp()
-    return -p.mul_(logp).masked_fill_(p == 0, 0.0).sum(-1)
+    """−Σ p log p of one chunk's logits z (n, V), overwriting z with p, then with −p log p (`torch.special.entr`,
+    0 at p = 0: a banned logit, −inf, such as a vocabulary shard's padding column, adds 0, not NaN): no second (n, V)
+    buffer."""
+    p = z.sub_(lse[:, None]).exp_()
+    return torch.special.entr(p, out=p).sum(-1)
 
 
 class _LinearHead(torch.autograd.Function):

@@ -116,3 +116,25 @@ def test_without_an_entropy_gradient_the_backward_allocates_one_logits_buffer_pe
     logits_sized = [e.name for e in prof.events() if chunk * vocab * 4 <= e.self_cpu_memory_usage < vocab * 16 * 4]
     assert sorted(set(logits_sized)) == ["aten::mm"] and len(logits_sized) == 40 // chunk, logits_sized
     assert rel_err(w.grad, ref["weight"]) < 1e-6 and rel_err(h.grad, ref["hidden"]) < 1e-6
+
+
+def test_entropy_of_a_vocabulary_shard_with_padding_columns_matches_float64():
+    """A tensor-parallel shard whose last columns are padding (ids past the vocabulary: logit −inf, p = 0) adds 0 to
+    the entropy, not NaN (0 · log 0 taken as 0), in the forward and in the entropy's gradient; one shard holding the
+    whole vocabulary plus 5 padding rows, its all-reduce the identity."""
+    from grpo_cli.algo.chunked_logprobs import VocabShard
+
+    vocab, pad, hidden = 60, 5, 16
+    h, w, ids, loss_w, _ = problem(24, vocab + pad, hidden, dtype=torch.float32)
+    ids = ids % vocab
+    h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = chunked_logprobs(h, ids, project=None, weight=w, temperature=1.0, chunk=7, with_entropy=True,
+                               entropy_grad=True, shard=VocabShard(0, vocab, lambda x, op: None))
+    (lp * loss_w + ent).sum().backward()
+    hd, wd = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    logp = torch.log_softmax(hd @ wd[:vocab].t(), -1)
+    ref_lp, ref_ent = logp.gather(-1, ids[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    (ref_lp * loss_w.double() + ref_ent).sum().backward()
+    assert not ent.isnan().any() and rel_err(ent, ref_ent) < 1e-6 and rel_err(lp, ref_lp) < 1e-6
+    assert rel_err(h.grad, hd.grad) < 1e-5 and rel_err(w.grad, wd.grad) < 1e-5
+    assert torch.count_nonzero(w.grad[vocab:]) == 0  # the padding rows get no gradient
