@@ -8,8 +8,9 @@ padded with filler words). The sequence: a `--prompt-len`-token prompt and one c
 the old-policy logprob pass (`batch_logprobs`) and one `optimizer_step` through the real backend (`--backend`,
 default ddp); the first step is warm-up and left out. At sp = 2 both ranks get the same row (one sequence-parallel
 group, data parallel 1): the backend cuts its positions. Reported per rank: peak RSS (`getrusage`), the RSS after
-the model loaded, the train phase's median seconds and seconds per token; then the ratios the issue sets as goals
-(peak RSS at sp 2 ≤ 0.6 × sp 1's, per-token time ≤ 1.3 × sp 1's).
+the model loaded, the RSS when the last train phase began and the phase the sampled peak fell in (`rss_phases`), the
+train phase's median seconds and seconds per token; then the ratios the issue sets as goals (peak RSS at sp 2 ≤ 0.6 ×
+sp 1's, per-token time ≤ 1.3 × sp 1's).
 
 Sequence parallel 2 runs only where the config accepts `distributed.sequence_parallel.size=2`; and a forward hook on
 the first decoder layer records how many positions each rank's layers saw, so a tree whose config accepts the size
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 from benchmarks.compare import RESULTS_DIR, fmt_table, machine_info, torchrun_two
+from benchmarks.rss_phases import RssPhases
 
 HIDDEN, LAYERS, HEAD_DIM, VOCAB = 256, 4, 32, 151_936
 GOALS = {"rss": 0.6, "time": 1.3}
@@ -115,11 +117,15 @@ def worker(s: dict, sp: int, out_dir: str) -> None:
     policy = load_policy(cfg, s["checkpoint"], device=torch.device("cpu"), info=info)
     after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     seen = positions_seen(policy.module)
+    phases = RssPhases()
+    phases.watch(policy.module, policy.backend.optimizer)
+    phases.start()
     batch = one_row(s, policy.module.config.vocab_size)
     dp = info.world_size // sp
     num_items = float(batch.completion_mask.sum()) * dp  # every data-parallel group trains this row
     times = []
     for _ in range(s["steps"]):
+        phases.step_begins()
         t0 = time.perf_counter()
         batch.old_logprobs = policy.backend.batch_logprobs(batch, micro_batch_size=1, temperature=1.0)
         optimizer_step(policy, batch, cfg, num_items=num_items, num_sequences=dp)
@@ -128,7 +134,7 @@ def worker(s: dict, sp: int, out_dir: str) -> None:
     (Path(out_dir) / f"sp{sp}-rank{info.rank}.json").write_text(json.dumps({
         "rank": info.rank, "sp": sp, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_after_load_mb": after_load, "train_s": times, "train_s_median": train_s,
-        "s_per_token": train_s / s["tokens"], "positions_seen": max(seen) if seen else None}))
+        "s_per_token": train_s / s["tokens"], "positions_seen": max(seen) if seen else None, **phases.stop()}))
 
 
 def run(s: dict, sp: int, out_dir: Path) -> list[dict]:
@@ -149,11 +155,13 @@ def run(s: dict, sp: int, out_dir: Path) -> list[dict]:
 
 def report(s: dict, results: dict[int, list[dict]], notes: list[str]) -> None:
     rows = [["sp", "processes", "positions per rank (seen)", "peak RSS per rank MB", "RSS after load MB",
-             "train phase s (median)", "ms per token"]]
+             "RSS at the last train phase's start MB", "peak during", "train phase s (median)", "ms per token"]]
     for sp, ranks in results.items():
         rows.append([str(sp), str(len(ranks)), "/".join(str(r["positions_seen"]) for r in ranks),
                      "/".join(f"{r['peak_rss_mb']:.0f}" for r in ranks),
                      "/".join(f"{r['rss_after_load_mb']:.0f}" for r in ranks),
+                     "/".join(f"{r['step_base_mb'] or 0:.0f}" for r in ranks),
+                     "/".join(sorted({str(r["peak_phase"]) for r in ranks})),
                      f"{max(r['train_s_median'] for r in ranks):.2f}",
                      f"{max(r['s_per_token'] for r in ranks) * 1e3:.3f}"])
     print(f"# one packed micro-batch of {s['tokens']} positions (prompt {s['prompt_len']}), hidden {HIDDEN}, "
