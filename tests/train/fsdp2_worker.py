@@ -243,12 +243,36 @@ def uneven(info) -> bool:
 real_full_tensor = DTensor.full_tensor
 
 
+def unsharded_after(module) -> list[str]:
+    """The parameters `module` has registered unsharded now (plain tensors, not its DTensor shards)."""
+    return [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+
+
+def no_grad_passes(ckpt: str, rank: int) -> dict:
+    """The policy's and the KL reference's no-grad logprob passes (the reference's is its only use), then a step:
+    what each leaves unsharded (FSDP2 keeps a root unit's parameters after its forward for the backward)."""
+    cfg = config(ckpt, "algorithm.kl.beta=0.1")
+    policy = load_policy(cfg, ckpt, device=torch.device("cpu"))
+    backend = policy.backend
+    batch = batch_for(rank, policy.module.config.vocab_size)
+    got = {"before": unsharded_after(policy.module)}
+    batch.ref_logprobs = backend.batch_logprobs(batch, micro_batch_size=MICRO, temperature=1.0, reference=True)
+    got["reference"] = unsharded_after(backend.ref_model)
+    batch.old_logprobs = backend.batch_logprobs(batch, micro_batch_size=MICRO, temperature=1.0)
+    got["policy"] = unsharded_after(policy.module)
+    num_items = all_reduce_sum(float(batch.completion_mask.sum()), backend.info)
+    optimizer_step(policy, batch, cfg, num_items=num_items, num_sequences=2 * ROWS)
+    got["after_step"] = unsharded_after(policy.module)
+    return got
+
+
 def main(ckpt: str, out: str) -> None:
     info = init_from_env(torch.device("cpu"), timeout_minutes=5)
     res, reference = accumulation(ckpt, info.rank, info)
     res.update(policies(ckpt, info.rank, reference, info))
     res["offload"] = offload(ckpt, info.rank, info)
     res["sync"] = sync(ckpt, info)
+    res["no_grad"] = no_grad_passes(ckpt, info.rank)
     (Path(out) / f"rank{info.rank}.json").write_text(json.dumps(res))
     shutdown(info)
 

@@ -79,3 +79,14 @@ def test_sync_gathers_follow_the_bucket_cap(ranks):
             assert case["largest"] <= max(cap, case["largest_tensor"]), (cap_mb, case)
             counts.append(case["all_gather"])
         assert counts[0] == 1 < counts[1] < counts[2] < sync["tensors"], counts  # caps 1, 0.05, 0.01 MB
+
+
+def test_no_grad_passes_leave_every_parameter_sharded(ranks):
+    """FSDP2 keeps a root unit's parameters unsharded after its forward (for the backward that follows in training).
+    The KL reference never runs a backward: its embedding, final norm and output layer would stay whole on every
+    rank for the rest of the run (at Qwen2.5-7B's 152K × 3,584, two such matrices are 2.2 GB in bf16). The backend
+    reshards the models a no-grad pass ran, so nothing is left whole after it."""
+    for r in ranks:
+        got = r["no_grad"]
+        assert got["before"] == [] and got["after_step"] == [], got
+        assert got["reference"] == [] and got["policy"] == [], got
