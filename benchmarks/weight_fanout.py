@@ -46,7 +46,8 @@ def measure(model: Path, servers: int, repeats: int, chunk_mb: int) -> list[dict
         for _ in range(repeats):
             for key, eng in engines.items():
                 version += 1
-                start, own, served = time.perf_counter(), time.process_time(), cpu_seconds(procs[: key[2]])
+                served, own = cpu_seconds(procs[: key[2]]), time.process_time()  # read before the clock starts
+                start = time.perf_counter()
                 eng.update_weights(trainer.named_parameters(), version)
                 times.setdefault(key, []).append(time.perf_counter() - start)
                 cpu.setdefault(key, []).append((time.process_time() - own, cpu_seconds(procs[: key[2]]) - served))

@@ -9,6 +9,8 @@ a query chunk at a time (`_forward_block`, `_backward_block`)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FLOOR = -1e30
@@ -193,15 +195,14 @@ class _Ring(torch.autograd.Function):
         row, shard = ctx.row, ctx.row.shard
         with torch.autocast(grad_out.device.type, enabled=False):
             qf, go = q.float(), grad_out.float()
-            delta = (go * out).sum(-1, keepdim=True)
+            if _fused(qf):  # the kernel's backward computes rowsum(dO ∘ O) from the merged output itself
+                block = functools.partial(_fused_backward_block, qf, go, out, lse)
+            else:
+                block = functools.partial(_backward_block, qf, go, lse, (go * out).sum(-1, keepdim=True))
             kb, vb = k.float(), v.float()
             dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kb), torch.zeros_like(vb)
             for step in range(shard.size):
-                src = (shard.rank - step) % shard.size
-                if _fused(qf):
-                    _fused_backward_block(qf, go, out, lse, kb, vb, [dq, dk, dv], row, src, ctx.scale)
-                else:
-                    _backward_block(qf, go, lse, delta, kb, vb, [dq, dk, dv], row, src, ctx.scale)
+                block(kb, vb, [dq, dk, dv], row, (shard.rank - step) % shard.size, ctx.scale)
                 if shard.size > 1:  # after `size` hops each block's gradient is back at its owner
                     kb, vb, dk, dv = _pass_on([kb, vb, dk, dv], shard)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
