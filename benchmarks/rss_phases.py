@@ -25,6 +25,8 @@ class RssPhases:
     def __init__(self) -> None:
         self.phase = "load"
         self.peak = (0.0, "")
+        self.maxima: dict[str, float] = {}
+        """The largest sample of each phase (every train phase's together)."""
         self.step_base: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -48,6 +50,24 @@ class RssPhases:
             module.register_full_backward_pre_hook(self._tag(f"backward {name}"))
         optimizer.register_step_pre_hook(self._tag("optimizer step"))
         optimizer.register_step_post_hook(self._tag("after the step"))
+        self._watch_detached_head()
+
+    def _watch_detached_head(self) -> None:
+        """The vocabulary-parallel forward (`models.vocab_parallel`) calls neither the embedding nor the output
+        layer's module: its `DetachedHead`, made per forward, is tagged by wrapping the class's forward (this process
+        only), and its backward by a hook on its result's gradient."""
+        from grpo_cli.models import vocab_parallel
+
+        forward = vocab_parallel.DetachedHead.forward
+
+        def tagged(head, hidden):
+            self.phase = "forward output layer"
+            out = forward(head, hidden)
+            if out.requires_grad:
+                out.register_hook(lambda grad: self._tag("backward output layer")())
+            return out
+
+        vocab_parallel.DetachedHead.forward = tagged
 
     def step_begins(self) -> None:
         """Mark a train phase's start: the resident set now is its base."""
@@ -61,19 +81,20 @@ class RssPhases:
 
         def sample() -> None:
             while not self._stop.is_set():
-                mb = _rss_mb()
+                mb, phase = _rss_mb(), self.phase
                 if mb > self.peak[0]:
-                    self.peak = (mb, self.phase)
+                    self.peak = (mb, phase)
+                self.maxima[phase] = max(mb, self.maxima.get(phase, 0.0))
                 time.sleep(INTERVAL_S)
 
         self._thread = threading.Thread(target=sample, name="rss-phases", daemon=True)
         self._thread.start()
 
     def stop(self) -> dict:
-        """{"sampled_peak_mb", "peak_phase", "step_base_mb"} (None where not sampled)."""
+        """{"sampled_peak_mb", "peak_phase", "step_base_mb", "phase_peaks_mb"} (None where not sampled)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         sampled = self._thread is not None
         return {"sampled_peak_mb": self.peak[0] if sampled else None, "peak_phase": self.peak[1] or None,
-                "step_base_mb": self.step_base}
+                "step_base_mb": self.step_base, "phase_peaks_mb": dict(self.maxima) if sampled else None}

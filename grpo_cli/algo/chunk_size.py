@@ -15,7 +15,8 @@ of an H100's train phase, while the GEMMs of a chunk this size keep the GPU busy
 
 CHUNK_BUFFERS = 3
 """(n, V) float32 buffers of one chunk counted by `grpo plan`, an upper bound: the forward holds the logits and
-`torch.logsumexp`'s temporary (the entropy is written over the logits); the backward the recomputed logits, turned
+`torch.logsumexp`'s temporary (the entropy is written over the logits; a vocabulary shard's forward, the logits
+alone); the backward the recomputed logits, turned
 into their gradient in place, plus, when the entropy carries a gradient, their exp and a `p == 0` mask (2¼ buffers,
 the most of any phase; `tests/algo/test_chunked_head.py` counts the backward's)."""
 

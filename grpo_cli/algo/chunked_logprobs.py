@@ -68,25 +68,33 @@ def _owned(ids: Tensor, width: int, shard: VocabShard | None) -> tuple[Tensor, T
     return (ids - shard.start).clamp(0, width - 1), mine
 
 
-def _lse_and_picked(z: Tensor, ids: Tensor, shard: VocabShard | None) -> tuple[Tensor, Tensor]:
-    """(logsumexp(z), z[id]) per row over the whole vocabulary (reduced across the shards)."""
+def _chunk_stats(z: Tensor, ids: Tensor, shard: VocabShard | None, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(lse, z[id], entropy) per row of one chunk's logits z (n, V), over the whole vocabulary (a shard's rows
+    reduced across the shards), entropy 0 without `with_entropy`; z is overwritten (`torch.special.entr`: −x log x,
+    0 at x = 0, so a banned logit, −inf, such as a shard's padding column, adds 0, not NaN). Whole vocabulary:
+    lse = logsumexp(z), then p = exp(z − lse) in place and H = Σ entr(p). A shard, with no second (n, V) buffer: with
+    m the row's maximum over all shards and e = exp(z − m) in place, S = Σ e; lse = m + log S and
+    H = −Σ (e/S) log(e/S) = Σ entr(e) / S + log S, S, Σ entr(e) and the picked logit (0 on the shards that do not
+    hold the id) reduced in one all-reduce."""
     local, mine = _owned(ids, z.shape[-1], shard)
     picked = z.gather(-1, local[:, None]).squeeze(-1)
     if shard is None:
-        return torch.logsumexp(z, dim=-1), picked
+        lse = torch.logsumexp(z, dim=-1)
+        if not with_entropy:
+            return lse, picked, torch.zeros_like(lse)
+        p = z.sub_(lse[:, None]).exp_()
+        return lse, picked, torch.special.entr(p, out=p).sum(-1)
     top = z.max(-1).values
     shard.all_reduce(top, "max")
-    sums = torch.stack([(z - top[:, None]).exp().sum(-1), picked.masked_fill(~mine, 0.0)])
+    e = z.sub_(top[:, None]).exp_()
+    parts = [e.sum(-1), picked.masked_fill(~mine, 0.0)]
+    if with_entropy:
+        parts.append(torch.special.entr(e, out=e).sum(-1))
+    sums = torch.stack(parts)
     shard.all_reduce(sums, "sum")
-    return top + sums[0].log(), sums[1]
-
-
-def _entropy_of(z: Tensor, lse: Tensor) -> Tensor:
-    """−Σ p log p of one chunk's logits z (n, V), overwriting z with p, then with −p log p (`torch.special.entr`,
-    0 at p = 0: a banned logit, −inf, such as a vocabulary shard's padding column, adds 0, not NaN): no second (n, V)
-    buffer."""
-    p = z.sub_(lse[:, None]).exp_()
-    return torch.special.entr(p, out=p).sum(-1)
+    log_total = sums[0].log()
+    entropy = sums[2] / sums[0] + log_total if with_entropy else torch.zeros_like(log_total)
+    return top + log_total, sums[1], entropy
 
 
 class _LinearHead(torch.autograd.Function):
@@ -108,12 +116,8 @@ class _LinearHead(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             at = slice(start, start + chunk)
             z = _shard_logits(hidden[at], weight, temperature, shard)
-            lse[at], picked = _lse_and_picked(z, ids[at], shard)
+            lse[at], picked, entropy[at] = _chunk_stats(z, ids[at], shard, with_entropy)
             logprob[at] = picked - lse[at]
-            if with_entropy:  # a shard's share of −Σ p log p (its p under the whole vocabulary's lse), then the sum
-                entropy[at] = _entropy_of(z, lse[at])
-                if shard is not None:
-                    shard.all_reduce(entropy[at], "sum")
             del z
         ctx.save_for_backward(hidden, weight, ids, lse, entropy)
         ctx.temperature, ctx.entropy_grad, ctx.chunk = temperature, with_entropy and entropy_grad, chunk

@@ -13,7 +13,7 @@ from grpo_cli.config.reward_models import parks_reward_models
 from grpo_cli.planner.plan_megatron import megatron_activation_bytes, megatron_state_bytes
 from grpo_cli.planner.plan_rewards import reward_model_bytes
 from grpo_cli.planner.plan_tokens import activation_bytes_per_position, micro_batch_positions
-from grpo_cli.config.hsdp import shard_ranks
+from grpo_cli.config.hsdp import shard_ranks, vocab_parallel
 from grpo_cli.planner.plan_sequence import sequence_shards, sharded_rows
 from typing import TYPE_CHECKING
 
@@ -167,9 +167,12 @@ def gathered_bytes(cfg: GRPOConfig, shape: ModelShape) -> dict[str, float]:
     if cfg.distributed.backend != "fsdp2":
         return {}
     compute, _, reduce = _widths(cfg)
-    root, layer = shape.root_params, shape.layer_params
+    root, layer, rows = shape.root_params, shape.layer_params, 0.0
+    if vocab_parallel(cfg):  # the embeddings stay shards: their rows' float32 gradient instead (models.vocab_parallel)
+        vocabulary = max(root - shape.hidden, 0.0)
+        root, rows = root - vocabulary, vocabulary / cfg.distributed.sequence_parallel.size * 4
     return {"weights_gathered": (root + 2 * layer) * compute,
-            "gradients_transient": max(root * (compute + reduce), root * compute + layer * (compute + reduce))}
+            "gradients_transient": max(root * (compute + reduce), root * compute + layer * (compute + reduce)) + rows}
 
 
 def engine_bytes(cfg: GRPOConfig) -> int:

@@ -138,3 +138,73 @@ def test_entropy_of_a_vocabulary_shard_with_padding_columns_matches_float64():
     assert not ent.isnan().any() and rel_err(ent, ref_ent) < 1e-6 and rel_err(lp, ref_lp) < 1e-6
     assert rel_err(h.grad, hd.grad) < 1e-5 and rel_err(w.grad, wd.grad) < 1e-5
     assert torch.count_nonzero(w.grad[vocab:]) == 0  # the padding rows get no gradient
+
+
+class _TwoShards:
+    """The all-reduce of two vocabulary shards run by two threads of this process (a barrier exchanges the values)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.barrier, self.slots = threading.Barrier(2, timeout=60), [None, None]
+
+    def reducer(self, rank: int):
+        def all_reduce(x: torch.Tensor, op: str) -> None:
+            self.slots[rank] = x.clone()
+            self.barrier.wait()
+            other = self.slots[1 - rank]
+            total = torch.maximum(x, other) if op == "max" else x + other
+            self.barrier.wait()
+            x.copy_(total)
+        return all_reduce
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0, 0.0])
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_a_vocabulary_split_in_two_matches_float64(scale, with_entropy):
+    """The vocabulary cut into two shards (rows 0..29 and 30..59 of the weight, one thread each, as the
+    sequence-parallel and tensor-parallel heads run them): the log-sum-exp from each shard's exp(z − m) sum, the
+    entropy as Σ entr(e)/S + log S, the picked logit from the shard that holds the id, and the gradients of the
+    hidden states (summed over the shards) and of each shard's rows equal float64 softmax math. Logits of order 1,
+    logits over 20 in magnitude (scale 40: one shard's rows all but vanish for many positions), and identical logits
+    (scale 0: the entropy is log V, the gradient of the hidden states only from the picked rows)."""
+    import threading
+
+    from grpo_cli.algo.chunked_logprobs import VocabShard
+
+    vocab, hidden, temperature = 60, 16, 0.7
+    h, w, ids, loss_w, _ = problem(23, vocab, hidden, dtype=torch.float32, seed=3)
+    h = h * scale if scale else h
+    w = w if scale else torch.zeros_like(w)
+    pair, results = _TwoShards(), [None, None]
+
+    def shard(rank: int) -> None:
+        hr = h.clone().requires_grad_(True)
+        wr = w[rank * 30 : (rank + 1) * 30].clone().requires_grad_(True)
+        lp, ent = chunked_logprobs(hr, ids, project=None, weight=wr, temperature=temperature, chunk=7,
+                                   with_entropy=with_entropy, entropy_grad=with_entropy,
+                                   shard=VocabShard(rank * 30, vocab, pair.reducer(rank)))
+        loss = (lp * loss_w).sum() + (ent.sum() if with_entropy else 0.0)
+        loss.backward()
+        results[rank] = (lp.detach(), None if ent is None else ent.detach(), hr.grad, wr.grad)
+
+    threads = [threading.Thread(target=shard, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(r is not None for r in results)
+    hd, wd = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    logp = torch.log_softmax(hd @ wd.t() / temperature, -1)
+    ref_lp, ref_ent = logp.gather(-1, ids[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    ((ref_lp * loss_w.double()).sum() + (ref_ent.sum() if with_entropy else 0.0)).backward()
+    for rank, (lp, ent, h_grad, w_grad) in enumerate(results):
+        assert torch.allclose(lp.double(), ref_lp, rtol=1e-5, atol=1e-5), (rank, (lp - ref_lp).abs().max())
+        if with_entropy:
+            assert not ent.isnan().any() and torch.allclose(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(h_grad.double(), hd.grad, rtol=1e-4, atol=1e-5 * max(1.0, scale))
+        assert torch.allclose(w_grad.double(), wd.grad[rank * 30 : (rank + 1) * 30], rtol=1e-4,
+                              atol=1e-5 * max(1.0, scale))
+    if not scale:
+        assert torch.allclose(results[0][0].double(), torch.full((23,), -torch.log(torch.tensor(60.0)).item(),
+                                                                 dtype=torch.float64))

@@ -179,3 +179,19 @@ def test_backend_refuses_context_parallel_before_any_process_group():
     with pytest.raises(UserError, match="context_parallel_size=2 cannot train"):
         init_parallel_state(cfg, 2, torch.device("cpu"))
     assert not torch.distributed.is_initialized()
+
+
+def test_a_group_over_the_whole_mesh_never_gathers_the_vocabulary():
+    """fsdp2 with the sequence-parallel group as the whole mesh (4 processes, sp 4) keeps the embedding and output
+    layer as shards (`models.vocab_parallel`): the gathered root is the final norm alone, and the transient gradients
+    add the rows' float32 gradient (a quarter of the vocabulary's parameters); at data parallel 2 (the preset's 8
+    processes) they are gathered as before."""
+    four = ["distributed.num_processes=4", "train.prompts_per_step=4"]
+    whole = memory_plan(build_config(PRESET, overrides=four), 80 * GIB)
+    split = memory_plan(build_config(PRESET, overrides=[*four, "distributed.sequence_parallel.size=2"]), 80 * GIB)
+    shape = model_shape(build_config(PRESET).model.name_or_path)
+    vocabulary = shape.root_params - shape.hidden
+    assert vocabulary == 151_936 * 4096 * 2  # Qwen3-8B: untied
+    assert split["weights_gathered"] - whole["weights_gathered"] == pytest.approx(vocabulary * 2)
+    layer = shape.layer_params
+    assert whole["gradients_transient"] == pytest.approx(shape.hidden * 2 + layer * (2 + 4) + vocabulary / 4 * 4)

@@ -5,7 +5,9 @@ sequence, the logprobs, entropy, loss and gradients of one micro-batch whole (on
 collective) and cut across the 2 ranks (`models.sequence_logprobs`), and writes the largest differences. Then one
 optimizer step's reduced gradients through the ddp and fsdp2 backends at sequence_parallel.size=2 (ddp with
 Ulysses, fsdp2 with ring; token-budget micro-batches, the ranks' batches gathered, KL to the reference) against the
-whole batch's, the no-grad passes' logprobs (policy, reference), and a step where one shard predicts no token.
+whole batch's, the no-grad passes' logprobs (policy, reference), and a step where one shard predicts no token; fsdp2
+(the group is the whole mesh) runs its embedding and output layer vocabulary-parallel (`models.vocab_parallel`),
+untied (llama) and tied (qwen3), and once after a plain forward that left their unit gathered.
 
 Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python sequence_parallel_worker.py LLAMA OUT` (LLAMA:
 the tiny Llama checkpoint, untied output layer, which the backend steps train)."""
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from grpo_cli.config.load import build_config
 from grpo_cli.models.logprobs import completion_logprobs_entropy
 from grpo_cli.models.sequence_attention import SequenceShard
+from grpo_cli.models import sequence_logprobs
 from grpo_cli.models.sequence_logprobs import sharded_logprobs_entropy
 from grpo_cli.models.tiny import build_tiny_checkpoint
 from grpo_cli.runtime.dist import init_from_env, shutdown
@@ -148,10 +151,12 @@ def short_batch(seed: int, vocab: int) -> TrainBatch:
 
 
 def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_batch, rows: str = "",
-                 group: int = G) -> dict:
+                 group: int = G, gathered: bool = False) -> dict:
     """One step's reduced gradients at sequence_parallel.size=2 (each rank's own batch gathered; budgeted
     micro-batches, or `rows` per micro-batch) against the whole gathered batch's gradient computed in this process
-    alone; and the no-grad logprobs of the policy and the KL reference (`batch_logprobs`, old/ref passes)."""
+    alone; and the no-grad logprobs of the policy and the KL reference (`batch_logprobs`, old/ref passes).
+    `gathered` (fsdp2): before the step, a plain forward of the whole batch (the model called as it is, not cut)
+    leaves the vocabulary unit gathered, so the step's first micro-batch takes the whole-weight path."""
     from grpo_cli.train.policy import load_policy
     from grpo_cli.train.step import optimizer_step
 
@@ -175,10 +180,29 @@ def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_bat
         return step()
 
     run.clip_and_step = clip_and_step
+    calls = {"_vocab_parallel": 0, "_own_positions": 0}
+    paths = {name: getattr(sequence_logprobs, name) for name in calls}
+
+    def counted(name):
+        def call(*args, **kw):
+            calls[name] += 1
+            return paths[name](*args, **kw)
+        return call
+
+    for name in calls:
+        setattr(sequence_logprobs, name, counted(name))
     passes = [run.batch_logprobs(whole, micro_batch_size=cfg.train.micro_batch_size, temperature=1.0, reference=r)
               for r in (False, True)]
+    plain = None
+    if gathered:
+        with torch.no_grad():
+            plain = completion_logprobs_entropy(policy.module, whole.input_ids, whole.attention_mask,
+                                                logits_to_keep=T, temperature=1.0, entropy_grad=False)[0]
     num_items = float(whole.completion_mask.sum())
     optimizer_step(policy, whole, cfg, num_items=num_items, num_sequences=len(whole))
+    for name, path in paths.items():
+        setattr(sequence_logprobs, name, path)
+    embedding = policy.module.get_input_embeddings().weight
     model = load(ckpt, lora=False)
     lp, _, _, graph = loss_and_grads(model, whole, build_config(overrides=KL_DAPO), lambda m, b: (
         completion_logprobs_entropy(m, b.input_ids, b.attention_mask, logits_to_keep=T, temperature=1.0,
@@ -192,7 +216,9 @@ def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_bat
     widened = float((mine[:, :steps] - alone).abs().max() + mine[:, steps:].abs().sum())
     return {"rows": len(whole), "grads": max(float((ref[n] - grads[n]).abs().max()) for n in ref),
             "names": sorted(ref) == sorted(grads), "logprobs": max(float((lp - got).abs().max()) for got in passes),
-            "widened": widened}
+            "widened": widened, "paths": calls, "plain": None if plain is None else float((plain - lp).abs().max()),
+            "embedding_sharded": hasattr(embedding, "placements"),
+            "tied": policy.module.get_output_embeddings().weight is embedding}
 
 
 def main(llama: str, out: str) -> None:
@@ -201,7 +227,7 @@ def main(llama: str, out: str) -> None:
     ckpt = str(build_tiny_checkpoint(Path(out) / f"qwen3-{info.rank}", arch="qwen3", seed=3))
     group = dist.new_group([0, 1])
     res: dict = {}
-    from grpo_cli.models import ring_attention, sequence_attention, sequence_logprobs
+    from grpo_cli.models import ring_attention, sequence_attention
 
     ring_attention.SCORES = 2 * 23 * 5  # ring's query chunks of 5 rows (2 heads x 23 keys): several per block
     layout_pays = sequence_logprobs.layout_pays
@@ -218,6 +244,8 @@ def main(llama: str, out: str) -> None:
     ring_attention.FUSED = True
     for backend, style in (("ddp", "ulysses"), ("fsdp2", "ring")):  # llama: untied head, K/V heads split by Ulysses
         res[f"backend/{backend}"] = backend_step(llama, backend, style, info, batch_of=uneven_batch)
+    res["backend/fsdp2-tied"] = backend_step(ckpt, "fsdp2", "ulysses", info, batch_of=uneven_batch)  # qwen3: tied
+    res["backend/fsdp2-gathered"] = backend_step(ckpt, "fsdp2", "ring", info, batch_of=uneven_batch, gathered=True)
     res["backend/ddp-empty-shard"] = backend_step(llama, "ddp", "ulysses", info, batch_of=short_batch, rows="2",
                                                   group=2)
     (Path(out) / f"rank{info.rank}.json").write_text(json.dumps(res))

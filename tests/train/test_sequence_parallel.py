@@ -4,7 +4,8 @@ Ulysses (each inner attention: the packed layout, causal query chunks, plain cau
 flash-attention blocks, and the hand-written ones CUDA runs), grpo (with KL), dapo (with an entropy bonus), gspo,
 cispo and LoRA, on a packed row of two prompt groups whose length is odd and on one sequence; and one optimizer step through ddp and fsdp2 (the ranks' batches gathered, token-budget micro-batches, KL
 to the reference) reduces the whole batch's gradient, and the no-grad passes (old policy, reference) give the whole
-batch's logprobs."""
+batch's logprobs; under fsdp2 through the vocabulary-parallel embedding and output layer (untied and tied), and
+after a plain forward that gathered them."""
 
 from __future__ import annotations
 
@@ -32,13 +33,30 @@ def test_sharded_micro_batch_equals_the_whole(ranks, style, case):
         assert got["grads"] < TOL, got
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "fsdp2-tied"])
 def test_backend_step_reduces_the_whole_batch_gradient(ranks, backend):
+    """fsdp2 (the group is the whole mesh) runs its embedding and output layer vocabulary-parallel: every pass
+    (the no-grad passes and the step's budgeted micro-batches) goes through it, and the shard is never gathered."""
     for rank in ranks:
         got = rank[f"backend/{backend}"]
         assert got["rows"] == 9 and got["names"]  # rank 0's 6 rows and rank 1's 3, gathered
         assert got["grads"] < TOL and got["logprobs"] < TOL, got
         assert got["widened"] < TOL, got  # a rank's rows, widened by the gather, keep their own logprobs
+        vocab, own = got["paths"]["_vocab_parallel"], got["paths"]["_own_positions"]
+        assert (own if backend == "ddp" else vocab) >= 4 and (vocab if backend == "ddp" else own) == 0, got
+        assert got["embedding_sharded"] == (backend != "ddp") and got["tied"] == (backend == "fsdp2-tied")
+
+
+def test_fsdp2_step_after_a_plain_forward(ranks):
+    """A plain forward of the fsdp2 policy (the model called whole, not cut) gathers the vocabulary unit like any
+    FSDP2 unit, tied output layer included, and gives the whole batch's logprobs; the step's first micro-batch then
+    runs on the gathered weight (the whole-weight path), FSDP2 reshards the unit after its backward, and the next
+    micro-batches run vocabulary-parallel: the reduced gradient is still the whole batch's."""
+    for rank in ranks:
+        got = rank["backend/fsdp2-gathered"]
+        assert got["plain"] < TOL and got["grads"] < TOL and got["logprobs"] < TOL, got
+        assert got["paths"]["_own_positions"] >= 1 and got["paths"]["_vocab_parallel"] >= 1, got
+        assert got["tied"] and got["embedding_sharded"]
 
 
 def test_a_shard_that_predicts_no_token(ranks):

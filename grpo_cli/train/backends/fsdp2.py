@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.runtime.accel import is_cuda
-from grpo_cli.config.hsdp import mesh_shape
+from grpo_cli.config.hsdp import mesh_shape, vocab_parallel
 from grpo_cli.runtime.dist import ensure_process_group
 from grpo_cli.train.backends.base import TrainingBackend, compute_dtype, make_adamw, make_scheduler, master_dtype
 from grpo_cli.train.backends.activations import enable_checkpointing
@@ -38,6 +38,15 @@ def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
         raise RuntimeError(f"{type(module).__name__} names no decoder layer class (_no_split_modules); fsdp2 "
                            "needs one to shard layer by layer.")
     return layers
+
+
+def vocabulary_unit(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The input embedding and the output layer (once when tied: one parameter, two modules), as one `fully_shard`
+    group: FSDP2 gathers their weights together when the model calls either (and keeps them, for a tied output layer
+    that runs after the embedding), and the sequence-parallel forward, which calls neither, uses each rank's shard as
+    its vocabulary rows (`models.vocab_parallel`)."""
+    head = module.get_output_embeddings()
+    return [module.get_input_embeddings()] + ([head] if isinstance(head, torch.nn.Module) else [])
 
 
 def build_on_meta(cfg, model_path: str, *, dtype: torch.dtype) -> torch.nn.Module:
@@ -173,6 +182,8 @@ class FSDP2Backend(TrainingBackend):
         policies = self._policies()
         for layer in decoder_layers(module):
             fully_shard(layer, **policies)
+        if vocab_parallel(cfg):  # the sequence-parallel forward uses each rank's rows (models.vocab_parallel)
+            fully_shard(vocabulary_unit(module), reshard_after_forward=False, **policies)
         fully_shard(module, **policies)
         materialize(module, self.device,
                     params_on=torch.device("cpu") if cfg.distributed.fsdp2.cpu_offload else self.device)
@@ -200,12 +211,15 @@ class FSDP2Backend(TrainingBackend):
         A no-grad pass has none, and the KL reference and the teacher never run one: without this they held those
         matrices whole on every rank for the rest of the run (2.2 GB in bf16 for Qwen2.5-7B's untied 152K × 3,584
         pair). The training forward gathers the policy's again. Local: no collective."""
+        from torch.distributed.fsdp import FSDPModule
+
         try:
             return super().batch_logprobs(batch, **options)
         finally:
             for model in (self.model, self.ref_model, self.teacher_model):
-                if model is not None:
-                    model.reshard()
+                for unit in () if model is None else model.modules():
+                    if isinstance(unit, FSDPModule):  # the root, and the vocabulary unit (`vocabulary_unit`)
+                        unit.reshard()
 
     def accumulation_context(self, *, last: bool):
         """Reduce-scatter every micro-batch's gradients at once (each rank keeps only its shard, accumulated in
