@@ -43,6 +43,8 @@ VARIANTS = {
                       "--set", "algorithm.distill={teacher: 'builtin:tiny', coef: 0.5}"],
     "fsdp2-lora": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set",
                    "distributed.backend=fsdp2", "--set", "model.lora={modules_to_save: [lm_head]}"],
+    "fsdp2-sp2": ["--preset", "tiny-cpu-vllm", "--set", "distributed.num_processes=2", "--set",
+                  "distributed.backend=fsdp2", "--set", "distributed.sequence_parallel.size=2"],
 }
 
 
@@ -95,9 +97,9 @@ def _signal_tree(pid: int, sig: int) -> None:
 CASES = [("tiny-cpu", signal.SIGKILL), ("tiny-cpu", signal.SIGINT), ("tiny-cpu", signal.SIGHUP),
          ("tiny-cpu-async", signal.SIGKILL), ("tiny-cpu-async", signal.SIGINT),
          ("fsdp2", signal.SIGKILL), ("zero3", signal.SIGKILL), ("megatron", signal.SIGKILL),
-         ("tiny-cpu-lora", signal.SIGKILL), ("fsdp2-lora", signal.SIGKILL)]
+         ("tiny-cpu-lora", signal.SIGKILL), ("fsdp2-lora", signal.SIGKILL), ("fsdp2-sp2", signal.SIGKILL)]
 EXTENDED = {("tiny-cpu-async", signal.SIGINT), ("fsdp2", signal.SIGKILL), ("megatron", signal.SIGKILL),
-            ("tiny-cpu", signal.SIGHUP)}
+            ("tiny-cpu", signal.SIGHUP), ("fsdp2-sp2", signal.SIGKILL)}
 """Left out of the default run (CI time; `pytest -m extended`): SIGINT's save path runs in sync mode, async resume
 under SIGKILL, and fsdp2's sharded resume in the fsdp2-lora case. SIGHUP (19 s): it sets the same stop request as
 SIGINT (tests/train/test_signals.py: SIGHUP is a stop request, said as the terminal closing, kept ignored under
@@ -105,7 +107,9 @@ nohup), whose stop → save → exit 0 → resume path, train.log line included,
 Megatron (58 s): `grpo train` resuming from its dist_checkpointing shards, the hf engine re-synced from them, bit for
 bit, runs in
 tests/train/test_megatron_run.py::test_resumed_run_equals_the_uninterrupted_one, `save_state`/`load_state` in every
-layout in tests/train/test_megatron.py, and the SIGKILL of a 2-process launch tree in the zero3 and fsdp2-lora cases."""
+layout in tests/train/test_megatron.py, and the SIGKILL of a 2-process launch tree in the zero3 and fsdp2-lora cases.
+fsdp2 at sequence parallel 2 (its embedding and output layer in a unit of their own, trained vocabulary-parallel):
+the same DCP shards and names, the step checked against the whole batch's in tests/train/test_sequence_parallel.py."""
 
 
 @pytest.fixture(scope="module")
