@@ -23,14 +23,14 @@ def shard_ranks(cfg: GRPOConfig) -> int:
     return mesh_shape(cfg)[1]
 
 
-def vocab_parallel(cfg: GRPOConfig) -> bool:
+def vocab_parallel(cfg: GRPOConfig, size: int | None = None) -> bool:
     """Whether fsdp2 shards the input embedding and output layer as a unit of their own that the sequence-parallel
-    forward never gathers (`models.vocab_parallel`): `distributed.sequence_parallel.size` > 1 over the whole mesh (the
-    shard group is the sequence-parallel group: data parallel 1, no HSDP), shards on the training device (not
-    `fsdp2.cpu_offload`)."""
+    forward never gathers (`models.vocab_parallel`): `distributed.sequence_parallel.size` (or `size`, a split
+    `grpo plan` weighs) > 1 over the whole mesh (the shard group is the sequence-parallel group: data parallel 1, no
+    HSDP), shards on the training device (not `fsdp2.cpu_offload`)."""
     d = cfg.distributed
     replicas, shard = mesh_shape(cfg)
-    size = d.sequence_parallel.size
+    size = size or d.sequence_parallel.size
     return d.backend == "fsdp2" and size > 1 and replicas == 1 and shard == size and not d.fsdp2.cpu_offload
 
 

@@ -157,8 +157,10 @@ def _vocab_parallel(model, cut: _Cut, slots, embedding: VocabRows, rows: VocabRo
     """`sharded_stats` on vocabulary-parallel weights (`vocab_parallel`): this rank's embeddings from its rows of the
     embedding (the model gets `inputs_embeds`), and in the output layer's place a `DetachedHead` that gathers the
     group's hidden states at every position predicting a completion token and projects them onto this rank's rows
-    (`chunked_logprobs` with a `VocabShard`): every rank computes the whole (B, T, k), no sum afterwards. With no
-    completion token in the micro-batch, every rank projects its first position (target 0) and the result is 0."""
+    (`chunked_logprobs` with a `VocabShard`): every rank computes the whole (B, T, k), no sum afterwards. A chunk
+    holds as many positions as the whole vocabulary's would (`chunk_rows(V)`), so each rank's (n, V/size) logits
+    buffers are 1/size of the unsharded head's. With no completion token in the micro-batch, every rank projects its
+    first position (target 0) and the result is 0."""
     from grpo_cli.algo.chunk_size import chunk_rows
     from grpo_cli.algo.chunked_logprobs import VocabShard, chunked_logprobs
     from grpo_cli.models.vocab_parallel import DetachedHead, embed_positions, gather_rows, group_reduce, swapped
@@ -178,7 +180,7 @@ def _vocab_parallel(model, cut: _Cut, slots, embedding: VocabRows, rows: VocabRo
         every = gather_rows(mine, counts, shard)
         logprob, entropy = chunked_logprobs(
             every, targets.to(every.device), project=None, weight=rows.local, temperature=temperature,
-            chunk=chunk_rows(rows.local.shape[0], device=every.device.type), with_entropy=with_entropy,
+            chunk=chunk_rows(rows.vocab, device=every.device.type), with_entropy=with_entropy,
             entropy_grad=entropy_grad, shard=vocab_shard)
         return torch.stack([logprob] if entropy is None else [logprob, entropy], dim=-1)[None]
 

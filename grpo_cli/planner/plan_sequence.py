@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grpo_cli.algo.chunk_size import chunk_bytes
+from grpo_cli.config.hsdp import vocab_parallel
 from grpo_cli.config.model_shape import QWEN_VOCAB, model_shape
 from grpo_cli.planner.plan_megatron import megatron_activation_bytes
 from grpo_cli.planner.plan_tokens import GRANULE, activation_bytes_per_position, micro_batch_positions
@@ -41,7 +42,8 @@ def sharded_rows(cfg: GRPOConfig, shape: ModelShape, plan: dict[str, int], *, de
     over `shards` ranks (default: the config's), for sequences of `length` positions (default: the longest of the
     config). Off megatron a micro-batch holds the token budget's positions (the budget is per sequence-parallel
     group; for a given `length`, one packed sequence of it), else `micro_batch_size` rows padded to the length; each rank keeps 1/shards of them (rounded up), so the
-    activations and the positions of a logits chunk divide by `shards`. On megatron the per-layer activations of
+    activations and the positions of a logits chunk divide by `shards` (under fsdp2's vocabulary-parallel head,
+    `config.hsdp.vocab_parallel`, its columns do: every position, V/shards columns). On megatron the per-layer activations of
     `plan_megatron.megatron_activation_bytes` divide by cp (queries split, keys whole: the s² scores too), and the
     head chunk holds at most s·b/cp positions."""
     n = shards or sequence_shards(cfg)
@@ -59,8 +61,12 @@ def sharded_rows(cfg: GRPOConfig, shape: ModelShape, plan: dict[str, int], *, de
     else:
         positions = s if budget else cfg.train.micro_batch_size * s  # a budget set to that one packed sequence
     mine = _per_rank(positions, n)
-    return {"activations": mine * activation_bytes_per_position(cfg, shape),
-            "head_chunk": chunk_bytes(shape.vocab or QWEN_VOCAB, mine, device=device)}
+    vocab = shape.vocab or QWEN_VOCAB
+    if vocab_parallel(cfg, n):  # every position of the group, V/n columns (`models.vocab_parallel`)
+        head = chunk_bytes(vocab, positions, device=device, shards=n)
+    else:
+        head = chunk_bytes(vocab, mine, device=device)
+    return {"activations": mine * activation_bytes_per_position(cfg, shape), "head_chunk": head}
 
 
 def _refusal(cfg: GRPOConfig, shape: ModelShape, n: int) -> str | None:

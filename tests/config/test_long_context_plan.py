@@ -195,3 +195,16 @@ def test_a_group_over_the_whole_mesh_never_gathers_the_vocabulary():
     assert split["weights_gathered"] - whole["weights_gathered"] == pytest.approx(vocabulary * 2)
     layer = shape.layer_params
     assert whole["gradients_transient"] == pytest.approx(shape.hidden * 2 + layer * (2 + 4) + vocabulary / 4 * 4)
+
+
+def test_the_vocabulary_parallel_head_chunk_divides_its_columns():
+    """Under the vocabulary-parallel head every rank projects every position of the group onto V/sp columns, a
+    chunk holding the whole vocabulary's rows (`models.sequence_logprobs._vocab_parallel`): the plan's head chunk is
+    1/sp of the unsharded one once the micro-batch fills a chunk."""
+    four = ["distributed.num_processes=4", "train.prompts_per_step=4"]
+    sp4 = build_config(PRESET, overrides=four)
+    sp1 = build_config(PRESET, overrides=[*four, "distributed.sequence_parallel.size=1"])
+    vocab = model_shape(sp4.model.name_or_path).vocab
+    rows = chunk_bytes(vocab, 1 << 30, device="cuda") // (vocab * 4 * 3)  # positions per chunk: 1,766
+    assert memory_plan(sp4, 80 * GIB)["head_chunk"] == rows * (-(-vocab // 4)) * 4 * 3
+    assert memory_plan(sp1, 80 * GIB)["head_chunk"] == chunk_bytes(vocab, 1 << 30, device="cuda") == rows * vocab * 12

@@ -7,7 +7,7 @@ optimizer step's reduced gradients through the ddp and fsdp2 backends at sequenc
 Ulysses, fsdp2 with ring; token-budget micro-batches, the ranks' batches gathered, KL to the reference) against the
 whole batch's, the no-grad passes' logprobs (policy, reference), and a step where one shard predicts no token; fsdp2
 (the group is the whole mesh) runs its embedding and output layer vocabulary-parallel (`models.vocab_parallel`),
-untied (llama) and tied (qwen3), and once after a plain forward that left their unit gathered.
+untied (llama) and tied (qwen3), once after a plain forward that left their unit gathered, and under bf16 compute.
 
 Run as `RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python sequence_parallel_worker.py LLAMA OUT` (LLAMA:
 the tiny Llama checkpoint, untied output layer, which the backend steps train)."""
@@ -151,12 +151,13 @@ def short_batch(seed: int, vocab: int) -> TrainBatch:
 
 
 def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_batch, rows: str = "",
-                 group: int = G, gathered: bool = False) -> dict:
+                 group: int = G, gathered: bool = False, dtype: str = "float32") -> dict:
     """One step's reduced gradients at sequence_parallel.size=2 (each rank's own batch gathered; budgeted
     micro-batches, or `rows` per micro-batch) against the whole gathered batch's gradient computed in this process
     alone; and the no-grad logprobs of the policy and the KL reference (`batch_logprobs`, old/ref passes).
     `gathered` (fsdp2): before the step, a plain forward of the whole batch (the model called as it is, not cut)
-    leaves the vocabulary unit gathered, so the step's first micro-batch takes the whole-weight path."""
+    leaves the vocabulary unit gathered, so the step's first micro-batch takes the whole-weight path. `dtype`:
+    `model.dtype` (bfloat16: FSDP2's mixed precision, float32 masters; the vocabulary rows are cast to it)."""
     from grpo_cli.train.policy import load_policy
     from grpo_cli.train.step import optimizer_step
 
@@ -166,7 +167,7 @@ def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_bat
         "distributed.num_processes=2", "distributed.sequence_parallel.size=2", *micro,
         "train.prompts_per_step=2", f"train.generations_per_prompt={group}", *KL_DAPO,
         f"distributed.sequence_parallel.style={style}",
-        "data.max_prompt_length=5", f"rollout.max_completion_length={T}"])
+        "data.max_prompt_length=5", f"rollout.max_completion_length={T}", f"model.dtype={dtype}"])
     policy = load_policy(cfg, ckpt, device=torch.device("cpu"), info=info)
     run = policy.backend
     own = batch_of(info.rank, policy.module.config.vocab_size)
@@ -182,10 +183,13 @@ def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_bat
     run.clip_and_step = clip_and_step
     calls = {"_vocab_parallel": 0, "_own_positions": 0}
     paths = {name: getattr(sequence_logprobs, name) for name in calls}
+    rows_dtypes = set()
 
     def counted(name):
         def call(*args, **kw):
             calls[name] += 1
+            if name == "_vocab_parallel":  # (model, cut, slots, embedding rows, output rows, shard)
+                rows_dtypes.update({str(args[3].local.dtype), str(args[4].local.dtype)})
             return paths[name](*args, **kw)
         return call
 
@@ -198,6 +202,7 @@ def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_bat
         with torch.no_grad():
             plain = completion_logprobs_entropy(policy.module, whole.input_ids, whole.attention_mask,
                                                 logits_to_keep=T, temperature=1.0, entropy_grad=False)[0]
+    before_step = dict(calls)
     num_items = float(whole.completion_mask.sum())
     optimizer_step(policy, whole, cfg, num_items=num_items, num_sequences=len(whole))
     for name, path in paths.items():
@@ -216,7 +221,7 @@ def backend_step(ckpt: str, backend: str, style: str, info, *, batch_of=make_bat
     widened = float((mine[:, :steps] - alone).abs().max() + mine[:, steps:].abs().sum())
     return {"rows": len(whole), "grads": max(float((ref[n] - grads[n]).abs().max()) for n in ref),
             "names": sorted(ref) == sorted(grads), "logprobs": max(float((lp - got).abs().max()) for got in passes),
-            "widened": widened, "paths": calls, "plain": None if plain is None else float((plain - lp).abs().max()),
+            "widened": widened, "paths": calls, "step_paths": {k: v - before_step[k] for k, v in calls.items()}, "rows_dtypes": sorted(rows_dtypes), "plain": None if plain is None else float((plain - lp).abs().max()),
             "embedding_sharded": hasattr(embedding, "placements"),
             "tied": policy.module.get_output_embeddings().weight is embedding}
 
@@ -246,8 +251,10 @@ def main(llama: str, out: str) -> None:
         res[f"backend/{backend}"] = backend_step(llama, backend, style, info, batch_of=uneven_batch)
     res["backend/fsdp2-tied"] = backend_step(ckpt, "fsdp2", "ulysses", info, batch_of=uneven_batch)  # qwen3: tied
     res["backend/fsdp2-gathered"] = backend_step(ckpt, "fsdp2", "ring", info, batch_of=uneven_batch, gathered=True)
-    res["backend/ddp-empty-shard"] = backend_step(llama, "ddp", "ulysses", info, batch_of=short_batch, rows="2",
-                                                  group=2)
+    res["backend/fsdp2-bf16"] = backend_step(ckpt, "fsdp2", "ulysses", info, batch_of=uneven_batch, dtype="bfloat16")
+    for backend in ("ddp", "fsdp2"):
+        res[f"backend/{backend}-empty-shard"] = backend_step(llama, backend, "ulysses", info, batch_of=short_batch,
+                                                             rows="2", group=2)
     (Path(out) / f"rank{info.rank}.json").write_text(json.dumps(res))
     shutdown(info)
 
