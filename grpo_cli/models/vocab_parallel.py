@@ -22,6 +22,7 @@ gradients are the parameters' sharded `.grad` as they are, beside the reduce-sca
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -177,19 +178,14 @@ class DetachedHead(torch.nn.Module):
         return self.fn(hidden)
 
 
-class swapped:
-    """Context: `old` replaced by `new` in every parent module that holds it (restored on exit)."""
-
-    def __init__(self, root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:
-        self.slots = [(parent, name) for parent in root.modules() for name, child in parent._modules.items()
-                      if child is old]
-        self.old, self.new = old, new
-
-    def __enter__(self):
-        for parent, name in self.slots:
-            parent._modules[name] = self.new
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for parent, name in self.slots:
-            parent._modules[name] = self.old
+@contextlib.contextmanager
+def swapped(root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module):
+    """Context: `old` replaced by `new` in every parent module of `root` that holds it (restored on exit)."""
+    slots = [(parent, name) for parent in root.modules() for name, child in parent._modules.items() if child is old]
+    for parent, name in slots:
+        parent._modules[name] = new
+    try:
+        yield new
+    finally:
+        for parent, name in slots:
+            parent._modules[name] = old
