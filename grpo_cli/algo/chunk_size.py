@@ -39,9 +39,14 @@ def chunk_rows(vocab: int, *, device: str) -> int:
     return rows_per_chunk(vocab, chunk_elements(device))
 
 
-def chunk_bytes(vocab: int, positions: int, *, device: str, shards: int = 1) -> int:
+def chunk_bytes(vocab: int, positions: int, *, device: str) -> int:
     """Bytes of one chunk's float32 buffers (`CHUNK_BUFFERS` of them) for a micro-batch of `positions` positions
     over a vocabulary (or tensor-parallel shard) of `vocab` entries on a device of type `device`: `grpo plan`'s head
-    row. `shards` > 1: the sequence-parallel vocabulary-parallel head (`models.vocab_parallel`), whose chunk holds the
-    whole vocabulary's rows over ⌈vocab/shards⌉ columns."""
+    row."""
+    return split_chunk_bytes(vocab, positions, 1, device=device)
+
+
+def split_chunk_bytes(vocab: int, positions: int, shards: int, *, device: str) -> int:
+    """`chunk_bytes` of the sequence-parallel vocabulary-parallel head (`models.vocab_parallel`): a chunk holds the
+    whole vocabulary's rows, min(positions, `chunk_rows(vocab)`), over ⌈vocab/shards⌉ columns."""
     return min(positions, chunk_rows(vocab, device=device)) * -(-vocab // shards) * 4 * CHUNK_BUFFERS

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grpo_cli.algo.chunk_size import chunk_bytes
+from grpo_cli.algo.chunk_size import chunk_bytes, split_chunk_bytes
 from grpo_cli.config.hsdp import vocab_parallel
 from grpo_cli.config.model_shape import QWEN_VOCAB, model_shape
 from grpo_cli.planner.plan_megatron import megatron_activation_bytes
@@ -63,7 +63,7 @@ def sharded_rows(cfg: GRPOConfig, shape: ModelShape, plan: dict[str, int], *, de
     mine = _per_rank(positions, n)
     vocab = shape.vocab or QWEN_VOCAB
     if vocab_parallel(cfg, n):  # every position of the group, V/n columns (`models.vocab_parallel`)
-        head = chunk_bytes(vocab, positions, device=device, shards=n)
+        head = split_chunk_bytes(vocab, positions, n, device=device)
     else:
         head = chunk_bytes(vocab, mine, device=device)
     return {"activations": mine * activation_bytes_per_position(cfg, shape), "head_chunk": head}
