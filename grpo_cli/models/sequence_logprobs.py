@@ -170,13 +170,13 @@ def _vocab_parallel(model, cut: _Cut, slots, embedding: VocabRows, rows: VocabRo
     empty = sum(counts) == 0
     b, t = torch.cat([s[0] for s in slots]), torch.cat([s[1] for s in slots])
     at = slots[shard.rank][2]
-    keep, index = torch.unique(at.new_zeros(1) if empty or not at.numel() else at, return_inverse=True)
+    keep, index = torch.unique(at if at.numel() else at.new_zeros(1), return_inverse=True)
     targets = cut.targets[b, t] if not empty else cut.targets.new_zeros(shard.size)
     counts = [1] * shard.size if empty else counts
     vocab_shard = VocabShard(rows.start, rows.vocab, group_reduce(shard))
 
     def project(hidden: torch.Tensor) -> torch.Tensor:
-        mine = hidden[0, index] if counts[shard.rank] and not empty else hidden[0, : int(empty)]
+        mine = hidden[0, index[: counts[shard.rank]]]  # none when this shard predicts no token (its stand-in 0)
         every = gather_rows(mine, counts, shard)
         logprob, entropy = chunked_logprobs(
             every, targets.to(every.device), project=None, weight=rows.local, temperature=temperature,

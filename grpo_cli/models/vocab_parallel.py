@@ -23,6 +23,7 @@ gradients are the parameters' sharded `.grad` as they are, beside the reduce-sca
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +45,18 @@ class VocabRows:
 
 def _compute_dtype(module: torch.nn.Module, weight: Tensor) -> torch.dtype:
     """The dtype FSDP2 would have gathered `module`'s weight in (its `MixedPrecisionPolicy.param_dtype`), else the
-    weight's own."""
-    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-    policy = getattr(state, "_mp_policy", None)
-    return getattr(policy, "param_dtype", None) or weight.dtype
+    weight's own. No public API exposes a unit's policy: FSDPState keeps it as `_mp_policy` (its root forward casts
+    the inputs with it) in the releases pyproject.toml's floor admits, 2.6 to 2.13 here; a torch without it is an
+    error, not a silent float32 head."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return weight.dtype
+    policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+    if policy is None:
+        raise RuntimeError("this torch's FSDP2 keeps no `_mp_policy` on its state; models/vocab_parallel.py reads the "
+                           "compute dtype there and needs updating for it")
+    return policy.param_dtype or weight.dtype
 
 
 def vocab_rows(module: torch.nn.Module, shard: SequenceShard) -> VocabRows | None:
@@ -110,9 +119,7 @@ class _EmbedRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        local, mine = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
+        local, mine = ctx.saved_tensors  # called only when the rows need a gradient (the ids are integers)
         shard = ctx.shard
         own = grad.transpose(0, 1).contiguous()
         every = own.new_empty((own.shape[0] * shard.size, *own.shape[1:]))
@@ -158,12 +165,15 @@ def gather_rows(rows: Tensor, counts: list[int], shard: SequenceShard) -> Tensor
     return every[keep]
 
 
-def group_reduce(shard: SequenceShard):
-    """`VocabShard.all_reduce` over the group: x reduced in place, op "max" or "sum"."""
-    def reduce(tensor: Tensor, op: str) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=shard.group)
+def reduce_in(group, tensor: Tensor, op: str) -> None:
+    """`tensor` all-reduced in place over `group`, op "max" or "sum" (a `VocabShard.all_reduce`, with the group
+    bound: this module's sequence-parallel group, megatron's tensor-parallel one)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
 
-    return reduce
+
+def group_reduce(shard: SequenceShard):
+    """`VocabShard.all_reduce` over the sequence-parallel group (`reduce_in`)."""
+    return functools.partial(reduce_in, shard.group)
 
 
 class DetachedHead(torch.nn.Module):

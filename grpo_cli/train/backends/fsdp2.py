@@ -206,8 +206,9 @@ class FSDP2Backend(TrainingBackend):
         self.scheduler = make_scheduler(cfg, self.optimizer)
 
     def batch_logprobs(self, batch, **options) -> torch.Tensor:
-        """`TrainingBackend.batch_logprobs`, then every model reshards its root unit: FSDP2 keeps a root's parameters
-        (embedding, final norm, output layer) unsharded after its forward for the backward that follows in training.
+        """`TrainingBackend.batch_logprobs`, then every model reshards its units: FSDP2 keeps a root's parameters
+        (embedding, final norm, output layer) and the vocabulary unit's (`vocabulary_unit`, after a plain forward)
+        unsharded after their forward for the backward that follows in training.
         A no-grad pass has none, and the KL reference and the teacher never run one: without this they held those
         matrices whole on every rank for the rest of the run (2.2 GB in bf16 for Qwen2.5-7B's untied 152K × 3,584
         pair). The training forward gathers the policy's again. Local: no collective."""

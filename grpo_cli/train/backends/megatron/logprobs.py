@@ -17,6 +17,7 @@ from grpo_cli.algo.chunk_size import chunk_rows
 from grpo_cli.algo.chunked_logprobs import VocabShard, chunked_logprobs
 from grpo_cli.models.packing import completion_widths
 from grpo_cli.models.logprobs import ForwardStandIn
+from grpo_cli.models.vocab_parallel import reduce_in
 
 
 @dataclass
@@ -89,8 +90,7 @@ def _tensor_parallel_all_reduce(tensor: torch.Tensor, op: str) -> None:
     from megatron.core import parallel_state as mpu
 
     if mpu.get_tensor_model_parallel_world_size() > 1:
-        reduce = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
-        torch.distributed.all_reduce(tensor, op=reduce, group=mpu.get_tensor_model_parallel_group())
+        reduce_in(mpu.get_tensor_model_parallel_group(), tensor, op)
 
 
 class VocabParallelHead(ForwardStandIn):
